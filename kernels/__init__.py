@@ -1,0 +1,19 @@
+"""GPU kernels for lora_jax, installed as ``lora_jax.kernels``.
+
+Layers never import this package: they call ``lora_jax.ops``, which dispatches
+here on GPU and to the jnp references elsewhere.
+"""
+
+from lora_jax.kernels.shrink_expand import BlockSizes as BlockSizes
+from lora_jax.kernels.shrink_expand import lora_expand as lora_expand
+from lora_jax.kernels.shrink_expand import lora_expand_reference as lora_expand_reference
+from lora_jax.kernels.shrink_expand import lora_shrink as lora_shrink
+from lora_jax.kernels.shrink_expand import lora_shrink_reference as lora_shrink_reference
+
+__all__ = [
+    "BlockSizes",
+    "lora_expand",
+    "lora_expand_reference",
+    "lora_shrink",
+    "lora_shrink_reference",
+]

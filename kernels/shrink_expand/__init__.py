@@ -1,0 +1,25 @@
+"""Punica's two batched per-token adapter ops: shrink (x @ A.T) and expand (y += h @ B.T).
+
+One folder per op, Tokamax style: ``reference.py`` is the jnp oracle,
+``pallas_triton.py`` the Pallas Triton backend, ``block_sizes.py`` the tile
+config and its H200 tuning table, ``work_list.py`` the (slot, token block)
+schedule shared by backends, and ``api.py`` the jitted public functions.
+"""
+
+from lora_jax.kernels.shrink_expand.api import lora_expand as lora_expand
+from lora_jax.kernels.shrink_expand.api import lora_shrink as lora_shrink
+from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes as BlockSizes
+from lora_jax.kernels.shrink_expand.reference import (
+    lora_expand_reference as lora_expand_reference,
+)
+from lora_jax.kernels.shrink_expand.reference import (
+    lora_shrink_reference as lora_shrink_reference,
+)
+
+__all__ = [
+    "BlockSizes",
+    "lora_expand",
+    "lora_expand_reference",
+    "lora_shrink",
+    "lora_shrink_reference",
+]

@@ -1,0 +1,177 @@
+"""Public, jitted shrink/expand: argument checks, tile choice, then the backend.
+
+Example::
+
+    from lora_jax.kernels import lora_shrink, lora_expand
+    h = lora_shrink(x, (lora_a,), **meta, scale=0.5)                  # f32 [1, T, R]
+    y = lora_expand(y, h, (lora_b,), offsets=(0,), **meta)            # [T, N]
+
+where ``meta`` holds ``token_lora_indices``, ``sorted_token_ids``,
+``slot_token_counts``, ``slot_token_starts``, ``active_slots`` and
+``num_active`` as built by ``lora_jax.mapping``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from lora_jax.kernels.shrink_expand import pallas_triton
+from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
+from lora_jax.kernels.shrink_expand.work_list import build_work_list
+
+_FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _check_float(name: str, arr) -> None:
+    if arr.dtype not in _FLOATS:
+        raise ValueError(f"{name} has dtype {arr.dtype}; expected bfloat16, float16 or float32.")
+
+
+def _check_meta(num_tokens: int, max_loras: int, token_lora_indices, sorted_token_ids,
+                slot_token_counts, slot_token_starts, slot_ranks, num_slices: int, rank: int):
+    for name, arr, shape in (
+        ("token_lora_indices", token_lora_indices, (num_tokens,)),
+        ("sorted_token_ids", sorted_token_ids, (num_tokens,)),
+        ("slot_token_counts", slot_token_counts, (max_loras,)),
+        ("slot_token_starts", slot_token_starts, (max_loras,)),
+    ):
+        if tuple(arr.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(arr.shape)}; expected {shape}.")
+    if slot_ranks is not None and tuple(slot_ranks.shape) != (num_slices, max_loras):
+        raise ValueError(
+            f"slot_ranks has shape {tuple(slot_ranks.shape)}; expected "
+            f"(num_slices, max_loras) = {(num_slices, max_loras)} with values <= {rank}."
+        )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret"))
+def lora_shrink(
+    x: jax.Array,
+    lora_a: Sequence[jax.Array],
+    *,
+    token_lora_indices: jax.Array,
+    sorted_token_ids: jax.Array,
+    slot_token_counts: jax.Array,
+    slot_token_starts: jax.Array,
+    active_slots: jax.Array,
+    num_active: jax.Array,
+    scale: float = 1.0,
+    slot_ranks: jax.Array | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``out[s, t] = scale * x[t] @ lora_a[s][idx[t]].T``, f32 [S, T, R], one launch.
+
+    x: [T, H]; lora_a: tuple of S arrays [max_loras, R, H]. Rows whose token
+    has idx -1 are exactly 0, and so are rank columns past ``slot_ranks``.
+
+    Example::
+
+        h = lora_shrink(x, (a_q, a_k, a_v), **meta)  # [3, T, R]
+    """
+    del active_slots, num_active  # the work list covers the same information
+    lora_a = tuple(lora_a)
+    if x.ndim != 2:
+        raise ValueError(f"lora_shrink: x has shape {x.shape}; expected [T, H].")
+    if not lora_a:
+        raise ValueError("lora_shrink: lora_a is empty; expected a tuple of [L, R, H] arrays.")
+    num_tokens, hidden = x.shape
+    _check_float("x", x)
+    for s, a in enumerate(lora_a):
+        _check_float(f"lora_a[{s}]", a)
+        if a.ndim != 3 or a.shape != lora_a[0].shape or a.shape[2] != hidden:
+            raise ValueError(
+                f"lora_shrink: lora_a[{s}] has shape {a.shape}; every slice must be "
+                f"[max_loras, R, H={hidden}] with one shape {lora_a[0].shape}."
+            )
+    max_loras, rank, _ = lora_a[0].shape
+    _check_meta(num_tokens, max_loras, token_lora_indices, sorted_token_ids, slot_token_counts,
+                slot_token_starts, slot_ranks, len(lora_a), rank)
+    if block_sizes is None:
+        block_sizes = BlockSizes.get_default("shrink", num_tokens=num_tokens, hidden=hidden,
+                                             rank=rank)
+    tab = build_work_list(slot_token_counts, slot_token_starts, num_tokens=num_tokens,
+                          block_m=block_sizes.block_m)
+    return pallas_triton.shrink(
+        x, lora_a, tab, sorted_token_ids.astype(jnp.int32),
+        None if slot_ranks is None else slot_ranks.astype(jnp.int32),
+        scale=float(scale), bs=block_sizes, interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("offsets", "block_sizes", "interpret"))
+def lora_expand(
+    y: jax.Array,
+    h: jax.Array,
+    lora_b: Sequence[jax.Array],
+    *,
+    offsets: Sequence[int],
+    token_lora_indices: jax.Array,
+    sorted_token_ids: jax.Array,
+    slot_token_counts: jax.Array,
+    slot_token_starts: jax.Array,
+    active_slots: jax.Array,
+    num_active: jax.Array,
+    slot_ranks: jax.Array | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``y[t, off_s:off_s+n_s] += h[s, t] @ lora_b[s][idx[t]].T``, all slices in one launch.
+
+    y: [T, N] (its dtype is the output's); h: [S, T, R] float; lora_b: tuple of
+    S arrays [max_loras, n_s, R]; offsets: static column offset of each slice.
+    Sums are formed in f32 and cast once; rows with idx -1 are returned
+    bit-identical. Donate ``y`` under an outer jit to update it in place.
+
+    Example::
+
+        y = lora_expand(y, h, (b_q, b_k, b_v), offsets=(0, 4096, 5120), **meta)
+    """
+    del active_slots, num_active
+    lora_b = tuple(lora_b)
+    offsets = tuple(int(o) for o in offsets)
+    if y.ndim != 2:
+        raise ValueError(f"lora_expand: y has shape {y.shape}; expected [T, N].")
+    num_tokens, width = y.shape
+    if len(offsets) != len(lora_b) or not lora_b:
+        raise ValueError(
+            f"lora_expand: {len(lora_b)} lora_b slices but {len(offsets)} offsets; "
+            "expected one offset per slice and at least one slice."
+        )
+    _check_float("y", y)
+    _check_float("h", h)
+    rank = lora_b[0].shape[-1]
+    max_loras = lora_b[0].shape[0]
+    if h.shape != (len(lora_b), num_tokens, rank):
+        raise ValueError(
+            f"lora_expand: h has shape {h.shape}; expected [S, T, R] = "
+            f"{(len(lora_b), num_tokens, rank)}."
+        )
+    for s, (b, off) in enumerate(zip(lora_b, offsets)):
+        _check_float(f"lora_b[{s}]", b)
+        if b.ndim != 3 or b.shape[0] != max_loras or b.shape[2] != rank:
+            raise ValueError(
+                f"lora_expand: lora_b[{s}] has shape {b.shape}; expected "
+                f"[max_loras={max_loras}, n_s, R={rank}]."
+            )
+        if off < 0 or off + b.shape[1] > width:
+            raise ValueError(
+                f"lora_expand: slice {s} covers columns [{off}, {off + b.shape[1]}) "
+                f"outside y's {width} columns."
+            )
+    _check_meta(num_tokens, max_loras, token_lora_indices, sorted_token_ids, slot_token_counts,
+                slot_token_starts, slot_ranks, len(lora_b), rank)
+    if block_sizes is None:
+        block_sizes = BlockSizes.get_default("expand", num_tokens=num_tokens, hidden=width,
+                                             rank=rank)
+    tab = build_work_list(slot_token_counts, slot_token_starts, num_tokens=num_tokens,
+                          block_m=block_sizes.block_m)
+    return pallas_triton.expand(
+        y, h, lora_b, tab, sorted_token_ids.astype(jnp.int32),
+        None if slot_ranks is None else slot_ranks.astype(jnp.int32),
+        offsets=offsets, bs=block_sizes, interpret=interpret,
+    )

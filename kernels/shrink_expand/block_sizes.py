@@ -1,0 +1,77 @@
+"""Tile sizes for the shrink/expand kernels and the H200 table that picks them.
+
+Triton dots need every dimension >= 16 and power-of-two tiles, so every field
+here is a power of two >= 16. The token count ``T`` is static, so the choice
+between the decode regime (few tokens per adapter: small token blocks, the
+rank split over many programs for parallelism) and the prefill regime (long
+runs per adapter: large token blocks, x read once) is made at trace time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+    """Static tiling of one shrink or expand launch.
+
+    Example::
+
+        bs = BlockSizes.get_default("shrink", num_tokens=64, hidden=4096, rank=16)
+        out = lora_shrink(x, lora_a, ..., block_sizes=bs)
+    """
+
+    block_m: int = 16
+    """Tokens per program (rows of one adapter's run in ``sorted_token_ids``)."""
+    block_k: int = 256
+    """Shrink: hidden columns per step of the reduction loop."""
+    block_r: int = 16
+    """Shrink: rank columns per program (the rank is split over programs)."""
+    block_n: int = 64
+    """Expand: output columns per program."""
+    num_warps: int = 4
+    """Warps per Triton program."""
+    num_stages: int = 3
+    """Software-pipelining depth of the shrink reduction loop."""
+
+    def __post_init__(self):
+        for f in ("block_m", "block_k", "block_r", "block_n"):
+            v = getattr(self, f)
+            if v < 16 or v & (v - 1):
+                raise ValueError(
+                    f"BlockSizes.{f}={v}: Triton tiles must be powers of two >= 16."
+                )
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"BlockSizes.num_warps={self.num_warps}: use 1, 2, 4, 8 or 16.")
+        if self.num_stages < 1:
+            raise ValueError(f"BlockSizes.num_stages={self.num_stages}: must be >= 1.")
+
+    @classmethod
+    def get_default(
+        cls, op: str, *, num_tokens: int, hidden: int, rank: int, out_features: int = 0
+    ) -> BlockSizes:
+        """Tuned defaults for H200 (see benchmarks/RESULTS.md), by op and static shape."""
+        rank_p = max(16, next_pow2(rank))
+        if op == "shrink":
+            if num_tokens <= 256:
+                # Decode: an adapter serves a handful of tokens; A dominates the
+                # bytes, so split the rank over programs to read it in parallel.
+                return cls(block_m=16, block_r=16, block_k=256, num_warps=4, num_stages=4)
+            if num_tokens <= 1024:
+                return cls(
+                    block_m=32, block_r=min(rank_p, 64), block_k=128, num_warps=4, num_stages=4
+                )
+            # Prefill: x dominates; the whole rank in one program reads x once.
+            return cls(
+                block_m=64, block_r=min(rank_p, 128), block_k=128, num_warps=4, num_stages=3
+            )
+        if op == "expand":
+            if num_tokens <= 256:
+                return cls(block_m=16, block_n=64, num_warps=4, num_stages=1)
+            return cls(block_m=64, block_n=128, num_warps=4, num_stages=1)
+        raise ValueError(f"BlockSizes.get_default: op={op!r}; expected 'shrink' or 'expand'.")

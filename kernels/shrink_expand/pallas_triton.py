@@ -1,0 +1,255 @@
+"""Pallas Triton backend for shrink and expand (SGMV style, one launch for all slices).
+
+Grid: (work block, slice, rank block | column block). A work block is up to
+``block_m`` tokens of one adapter slot, taken from ``sorted_token_ids``
+(see work_list.py), so an adapter's weights are read once per token block,
+not once per token. Tokens are gathered by row index.
+
+Two details keep the result exact and the interpret mode (CPU) faithful:
+
+* Rows past a block's count repeat the block's last real token. They load
+  and compute the same values and store them to the same row, so no row
+  mask is needed on stores (interpret mode writes masked lanes back with the
+  old value, which would race with the real lane writing the same row).
+* Rank columns past a slot's true rank (``slot_ranks``) are masked off on
+  load: masked lanes issue no memory traffic, so a rank-8 adapter in a
+  rank-64 buffer reads rank-8 bytes; rank blocks wholly past it skip the loop.
+
+The Pallas Triton lowering is deprecated upstream since JAX 0.11; this file
+is self-contained so that it can be dropped when Mosaic GPU takes over.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
+
+
+def _dot_precision(dtype):
+    # f32 operands: full-precision (IEEE) dots, not TF32, so f32 matches the oracle.
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def _block_rows(tab_ref, ids_ref, pid, block_m: int):
+    """Slot, row count and the token ids [block_m] of work block ``pid``."""
+    slot = tab_ref[0, pid]
+    first = tab_ref[1, pid]
+    nrows = tab_ref[2, pid]
+    m = jnp.arange(block_m, dtype=jnp.int32)
+    pos = first + jnp.minimum(m, jnp.maximum(nrows - 1, 0))
+    rows = ids_ref[pos]  # [block_m] token positions (last one repeated)
+    return slot, nrows, rows
+
+
+def _true_rank(ranks_ref, s: int, slot, rank: int):
+    if ranks_ref is None:
+        return jnp.int32(rank)
+    return jnp.minimum(ranks_ref[s, jnp.maximum(slot, 0)], rank)
+
+
+def _shrink_kernel(
+    tab_ref,  # [3, NB] int32
+    ids_ref,  # [T] int32
+    *refs,
+    num_slices: int,
+    has_ranks: bool,
+    hidden: int,
+    rank: int,
+    scale: float,
+    compute_dtype,
+    bs: BlockSizes,
+):
+    if has_ranks:
+        ranks_ref, x_ref, *rest = refs  # [S, L], [T, H]
+    else:
+        ranks_ref, (x_ref, *rest) = None, refs
+    a_refs, o_ref = rest[:num_slices], rest[num_slices]  # S x [L, R, H]; [S, T, R]
+    pid, sid, rb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bm, bk, br = bs.block_m, bs.block_k, bs.block_r
+    num_k = pl.cdiv(hidden, bk)
+    precision = _dot_precision(compute_dtype)
+
+    for s in range(num_slices):
+
+        @pl.when((sid == s) & (tab_ref[2, pid] > 0))
+        def _(s=s):
+            slot, _, rows = _block_rows(tab_ref, ids_ref, pid, bm)
+            r = rb * br + jnp.arange(br, dtype=jnp.int32)  # [br]
+            r_lim = _true_rank(ranks_ref, s, slot, rank)
+            live = (slot >= 0) & (rb * br < r_lim)
+            r_mask = r < r_lim
+            safe_slot = jnp.maximum(slot, 0)
+
+            def body(kk, acc):
+                k = kk * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
+                k_mask = k < hidden
+                xt = plgpu.load(
+                    x_ref.at[rows[:, None], k[None, :]],
+                    mask=jnp.broadcast_to(k_mask[None, :], (bm, bk)),
+                    other=0,
+                )  # [bm, bk]
+                at = plgpu.load(
+                    a_refs[s].at[safe_slot, r[:, None], k[None, :]],
+                    mask=r_mask[:, None] & k_mask[None, :],
+                    other=0,
+                )  # [br, bk]
+                return acc + plgpu.dot(
+                    xt.astype(compute_dtype),
+                    at.astype(compute_dtype),
+                    trans_b=True,
+                    precision=precision,
+                )
+
+            n_iter = jnp.where(live, num_k, 0)
+            acc = jax.lax.fori_loop(0, n_iter, body, jnp.zeros((bm, br), jnp.float32))
+            out = acc * jnp.float32(scale)
+            plgpu.store(
+                o_ref.at[s, rows[:, None], r[None, :]],
+                out,
+                mask=jnp.broadcast_to((r < rank)[None, :], (bm, br)),
+            )
+
+
+def shrink(
+    x, lora_a, tab, sorted_token_ids, slot_ranks, *, scale: float, bs: BlockSizes, interpret: bool
+):
+    """f32 [S, T, R]. ``tab`` is the work list of work_list.build_work_list."""
+    num_tokens, hidden = x.shape
+    num_slices = len(lora_a)
+    rank = lora_a[0].shape[1]
+    rank_p = max(16, 1 << (rank - 1).bit_length())
+    br = min(bs.block_r, rank_p)
+    bs = BlockSizes(**{**bs.__dict__, "block_r": br})
+    compute_dtype = jnp.promote_types(x.dtype, lora_a[0].dtype)
+    if compute_dtype not in (jnp.bfloat16, jnp.float16):
+        compute_dtype = jnp.float32
+    has_ranks = slot_ranks is not None
+    kernel = functools.partial(
+        _shrink_kernel,
+        num_slices=num_slices,
+        has_ranks=has_ranks,
+        hidden=hidden,
+        rank=rank,
+        scale=scale,
+        compute_dtype=compute_dtype,
+        bs=bs,
+    )
+    grid = (tab.shape[1], num_slices, rank_p // br)
+    inputs = [tab, sorted_token_ids] + ([slot_ranks] if has_ranks else []) + [x, *lora_a]
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_slices, num_tokens, rank), jnp.float32),
+        grid=grid,
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        name="lora_shrink",
+    )(*inputs)
+
+
+def _expand_kernel(
+    tab_ref,  # [3, NB] int32
+    ids_ref,  # [T] int32
+    *refs,
+    num_slices: int,
+    has_ranks: bool,
+    offsets: tuple[int, ...],
+    widths: tuple[int, ...],
+    rank: int,
+    compute_dtype,
+    bs: BlockSizes,
+):
+    if has_ranks:
+        ranks_ref, h_ref, *rest = refs  # [S, L], [S, T, R]
+    else:
+        ranks_ref, (h_ref, *rest) = None, refs
+    b_refs = rest[:num_slices]  # S x [L, n_s, R]
+    y_ref = rest[num_slices + 1]  # output aliased to the y input: [T, N]
+    pid, sid, nb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bm, bn = bs.block_m, bs.block_n
+    rank_p = max(16, 1 << (rank - 1).bit_length())
+    precision = _dot_precision(compute_dtype)
+
+    for s in range(num_slices):
+        n_s, off = widths[s], offsets[s]
+        blocks_s = -(-n_s // bn)
+
+        @pl.when(
+            (sid == s) & (nb < blocks_s) & (tab_ref[2, pid] > 0) & (tab_ref[0, pid] >= 0)
+        )
+        def _(s=s, n_s=n_s, off=off):
+            slot, _, rows = _block_rows(tab_ref, ids_ref, pid, bm)
+            r = jnp.arange(rank_p, dtype=jnp.int32)
+            r_mask = r < _true_rank(ranks_ref, s, slot, rank)
+            ht = plgpu.load(
+                h_ref.at[s, rows[:, None], r[None, :]],
+                mask=jnp.broadcast_to(r_mask[None, :], (bm, rank_p)),
+                other=0,
+            )  # [bm, rank_p]
+            c = nb * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
+            c_mask = c < n_s
+            bt = plgpu.load(
+                b_refs[s].at[slot, c[:, None], r[None, :]],
+                mask=c_mask[:, None] & r_mask[None, :],
+                other=0,
+            )  # [bn, rank_p]
+            delta = plgpu.dot(
+                ht.astype(compute_dtype),
+                bt.astype(compute_dtype),
+                trans_b=True,
+                precision=precision,
+            )  # [bm, bn] f32
+            col_mask = jnp.broadcast_to(c_mask[None, :], (bm, bn))
+            y_at = y_ref.at[rows[:, None], off + c[None, :]]
+            yt = plgpu.load(y_at, mask=col_mask, other=0)
+            plgpu.store(y_at, (yt.astype(jnp.float32) + delta).astype(y_ref.dtype), mask=col_mask)
+
+
+def expand(
+    y,
+    h,
+    lora_b,
+    tab,
+    sorted_token_ids,
+    slot_ranks,
+    *,
+    offsets: tuple[int, ...],
+    bs: BlockSizes,
+    interpret: bool,
+):
+    """New y [T, N] with the adapters' contributions added. ``tab``: see work_list.py."""
+    num_slices = len(lora_b)
+    rank = lora_b[0].shape[2]
+    widths = tuple(b.shape[1] for b in lora_b)
+    bn = min(bs.block_n, max(16, 1 << (max(widths) - 1).bit_length()))
+    bs = BlockSizes(**{**bs.__dict__, "block_n": bn})
+    compute_dtype = lora_b[0].dtype
+    if compute_dtype not in (jnp.bfloat16, jnp.float16) or y.dtype == jnp.float32:
+        compute_dtype = jnp.float32
+    has_ranks = slot_ranks is not None
+    kernel = functools.partial(
+        _expand_kernel,
+        num_slices=num_slices,
+        has_ranks=has_ranks,
+        offsets=tuple(offsets),
+        widths=widths,
+        rank=rank,
+        compute_dtype=compute_dtype,
+        bs=bs,
+    )
+    grid = (tab.shape[1], num_slices, -(-max(widths) // bn))
+    inputs = [tab, sorted_token_ids] + ([slot_ranks] if has_ranks else []) + [h, *lora_b, y]
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        grid=grid,
+        input_output_aliases={len(inputs) - 1: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        name="lora_expand",
+    )(*inputs)

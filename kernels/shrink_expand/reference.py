@@ -1,0 +1,113 @@
+"""Pure-jnp oracles for shrink and expand.
+
+They read only ``token_lora_indices`` (and ``slot_ranks``): the sort metadata
+is accepted so that the signatures match the kernels, and ignored. Each token
+gathers its own adapter, which is the most literal reading of the contract
+and the slowest; use them for checking, or on backends without a kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _rank_mask(slot_ranks, s: int, safe_idx, rank: int):
+    """[T, R] bool: rank column r is inside the true rank of token t's adapter."""
+    if slot_ranks is None:
+        return None
+    true_rank = slot_ranks[s][safe_idx]  # [T]
+    return jnp.arange(rank)[None, :] < true_rank[:, None]
+
+
+def lora_shrink_reference(
+    x: jax.Array,
+    lora_a: Sequence[jax.Array],
+    *,
+    token_lora_indices: jax.Array,
+    sorted_token_ids: jax.Array | None = None,
+    slot_token_counts: jax.Array | None = None,
+    slot_token_starts: jax.Array | None = None,
+    active_slots: jax.Array | None = None,
+    num_active: jax.Array | None = None,
+    scale: float = 1.0,
+    slot_ranks: jax.Array | None = None,
+    block_sizes=None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``out[s, t] = scale * x[t] @ lora_a[s][idx[t]].T`` in f32; rows with idx -1 are 0.
+
+    Example::
+
+        out = lora_shrink_reference(x, (lora_a,), token_lora_indices=idx)  # [1, T, R]
+    """
+    del sorted_token_ids, slot_token_counts, slot_token_starts, active_slots, num_active
+    del block_sizes, interpret
+    idx = token_lora_indices  # [T]
+    valid = idx >= 0
+    safe = jnp.where(valid, idx, 0)
+    outs = []
+    for s, a in enumerate(lora_a):  # a: [L, R, H]
+        a_t = a[safe]  # [T, R, H]
+        out = jnp.einsum(
+            "th,trh->tr",
+            x.astype(jnp.float32),
+            a_t.astype(jnp.float32),
+            precision=_HIGHEST,
+        )
+        out = out * jnp.float32(scale)
+        keep = valid[:, None]
+        rank_mask = _rank_mask(slot_ranks, s, safe, a.shape[1])
+        if rank_mask is not None:
+            keep = keep & rank_mask
+        outs.append(jnp.where(keep, out, 0.0))
+    return jnp.stack(outs)  # [S, T, R]
+
+
+def lora_expand_reference(
+    y: jax.Array,
+    h: jax.Array,
+    lora_b: Sequence[jax.Array],
+    *,
+    offsets: Sequence[int],
+    token_lora_indices: jax.Array,
+    sorted_token_ids: jax.Array | None = None,
+    slot_token_counts: jax.Array | None = None,
+    slot_token_starts: jax.Array | None = None,
+    active_slots: jax.Array | None = None,
+    num_active: jax.Array | None = None,
+    slot_ranks: jax.Array | None = None,
+    block_sizes=None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``y[t, off_s:off_s+n_s] += h[s, t] @ lora_b[s][idx[t]].T``; rows with idx -1 unchanged.
+
+    The sum is formed in f32 and cast to ``y.dtype`` once.
+
+    Example::
+
+        y = lora_expand_reference(y, h, (lora_b,), offsets=(0,), token_lora_indices=idx)
+    """
+    del sorted_token_ids, slot_token_counts, slot_token_starts, active_slots, num_active
+    del block_sizes, interpret
+    idx = token_lora_indices  # [T]
+    valid = idx >= 0
+    safe = jnp.where(valid, idx, 0)
+    out = y
+    for s, (b, off) in enumerate(zip(lora_b, offsets, strict=True)):  # b: [L, n_s, R]
+        h_s = h[s].astype(jnp.float32)  # [T, R]
+        rank_mask = _rank_mask(slot_ranks, s, safe, b.shape[2])
+        if rank_mask is not None:
+            h_s = jnp.where(rank_mask, h_s, 0.0)
+        b_t = b[safe]  # [T, n_s, R]
+        delta = jnp.einsum("tr,tnr->tn", h_s, b_t.astype(jnp.float32), precision=_HIGHEST)
+        n_s = b.shape[1]
+        cur = y[:, off : off + n_s].astype(jnp.float32)
+        new = (cur + delta).astype(y.dtype)
+        new = jnp.where(valid[:, None], new, y[:, off : off + n_s])
+        out = out.at[:, off : off + n_s].set(new)
+    return out

@@ -1,0 +1,51 @@
+"""The (slot, token block) schedule that both kernels walk.
+
+vLLM grids over (slot, token block) and lets most programs exit at once
+(it knows the active count on the host). Under jit we only have device
+arrays, so instead we list the blocks that carry work: group g covers the
+run of slot g in ``sorted_token_ids`` (g = max_loras is the run of unmapped
+tokens, idx -1, which sort last), cut into ``block_m`` rows. The list has a
+static length, an upper bound on the number of non-empty blocks; the tail
+entries have zero rows and their programs return at once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def num_work_blocks(num_tokens: int, max_loras: int, block_m: int) -> int:
+    """Static upper bound on sum_g ceil(count_g / block_m) over the L + 1 groups."""
+    groups = max_loras + 1
+    return -(-num_tokens // block_m) + min(groups, num_tokens)
+
+
+def build_work_list(
+    slot_token_counts: jax.Array,  # [L] int32
+    slot_token_starts: jax.Array,  # [L] int32
+    *,
+    num_tokens: int,
+    block_m: int,
+) -> jax.Array:
+    """Returns int32 [3, NB]: per block (slot or -1 for unmapped, first row, row count)."""
+    num_slots = slot_token_counts.shape[0]
+    counts = slot_token_counts.astype(jnp.int32)
+    mapped = jnp.sum(counts)
+    counts_g = jnp.concatenate([counts, (num_tokens - mapped)[None]])  # [G]
+    starts_g = jnp.concatenate([slot_token_starts.astype(jnp.int32), mapped[None]])  # [G]
+    slots_g = jnp.concatenate(
+        [jnp.arange(num_slots, dtype=jnp.int32), jnp.full((1,), -1, jnp.int32)]
+    )
+    nblk = (counts_g + block_m - 1) // block_m  # [G]
+    cum = jnp.cumsum(nblk)  # [G] inclusive
+    nb = num_work_blocks(num_tokens, num_slots, block_m)
+    i = jnp.arange(nb, dtype=jnp.int32)
+    g = jnp.sum((i[:, None] >= cum[None, :]).astype(jnp.int32), axis=1)  # [NB]
+    in_range = g < num_slots + 1
+    gc = jnp.minimum(g, num_slots)
+    j = i - (cum[gc] - nblk[gc])  # block index inside the group
+    rows = jnp.clip(counts_g[gc] - j * block_m, 0, block_m)
+    rows = jnp.where(in_range, rows, 0)
+    first = starts_g[gc] + j * block_m
+    return jnp.stack([slots_g[gc], first, rows]).astype(jnp.int32)

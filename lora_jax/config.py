@@ -1,0 +1,79 @@
+"""`LoRAConfig`: the static limits every LoRA layer and the adapter manager are built with.
+
+Mirrors vLLM's `vllm.config.LoRAConfig` (same field names, same checks), frozen so it
+can be hashed into jit caches and shared by reference between layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+# vLLM accepts these ranks; anything else is almost certainly a typo in a launch script.
+SUPPORTED_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM's LogicalProcessorWithLoRA refuses vocabularies beyond this (test_layers checks it).
+MAX_LORA_VOCAB_SIZE = 258048
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """Static LoRA limits; the shapes of every stacked adapter array derive from it.
+
+    Example:
+        >>> cfg = LoRAConfig(max_loras=4, max_lora_rank=16)
+        >>> cfg.max_cpu_loras
+        4
+    """
+
+    max_loras: int = 1
+    """Device slots: adapters that can be used in one step (`lora_a.shape[0]`)."""
+    max_lora_rank: int = 16
+    """Largest adapter rank; smaller adapters are zero-padded to it."""
+    max_cpu_loras: int | None = None
+    """Host-side LRU cache size; defaults to `max_loras` and must be >= it."""
+    lora_dtype: Any = None
+    """dtype of the stacked adapters; `None` means the base layer's dtype."""
+    fully_sharded_loras: bool = False
+    """S-LoRA layout: shard A on rank (column) / B on out (row) so that the LoRA
+    collectives move (T, rank) buffers only."""
+    lora_extra_vocab_size: int = 0
+    """Kept for vLLM parity; vLLM removed extra vocab, only 0 is accepted."""
+    bias_enabled: bool = False
+    """vLLM parity; LoRA biases are not supported (PEFT `bias="none"` only)."""
+
+    def __post_init__(self):
+        if not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise ValueError(f"LoRAConfig.max_loras must be an int >= 1, got {self.max_loras!r}")
+        if self.max_lora_rank not in SUPPORTED_MAX_LORA_RANKS:
+            raise ValueError(
+                f"LoRAConfig.max_lora_rank={self.max_lora_rank!r} is not supported; "
+                f"allowed: {SUPPORTED_MAX_LORA_RANKS}"
+            )
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"LoRAConfig.max_cpu_loras ({self.max_cpu_loras}) must be >= "
+                f"max_loras ({self.max_loras})"
+            )
+        if self.lora_dtype is not None:
+            try:
+                dt = jnp.dtype(self.lora_dtype)
+            except TypeError as e:
+                raise ValueError(f"LoRAConfig.lora_dtype={self.lora_dtype!r} is not a dtype") from e
+            if not jnp.issubdtype(dt, jnp.floating):
+                raise ValueError(f"LoRAConfig.lora_dtype must be a float dtype, got {dt}")
+            object.__setattr__(self, "lora_dtype", dt)
+        if self.lora_extra_vocab_size != 0:
+            raise ValueError(
+                "LoRAConfig.lora_extra_vocab_size must be 0: extra vocabulary was removed "
+                "from vLLM and is not supported"
+            )
+        if self.bias_enabled:
+            raise ValueError("LoRAConfig.bias_enabled=True is not supported (LoRA bias)")
+
+    def dtype_for(self, base_dtype) -> jnp.dtype:
+        """The adapter dtype to use next to a base weight of `base_dtype`."""
+        return jnp.dtype(self.lora_dtype if self.lora_dtype is not None else base_dtype)

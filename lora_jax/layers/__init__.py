@@ -1,0 +1,30 @@
+"""LoRA layers with vLLM's class names (see `lora_jax.layers.base` for the shared design)."""
+
+from lora_jax.layers.base import BaseLayerWithLoRA as BaseLayerWithLoRA
+from lora_jax.layers.base import LoRAContext as LoRAContext
+from lora_jax.layers.base import LoRASlotRanks as LoRASlotRanks
+from lora_jax.layers.column import ColumnParallelLinearWithLoRA as ColumnParallelLinearWithLoRA
+from lora_jax.layers.column import (
+    ColumnParallelLinearWithShardedLoRA as ColumnParallelLinearWithShardedLoRA,
+)
+from lora_jax.layers.column import (
+    MergedColumnParallelLinearVariableSliceWithLoRA as MergedColumnParallelLinearVariableSliceWithLoRA,
+)
+from lora_jax.layers.column import (
+    MergedColumnParallelLinearVariableSliceWithShardedLoRA as MergedColumnParallelLinearVariableSliceWithShardedLoRA,
+)
+from lora_jax.layers.column import (
+    MergedColumnParallelLinearWithLoRA as MergedColumnParallelLinearWithLoRA,
+)
+from lora_jax.layers.column import (
+    MergedColumnParallelLinearWithShardedLoRA as MergedColumnParallelLinearWithShardedLoRA,
+)
+from lora_jax.layers.column import MergedQKVParallelLinearWithLoRA as MergedQKVParallelLinearWithLoRA
+from lora_jax.layers.column import (
+    MergedQKVParallelLinearWithShardedLoRA as MergedQKVParallelLinearWithShardedLoRA,
+)
+from lora_jax.layers.column import QKVParallelLinearWithLoRA as QKVParallelLinearWithLoRA
+from lora_jax.layers.column import QKVParallelLinearWithShardedLoRA as QKVParallelLinearWithShardedLoRA
+from lora_jax.layers.column import ReplicatedLinearWithLoRA as ReplicatedLinearWithLoRA
+from lora_jax.layers.row import RowParallelLinearWithLoRA as RowParallelLinearWithLoRA
+from lora_jax.layers.row import RowParallelLinearWithShardedLoRA as RowParallelLinearWithShardedLoRA

@@ -1,0 +1,277 @@
+"""`BaseLayerWithLoRA`: stacked adapter slots around a base linear, per-token mapping.
+
+Each LoRA layer wraps a base linear from `lora_jax.linear` and owns, per slice s,
+`lora_a[s] [max_loras, max_rank, in]` and `lora_b[s] [max_loras, out_s, max_rank]`
+(`nnx.LoRAParam`, so `nnx.split(model, nnx.LoRAParam, ...)` separates the adapters).
+The per-step token→slot mapping reaches every layer through one `LoRAContext`
+variable shared by reference, so the wrapped model's call signature never changes.
+
+A "slice" is what vLLM calls one LoRA of a packed layer: gate and up are 2 slices of a
+merged column layer; QKVParallelLinearWithLoRA has 1 slice over the packed q|k|v.
+`slice_groups[s]` lists the base sub-slices (base `output_sizes`) that slice s covers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lora_jax.config import LoRAConfig
+from lora_jax.linear import LinearBase, pack_shards
+from lora_jax.mapping import LoRAMapping, make_lora_mapping
+
+
+class LoRAContext(nnx.Variable):
+    """Holds the step's `LoRAMapping` (or None); one instance is shared by all layers.
+
+    Example:
+        >>> ctx = LoRAContext(None)
+        >>> ctx.set_value(make_lora_mapping(jnp.array([0, -1]), max_loras=2))
+    """
+
+
+class LoRASlotRanks(nnx.Variable):
+    """True adapter rank per (slice, slot), `i32[S, max_loras]`; 0 = empty slot."""
+
+
+@jax.jit
+def _write_slot(stack: jax.Array, index: jax.Array, value: jax.Array) -> jax.Array:
+    return stack.at[index].set(value.astype(stack.dtype))
+
+
+def _place_like(value: np.ndarray, stack: jax.Array) -> jax.Array:
+    """Puts one slot's value with the stack's sharding minus the slot dim."""
+    sharding = getattr(stack, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (stack.ndim - len(sharding.spec))
+        return jax.device_put(value, NamedSharding(sharding.mesh, P(*spec[1:])))
+    return jnp.asarray(value)
+
+
+class BaseLayerWithLoRA(nnx.Module):
+    """Common slot logic; see the concrete `*WithLoRA` classes.
+
+    Subclasses set `fully_sharded` and implement `_lora_local`, and may override
+    `_slice_groups` and `_split_single`.
+    """
+
+    fully_sharded: bool = False
+
+    def __init__(
+        self,
+        base_layer: LinearBase,
+        lora_config: LoRAConfig,
+        context: LoRAContext | None = None,
+        *,
+        name: str | None = None,
+    ):
+        self.base_layer = base_layer
+        self.lora_config = lora_config
+        self.lora_context = context if context is not None else LoRAContext(None)
+        self.name = name or type(self).__name__
+        self.slice_groups = self._slice_groups(base_layer)
+        self._check_base(base_layer)
+        rules = base_layer.rules
+        cfg = lora_config
+        L, R = cfg.max_loras, cfg.max_lora_rank
+        if self.fully_sharded and R % max(1, rules.size("lora_rank_sharded")):
+            raise ValueError(
+                f"{self.name}: max_lora_rank={R} must be divisible by the tensor axis "
+                f"({rules.size('lora_rank_sharded')}) with fully_sharded_loras"
+            )
+        dtype = cfg.dtype_for(base_layer.param_dtype)
+        self.lora_dtype = dtype
+        a_axes, b_axes = self.lora_axes()
+        self.lora_a = nnx.List(
+            [
+                nnx.LoRAParam(rules.place(jnp.zeros((L, R, base_layer.in_features), dtype), *a_axes))
+                for _ in self.slice_groups
+            ]
+        )  # per slice [max_loras, max_rank, in]
+        self.lora_b = nnx.List(
+            [
+                nnx.LoRAParam(rules.place(jnp.zeros((L, n, R), dtype), *b_axes))
+                for n in self.slice_widths
+            ]
+        )  # per slice [max_loras, out_s (physical), max_rank]
+        self.slot_ranks = LoRASlotRanks(jnp.zeros((len(self.slice_groups), L), jnp.int32))
+
+    # -- structure ------------------------------------------------------------------------
+    def _slice_groups(self, base: LinearBase) -> tuple[tuple[int, ...], ...]:
+        return (tuple(range(len(base.output_sizes))),)
+
+    def _check_base(self, base: LinearBase) -> None:
+        pass
+
+    def lora_axes(self) -> tuple[tuple, tuple]:
+        """Logical axes of A `[L, R, in]` and B `[L, out, R]` for this layer kind."""
+        raise NotImplementedError
+
+    @property
+    def n_slices(self) -> int:
+        return len(self.slice_groups)
+
+    @property
+    def slice_widths(self) -> tuple[int, ...]:
+        """Physical out width of each slice (kv replicas included)."""
+        phys = self.base_layer.physical_sizes
+        return tuple(sum(phys[i] for i in g) for g in self.slice_groups)
+
+    @property
+    def logical_slice_sizes(self) -> tuple[int, ...]:
+        out = self.base_layer.output_sizes
+        return tuple(sum(out[i] for i in g) for g in self.slice_groups)
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()) -> bool:
+        return False
+
+    # -- slot writes ----------------------------------------------------------------------
+    def _normalize(self, lora_a, lora_b) -> tuple[list, list]:
+        n = self.n_slices
+        single = not isinstance(lora_a, (list, tuple)) and not isinstance(lora_b, (list, tuple))
+        if single and n > 1:
+            # A single-tensor checkpoint: one A shared by all slices, B split by out size.
+            b = np.asarray(lora_b)
+            if b.ndim != 2 or b.shape[0] != sum(self.logical_slice_sizes):
+                raise ValueError(
+                    f"{self.name}.set_lora: a single lora_b must be [{sum(self.logical_slice_sizes)}, "
+                    f"rank] (sum of output sizes {self.logical_slice_sizes}), got {b.shape}"
+                )
+            cuts = np.cumsum(self.logical_slice_sizes)[:-1]
+            return [lora_a] * n, list(np.split(b, cuts, axis=0))
+        a_list = list(lora_a) if isinstance(lora_a, (list, tuple)) else [lora_a]
+        b_list = list(lora_b) if isinstance(lora_b, (list, tuple)) else [lora_b]
+        if len(a_list) != n or len(b_list) != n:
+            raise ValueError(
+                f"{self.name}.set_lora: expected {n} slice(s) of lora_a and lora_b, got "
+                f"{len(a_list)} and {len(b_list)}"
+            )
+        return a_list, b_list
+
+    def set_lora(self, index: int, lora_a, lora_b) -> None:
+        """Writes an adapter into slot `index` (scaling already folded into B).
+
+        `lora_a`: `[r, in]` (or one per slice), `lora_b`: `[out, r]` (or one per slice,
+        `None` for a slice the adapter lacks). Ranks below `max_lora_rank` are zero-padded.
+        Every check runs before any write: on error no slot changes.
+
+        Example:
+            >>> layer.set_lora(0, a_rk, b_nr)  # doctest: +SKIP
+        """
+        L, R = self.lora_config.max_loras, self.lora_config.max_lora_rank
+        if not isinstance(index, (int, np.integer)) or not 0 <= int(index) < L:
+            raise ValueError(f"{self.name}.set_lora: index {index!r} outside [0, {L})")
+        a_list, b_list = self._normalize(lora_a, lora_b)
+        in_features = self.base_layer.in_features
+        new_a, new_b, ranks = [], [], []
+        for s, (a, b, out) in enumerate(zip(a_list, b_list, self.logical_slice_sizes)):
+            if (a is None) != (b is None):
+                raise ValueError(f"{self.name}.set_lora: slice {s} has only one of A and B")
+            if a is None:
+                new_a.append(np.zeros((R, in_features), np.float32))
+                new_b.append(np.zeros((self.slice_widths[s], R), np.float32))
+                ranks.append(0)
+                continue
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            if a.ndim != 2 or a.shape[1] != in_features:
+                raise ValueError(
+                    f"{self.name}.set_lora: slice {s} lora_a must be [rank, {in_features}], "
+                    f"got {a.shape}"
+                )
+            r = a.shape[0]
+            if not 1 <= r <= R:
+                raise ValueError(
+                    f"{self.name}.set_lora: slice {s} rank {r} is outside [1, max_lora_rank={R}]"
+                )
+            if b.shape != (out, r):
+                raise ValueError(
+                    f"{self.name}.set_lora: slice {s} lora_b must be [{out}, {r}], got {b.shape}"
+                )
+            new_a.append(np.pad(a, ((0, R - r), (0, 0))))
+            new_b.append(np.asarray(self._physical_b(s, np.pad(b, ((0, 0), (0, R - r))))))
+            ranks.append(r)
+        for s in range(self.n_slices):
+            self._write(self.lora_a[s], index, new_a[s])
+            self._write(self.lora_b[s], index, new_b[s])
+        self.slot_ranks.set_value(self.slot_ranks[...].at[:, index].set(jnp.array(ranks, jnp.int32)))
+
+    def _physical_b(self, s: int, b: np.ndarray) -> jax.Array:
+        """Logical `[out_s, R]` → physical (kv replicas, per-shard packing of sub-slices)."""
+        base = self.base_layer
+        group = self.slice_groups[s]
+        cuts = np.cumsum([base.output_sizes[i] for i in group])[:-1]
+        parts = [base._replicate(i, p, 0) for i, p in zip(group, np.split(b, cuts, axis=0))]
+        return parts[0] if len(parts) == 1 else pack_shards(parts, 0, base.out_tp)
+
+    def _write(self, var: nnx.Variable, index: int, value) -> None:
+        stack = var[...]
+        var.set_value(_write_slot(stack, jnp.int32(index), _place_like(np.asarray(value), stack)))
+
+    def reset_lora(self, index: int) -> None:
+        """Zeroes slot `index`: it then gives exactly the base output."""
+        L = self.lora_config.max_loras
+        if not isinstance(index, (int, np.integer)) or not 0 <= int(index) < L:
+            raise ValueError(f"{self.name}.reset_lora: index {index!r} outside [0, {L})")
+        for var in (*self.lora_a, *self.lora_b):
+            self._write(var, index, np.zeros(var.shape[1:], np.float32))
+        self.slot_ranks.set_value(self.slot_ranks[...].at[:, index].set(0))
+
+    # -- forward --------------------------------------------------------------------------
+    def _lora_local(self, y, x, a, b, ranks, mapping: LoRAMapping):
+        """Per-shard: add the LoRA of `x` into the base output `y` (incl. collectives)."""
+        raise NotImplementedError
+
+    def __call__(self, x: jax.Array):
+        base = self.base_layer
+        mapping = self.lora_context.get_value()
+        if mapping is None:
+            return base(x)
+        if x.shape[-1] != base.in_features:
+            raise ValueError(
+                f"{self.name}: input last dim {x.shape[-1]} != in_features {base.in_features}"
+            )
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, base.in_features)
+        if mapping.num_tokens != x2.shape[0]:
+            raise ValueError(
+                f"{self.name}: the LoRA mapping has {mapping.num_tokens} tokens but the input "
+                f"has {x2.shape[0]} (leading dims {lead})"
+            )
+        rules = base.rules
+        L = self.lora_config.max_loras
+        local_tokens = rules.size("batch") > 1 and x2.shape[0] % rules.size("batch") == 0
+        if local_tokens:
+            # Sort metadata is per shard of tokens: rebuild it locally from the indices.
+            map_arg, map_spec = mapping.token_lora_indices, ("batch",)
+        else:
+            map_arg, map_spec = mapping, jax.tree.map(lambda _: (), mapping)
+        a = tuple(v[...] for v in self.lora_a)
+        b = tuple(v[...] for v in self.lora_b)
+        ranks = self.slot_ranks[...]
+        a_axes, b_axes = self.lora_axes()
+
+        def local(xl, kl, a, b, ranks, m):
+            if not isinstance(m, LoRAMapping):
+                m = make_lora_mapping(m, L)
+            y = base.local_matmul(xl, kl)
+            return self._lora_local(y, xl, a, b, ranks, m)
+
+        specs = ((a_axes,) * len(a), (b_axes,) * len(b), (None, None), map_spec)
+        y = base.run_local(x2, local, (a, b, ranks, map_arg), specs)
+        return base.finish(y, lead)
+
+
+def local_offsets(widths: Sequence[int], shards: int) -> tuple[int, ...]:
+    """Column offset of each slice inside one shard's packed output."""
+    offs, acc = [], 0
+    for w in widths:
+        offs.append(acc)
+        acc += w // shards
+    return tuple(offs)

@@ -1,0 +1,182 @@
+"""Column-parallel LoRA layers (and the replicated one), vLLM names and semantics.
+
+Per shard: `y_i = x @ W_i + expand(shrink(x, A), B_i)` with B split on the out dim like
+the base kernel: the LoRA adds no collective and the output stays sharded.
+Fully sharded (S-LoRA) variants split A on its rank dim instead of replicating it:
+each shard computes `(T, R/tp)` of the shrink, and one all-gather of that small buffer
+gives every shard the full `(T, R)` before its local expand.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from lora_jax import ops
+from lora_jax.layers.base import BaseLayerWithLoRA, local_offsets
+from lora_jax.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+)
+
+
+class _ColumnLoRA(BaseLayerWithLoRA):
+    def lora_axes(self):
+        rank = "lora_rank_sharded" if self.fully_sharded else "lora_rank"
+        return ("lora_slot", rank, None), ("lora_slot", "tensor", "lora_rank")
+
+    def _lora_local(self, y, x, a, b, ranks, mapping):
+        base = self.base_layer
+        axis = base.rules.mesh_axis("tensor")
+        sharded_rank = self.fully_sharded and axis is not None and base.tp > 1
+        # A rank-sharded shard holds rank rows [i*R/tp, (i+1)*R/tp): true ranks don't
+        # apply to its local block, so the kernels get no rank hint then.
+        hint = None if sharded_rank else ranks
+        h = ops.lora_shrink(x, a, mapping, 1.0, slot_ranks=hint)  # f32 [S, T, R(/tp)]
+        if sharded_rank:
+            h = jax.lax.all_gather(h, axis, axis=2, tiled=True)  # [S, T, R]
+        offsets = local_offsets(self.slice_widths, base.out_tp)
+        return ops.lora_expand(y, h, b, mapping, offsets=offsets, slot_ranks=ranks)
+
+
+class ReplicatedLinearWithLoRA(_ColumnLoRA):
+    """LoRA around a `ReplicatedLinear` (no tensor parallelism).
+
+    Example:
+        >>> base = ReplicatedLinear(16, 32, rngs=nnx.Rngs(0))  # doctest: +SKIP
+        >>> layer = ReplicatedLinearWithLoRA(base, LoRAConfig(max_loras=2, max_lora_rank=8))
+    """
+
+    def _check_base(self, base):
+        if not isinstance(base, ReplicatedLinear):
+            raise ValueError(f"{self.name}: base layer must be ReplicatedLinear, got {type(base)}")
+
+    def lora_axes(self):
+        return ("lora_slot", "lora_rank", None), ("lora_slot", None, "lora_rank")
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+        return type(source_layer) is ReplicatedLinear
+
+
+class ColumnParallelLinearWithLoRA(_ColumnLoRA):
+    """One LoRA over a column-parallel layer; B split with the base kernel's out dim."""
+
+    def _check_base(self, base):
+        if not isinstance(base, ColumnParallelLinear | MergedColumnParallelLinear | QKVParallelLinear):
+            raise ValueError(f"{self.name}: base layer must be column-parallel, got {type(base)}")
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+        if cls.fully_sharded != lora_config.fully_sharded_loras:
+            return False
+        if type(source_layer) is ColumnParallelLinear:
+            return True
+        # A merged layer that the checkpoint names as one module (vLLM: 1-item packed list).
+        if isinstance(source_layer, MergedColumnParallelLinear):
+            return len(packed_modules_list) == 1 and len(source_layer.output_sizes) <= 2
+        return False
+
+
+class MergedColumnParallelLinearWithLoRA(_ColumnLoRA):
+    """gate_up-style layer: 2 slices, each its own A and B."""
+
+    n_required: int | None = 2
+
+    def _slice_groups(self, base):
+        return tuple((i,) for i in range(len(base.output_sizes)))
+
+    def _check_base(self, base):
+        if not isinstance(base, MergedColumnParallelLinear | QKVParallelLinear):
+            raise ValueError(f"{self.name}: base must be a merged column layer, got {type(base)}")
+        if self.n_required is not None and len(base.output_sizes) != self.n_required:
+            raise ValueError(
+                f"{self.name}: needs {self.n_required} output slices, base has "
+                f"{len(base.output_sizes)}"
+            )
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+        if cls.fully_sharded != lora_config.fully_sharded_loras:
+            return False
+        return (
+            type(source_layer) is MergedColumnParallelLinear
+            or isinstance(source_layer, MergedColumnParallelLinear)
+        ) and len(packed_modules_list) == 2 and len(source_layer.output_sizes) == 2
+
+
+class MergedColumnParallelLinearVariableSliceWithLoRA(MergedColumnParallelLinearWithLoRA):
+    """3+ slices of any sizes; a single-tensor checkpoint (one A, one B) is split by
+    `output_sizes`."""
+
+    n_required = None
+
+    def _check_base(self, base):
+        super()._check_base(base)
+        if len(base.output_sizes) < 3:
+            raise ValueError(f"{self.name}: needs >= 3 output slices, got {len(base.output_sizes)}")
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+        if cls.fully_sharded != lora_config.fully_sharded_loras:
+            return False
+        if not isinstance(source_layer, MergedColumnParallelLinear):
+            return False
+        n = len(source_layer.output_sizes)
+        return n >= 3 and len(packed_modules_list) in (1, n)
+
+
+class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
+    """One LoRA over packed qkv: B's q, k, v parts are laid out per shard like the base
+    kernel's, with kv heads replicated when tp > num_kv_heads."""
+
+    def _check_base(self, base):
+        if not isinstance(base, QKVParallelLinear):
+            raise ValueError(f"{self.name}: base layer must be QKVParallelLinear, got {type(base)}")
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+        if cls.fully_sharded != lora_config.fully_sharded_loras:
+            return False
+        return isinstance(source_layer, QKVParallelLinear) and len(packed_modules_list) == 1
+
+
+class MergedQKVParallelLinearWithLoRA(MergedColumnParallelLinearWithLoRA):
+    """q, k, v as 3 slices (q may be wider than k/v under GQA)."""
+
+    n_required = 3
+
+    def _check_base(self, base):
+        if not isinstance(base, QKVParallelLinear):
+            raise ValueError(f"{self.name}: base layer must be QKVParallelLinear, got {type(base)}")
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+        if cls.fully_sharded != lora_config.fully_sharded_loras:
+            return False
+        return isinstance(source_layer, QKVParallelLinear) and len(packed_modules_list) == 3
+
+
+class ColumnParallelLinearWithShardedLoRA(ColumnParallelLinearWithLoRA):
+    """S-LoRA column: A split on rank, one (T, rank) all-gather."""
+
+    fully_sharded = True
+
+
+class MergedColumnParallelLinearWithShardedLoRA(MergedColumnParallelLinearWithLoRA):
+    fully_sharded = True
+
+
+class MergedColumnParallelLinearVariableSliceWithShardedLoRA(
+    MergedColumnParallelLinearVariableSliceWithLoRA
+):
+    fully_sharded = True
+
+
+class QKVParallelLinearWithShardedLoRA(QKVParallelLinearWithLoRA):
+    fully_sharded = True
+
+
+class MergedQKVParallelLinearWithShardedLoRA(MergedQKVParallelLinearWithLoRA):
+    fully_sharded = True

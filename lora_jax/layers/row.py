@@ -1,0 +1,64 @@
+"""Row-parallel LoRA layers.
+
+`RowParallelLinearWithLoRA`: A is split on the in dim like the base kernel, B is whole.
+Each shard's shrink gives a partial `(T, R)`; expanding a partial sum is still a partial
+sum, so the LoRA output joins the base partial sum *before* the layer's one all-reduce.
+
+`RowParallelLinearWithShardedLoRA` (S-LoRA): B is also split on its out dim. The partial
+`(T, R)` shrink is all-reduced (small), the base partial sum is reduce-scattered, each
+shard adds its out-slice of the LoRA, and an all-gather rebuilds the output — the same
+bytes as the one all-reduce, plus only a (T, R) collective for LoRA.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from lora_jax import ops
+from lora_jax.layers.base import BaseLayerWithLoRA
+from lora_jax.linear import RowParallelLinear
+
+
+class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
+    """LoRA around a `RowParallelLinear`.
+
+    Example:
+        >>> base = RowParallelLinear(64, 16, rngs=nnx.Rngs(0), rules=rules)  # doctest: +SKIP
+        >>> layer = RowParallelLinearWithLoRA(base, LoRAConfig(max_loras=4), ctx)  # doctest: +SKIP
+    """
+
+    def _check_base(self, base):
+        if not isinstance(base, RowParallelLinear):
+            raise ValueError(f"{self.name}: base layer must be RowParallelLinear, got {type(base)}")
+
+    def lora_axes(self):
+        b_out = "tensor" if self.fully_sharded else None
+        return ("lora_slot", "lora_rank", "tensor"), ("lora_slot", b_out, "lora_rank")
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+        if cls.fully_sharded != lora_config.fully_sharded_loras:
+            return False
+        return isinstance(source_layer, RowParallelLinear)
+
+    def _lora_local(self, y, x, a, b, ranks, mapping):
+        h = ops.lora_shrink(x, a, mapping, 1.0, slot_ranks=ranks)  # partial f32 [1, T, R]
+        y = ops.lora_expand(y, h, b, mapping, offsets=(0,), slot_ranks=ranks)
+        return self.base_layer.reduce(y)
+
+
+class RowParallelLinearWithShardedLoRA(RowParallelLinearWithLoRA):
+    """S-LoRA row layer: only (T, rank)-sized collectives for the LoRA part."""
+
+    fully_sharded = True
+
+    def _lora_local(self, y, x, a, b, ranks, mapping):
+        base = self.base_layer
+        axis = base.rules.mesh_axis("tensor")
+        if axis is None or base.tp == 1:
+            return super()._lora_local(y, x, a, b, ranks, mapping)
+        h = ops.lora_shrink(x, a, mapping, 1.0, slot_ranks=ranks)  # partial [1, T, R]
+        h = jax.lax.psum(h, axis)
+        y = jax.lax.psum_scatter(y, axis, scatter_dimension=1, tiled=True)  # [T, out/tp]
+        y = ops.lora_expand(y, h, b, mapping, offsets=(0,), slot_ranks=ranks)
+        return jax.lax.all_gather(y, axis, axis=1, tiled=True)  # [T, out]

@@ -1,0 +1,108 @@
+"""Per-step adapter mapping: which device slot each token (and each sequence) uses.
+
+One `LoRAMapping` is built per forward step, inside jit, from an int32 `[T]` array of
+slot indices (-1 = no adapter). Everything a kernel needs to group tokens by adapter
+(sorted order, counts, run starts, active slots) is derived here once per step and
+shared by every LoRA layer, with static shapes so a new mix never recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoRAMapping:
+    """Token→slot mapping plus the grouping metadata the kernels use.
+
+    Build it with `make_lora_mapping`; all fields are arrays (a pytree), so it can be
+    passed through `jax.jit`, `shard_map` and NNX state.
+
+    Example:
+        >>> m = make_lora_mapping(jnp.array([1, -1, 1, 0], jnp.int32), max_loras=2)
+        >>> m.sorted_token_ids.tolist(), m.slot_token_counts.tolist()
+        ([3, 0, 2, 1], [1, 2])
+    """
+
+    token_lora_indices: jax.Array  # i32[T]   slot per token, -1 = no adapter
+    sorted_token_ids: jax.Array  # i32[T]   token positions stably sorted by slot, -1 last
+    slot_token_counts: jax.Array  # i32[L]   tokens per slot
+    slot_token_starts: jax.Array  # i32[L]   exclusive cumsum of counts into sorted_token_ids
+    active_slots: jax.Array  # i32[L]   slots with >= 1 token, ascending, then -1
+    num_active: jax.Array  # i32[]    number of active slots
+    # Per-sequence mapping for the sampler / lm_head (LogitsProcessorWithLoRA): one
+    # slot per sequence, -1 = none. `None` when the step has no logits LoRA.
+    seq_lora_indices: jax.Array | None = None  # i32[B]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_lora_indices.shape[0]
+
+    @property
+    def max_loras(self) -> int:
+        return self.slot_token_counts.shape[0]
+
+    def kernel_kwargs(self) -> dict[str, jax.Array]:
+        """The metadata as keyword arguments of `lora_jax.kernels` ops."""
+        return dict(
+            token_lora_indices=self.token_lora_indices,
+            sorted_token_ids=self.sorted_token_ids,
+            slot_token_counts=self.slot_token_counts,
+            slot_token_starts=self.slot_token_starts,
+            active_slots=self.active_slots,
+            num_active=self.num_active,
+        )
+
+    def with_sequences(self, seq_lora_indices: jax.Array) -> LoRAMapping:
+        """A copy carrying the per-sequence mapping used by the logits layer."""
+        seq = jnp.asarray(seq_lora_indices, jnp.int32)
+        if seq.ndim != 1:
+            raise ValueError(f"seq_lora_indices must be 1-D [num_seqs], got shape {seq.shape}")
+        return dataclasses.replace(self, seq_lora_indices=seq)
+
+
+def make_lora_mapping(
+    token_lora_indices: jax.Array,
+    max_loras: int,
+    seq_lora_indices: jax.Array | None = None,
+) -> LoRAMapping:
+    """Builds the step metadata from `token_lora_indices` (int32 `[T]`, -1 = no adapter).
+
+    Jittable, no host sync; indices outside `[-1, max_loras)` are treated as -1 (no
+    adapter) so a stale id can never read another slot's weights.
+
+    Example:
+        >>> m = jax.jit(make_lora_mapping, static_argnums=1)(jnp.zeros(8, jnp.int32), 4)
+        >>> int(m.num_active)
+        1
+    """
+    idx = jnp.asarray(token_lora_indices)
+    if idx.ndim != 1:
+        raise ValueError(f"token_lora_indices must be 1-D [T], got shape {idx.shape}")
+    if not jnp.issubdtype(idx.dtype, jnp.integer):
+        raise ValueError(f"token_lora_indices must be integers, got {idx.dtype}")
+    idx = idx.astype(jnp.int32)
+    idx = jnp.where((idx >= 0) & (idx < max_loras), idx, -1)
+    # -1 sorts after every slot; argsort is stable so tokens keep their order per slot.
+    key = jnp.where(idx < 0, max_loras, idx)
+    sorted_ids = jnp.argsort(key, stable=True).astype(jnp.int32)
+    counts = jnp.zeros((max_loras + 1,), jnp.int32).at[key].add(1)[:max_loras]
+    starts = jnp.cumsum(counts) - counts
+    is_active = counts > 0
+    # Active slots first in ascending order: sort by (inactive, slot).
+    order = jnp.argsort(jnp.where(is_active, 0, 1) * max_loras + jnp.arange(max_loras), stable=True)
+    active = jnp.where(is_active[order], order, -1).astype(jnp.int32)
+    seq = None if seq_lora_indices is None else jnp.asarray(seq_lora_indices, jnp.int32)
+    return LoRAMapping(
+        token_lora_indices=idx,
+        sorted_token_ids=sorted_ids,
+        slot_token_counts=counts,
+        slot_token_starts=starts.astype(jnp.int32),
+        active_slots=active,
+        num_active=jnp.sum(is_active).astype(jnp.int32),
+        seq_lora_indices=seq,
+    )

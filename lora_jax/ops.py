@@ -1,0 +1,186 @@
+"""Punica's two batched per-token adapter ops, with vLLM's contract, and their dispatcher.
+
+* `lora_shrink`: `out[s, t, :] = scale * x[t] @ lora_a[s][idx[t]].T` (f32 `[S, T, R]`)
+* `lora_expand`: `y[t, off_s : off_s + n_s] += h[s, t] @ lora_b[s][idx[t]].T`
+* `add_lora_linear`: shrink then expand over all slices of a packed layer.
+
+Layouts follow vLLM with its singleton dim dropped: per slice `lora_a[max_loras, R, in]`,
+`lora_b[max_loras, out, R]`. Tokens whose slot is -1 are untouched (shrink rows are 0,
+expand leaves `y` bit-identical).
+
+Backends: "pallas" (the GPU kernels in `lora_jax.kernels`) and "xla" (a gather einsum that
+runs anywhere). The default is "pallas" on GPU and "xla" elsewhere; force one per call
+with `backend=`, globally with `set_default_backend`, or with the environment variable
+`LORA_JAX_OPS_BACKEND`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from lora_jax.mapping import LoRAMapping
+
+BACKENDS = ("xla", "pallas")
+_default_backend: str | None = os.environ.get("LORA_JAX_OPS_BACKEND") or None
+
+
+def set_default_backend(backend: str | None) -> None:
+    """Forces every op to `backend` ("xla" | "pallas"); `None` restores auto-selection.
+
+    Example:
+        >>> set_default_backend("xla")
+        >>> set_default_backend(None)
+    """
+    global _default_backend
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    _default_backend = backend
+
+
+@functools.cache
+def _kernels():
+    try:
+        from lora_jax import kernels
+    except ImportError:  # pragma: no cover - only when the kernels package is absent
+        return None
+    return kernels if hasattr(kernels, "lora_shrink") else None
+
+
+def resolve_backend(backend: str | None = None) -> str:
+    """The backend an op will use: explicit > global default > GPU-or-not."""
+    choice = backend or _default_backend
+    if choice is None:
+        choice = "pallas" if jax.default_backend() == "gpu" and _kernels() else "xla"
+    if choice not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
+    if choice == "pallas" and _kernels() is None:
+        raise ValueError("backend='pallas' requested but lora_jax.kernels is not available")
+    return choice
+
+
+def _check_stacks(name: str, stacks: Sequence[jax.Array], mapping: LoRAMapping) -> None:
+    if not stacks:
+        raise ValueError(f"{name}: need at least one slice, got none")
+    for s, w in enumerate(stacks):
+        if w.ndim != 3:
+            raise ValueError(f"{name}[{s}] must be 3-D [max_loras, ., .], got shape {w.shape}")
+        if w.shape[0] != mapping.max_loras:
+            raise ValueError(
+                f"{name}[{s}] has {w.shape[0]} slots but the mapping was built for "
+                f"max_loras={mapping.max_loras}"
+            )
+
+
+def _gather_slot(stack: jax.Array, idx: jax.Array) -> jax.Array:
+    # Clamp -1 to slot 0 for the gather; the caller masks those rows out.
+    return jnp.take(stack, jnp.maximum(idx, 0), axis=0)
+
+
+def lora_shrink(
+    x: jax.Array,
+    lora_a: Sequence[jax.Array],
+    mapping: LoRAMapping,
+    scale: float = 1.0,
+    *,
+    slot_ranks: jax.Array | None = None,
+    backend: str | None = None,
+) -> jax.Array:
+    """`x [T, H]` times each slice's per-token A → f32 `[S, T, R]`.
+
+    Example:
+        >>> a = jnp.ones((2, 4, 8))  # [max_loras, R, H]
+        >>> m = make_lora_mapping(jnp.array([1, -1]), 2)  # doctest: +SKIP
+        >>> lora_shrink(jnp.ones((2, 8)), [a], m).shape  # doctest: +SKIP
+        (1, 2, 4)
+    """
+    lora_a = tuple(lora_a)
+    _check_stacks("lora_a", lora_a, mapping)
+    if resolve_backend(backend) == "pallas":
+        return _kernels().lora_shrink(
+            x, lora_a, scale=scale, slot_ranks=slot_ranks, **mapping.kernel_kwargs()
+        )
+    idx = mapping.token_lora_indices
+    keep = (idx >= 0)[:, None]
+    outs = []
+    for a in lora_a:
+        a_t = _gather_slot(a, idx)  # [T, R, H]
+        h = jnp.einsum("th,trh->tr", x, a_t, preferred_element_type=jnp.float32)
+        outs.append(jnp.where(keep, h * scale, 0.0))
+    return jnp.stack(outs).astype(jnp.float32)  # [S, T, R]
+
+
+def lora_expand(
+    y: jax.Array,
+    h: jax.Array,
+    lora_b: Sequence[jax.Array],
+    mapping: LoRAMapping,
+    *,
+    offsets: Sequence[int] | None = None,
+    slot_ranks: jax.Array | None = None,
+    backend: str | None = None,
+) -> jax.Array:
+    """Adds each slice's `h[s] @ B_s[idx].T` into `y [T, N]` at column `offsets[s]`.
+
+    `offsets` defaults to the slices laid side by side from column 0.
+    """
+    lora_b = tuple(lora_b)
+    _check_stacks("lora_b", lora_b, mapping)
+    if offsets is None:
+        offsets, acc = [], 0
+        for b in lora_b:
+            offsets.append(acc)
+            acc += b.shape[1]
+    offsets = tuple(int(o) for o in offsets)
+    if len(offsets) != len(lora_b) or h.shape[0] != len(lora_b):
+        raise ValueError(
+            f"lora_expand: {len(lora_b)} B slices, {len(offsets)} offsets and h with "
+            f"{h.shape[0]} slices must agree"
+        )
+    for s, (b, off) in enumerate(zip(lora_b, offsets)):
+        if off < 0 or off + b.shape[1] > y.shape[-1]:
+            raise ValueError(
+                f"lora_expand: slice {s} [{off}, {off + b.shape[1]}) exceeds y width {y.shape[-1]}"
+            )
+    if resolve_backend(backend) == "pallas":
+        return _kernels().lora_expand(
+            y, h, lora_b, offsets=offsets, slot_ranks=slot_ranks, **mapping.kernel_kwargs()
+        )
+    idx = mapping.token_lora_indices
+    keep = (idx >= 0)[:, None]
+    for s, (b, off) in enumerate(zip(lora_b, offsets)):
+        b_t = _gather_slot(b, idx)  # [T, n_s, R]
+        delta = jnp.einsum("tr,tnr->tn", h[s].astype(jnp.float32), b_t,
+                           preferred_element_type=jnp.float32)
+        cols = y[:, off : off + b.shape[1]]
+        new = (cols.astype(jnp.float32) + delta).astype(y.dtype)
+        y = y.at[:, off : off + b.shape[1]].set(jnp.where(keep, new, cols))
+    return y
+
+
+def add_lora_linear(
+    y: jax.Array,
+    x: jax.Array,
+    lora_a: Sequence[jax.Array],
+    lora_b: Sequence[jax.Array],
+    mapping: LoRAMapping,
+    scale: float = 1.0,
+    *,
+    offsets: Sequence[int] | None = None,
+    slot_ranks: jax.Array | None = None,
+    backend: str | None = None,
+) -> jax.Array:
+    """vLLM's `add_lora_linear`: `y += expand(shrink(x))` over all slices of a layer.
+
+    Example:
+        >>> # y [T, sum(n_s)], x [T, H], lora_a[s] [L, R, H], lora_b[s] [L, n_s, R]
+        >>> y = add_lora_linear(y, x, a_slices, b_slices, mapping)  # doctest: +SKIP
+    """
+    h = lora_shrink(x, lora_a, mapping, scale, slot_ranks=slot_ranks, backend=backend)
+    return lora_expand(
+        y, h, lora_b, mapping, offsets=offsets, slot_ranks=slot_ranks, backend=backend
+    )

@@ -1,0 +1,1 @@
+"""Serving: wrapping, PEFT loading, the adapter manager and generation."""

@@ -1,0 +1,123 @@
+"""Logical axis names → mesh axes: the one table every layer's sharding comes from.
+
+Layers name *logical* axes ("tensor", "batch", "lora_rank", ...); `ShardingRules` maps
+them onto the axes of a `jax.sharding.Mesh`. vLLM's manual `tp_rank` slicing becomes a
+`PartitionSpec` here, and each layer runs its local math inside `jax.shard_map` with
+those specs, so the compiled program does exactly the collectives vLLM does by hand.
+Meshes with Explicit axes (`jax.make_mesh`'s default) and Auto axes both work: inputs
+are resharded to the layer's specs before entering the map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# The rules table. Values are mesh axis names (or None = replicated). A logical axis
+# whose mesh axis is absent from the mesh is replicated.
+DEFAULT_RULES: Mapping[str, str | None] = {
+    "batch": "dp",  # tokens / sequences
+    "embed": None,  # model hidden dim (replicated between tp shards)
+    "tensor": "tp",  # column-parallel out dim, row-parallel in dim, heads, mlp
+    "vocab": "tp",  # lm_head / embedding vocabulary
+    "expert": "ep",  # MoE experts
+    "lora_slot": None,  # the max_loras dim of adapter stacks
+    "lora_rank": None,  # adapter rank (plain LoRA)
+    "lora_rank_sharded": "tp",  # adapter rank under fully_sharded_loras (S-LoRA)
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """A mesh plus the logical→mesh axis table.
+
+    Example:
+        >>> mesh = jax.make_mesh((1, 2), ("dp", "tp"))  # doctest: +SKIP
+        >>> ShardingRules(mesh).spec("batch", "tensor")  # doctest: +SKIP
+        PartitionSpec('dp', 'tp')
+    """
+
+    mesh: Mesh | None = None
+    rules: tuple[tuple[str, str | None], ...] = tuple(DEFAULT_RULES.items())
+
+    def __post_init__(self):
+        if isinstance(self.rules, Mapping):
+            object.__setattr__(self, "rules", tuple(self.rules.items()))
+
+    def mesh_axis(self, logical: str | None) -> str | None:
+        """Mesh axis for a logical name, or None when it is replicated/absent."""
+        if logical is None or self.mesh is None:
+            return None
+        table = dict(self.rules)
+        if logical not in table:
+            raise ValueError(f"unknown logical axis {logical!r}; known: {sorted(table)}")
+        axis = table[logical]
+        return axis if axis in self.mesh.axis_names else None
+
+    def size(self, logical: str | None) -> int:
+        """Number of shards along a logical axis (1 when not sharded)."""
+        axis = self.mesh_axis(logical)
+        return 1 if axis is None else self.mesh.shape[axis]
+
+    def spec(self, *logical: str | None) -> P:
+        return P(*(self.mesh_axis(name) for name in logical))
+
+    def named(self, *logical: str | None) -> NamedSharding | None:
+        if self.mesh is None:
+            return None
+        return NamedSharding(self.mesh, self.spec(*logical))
+
+    @property
+    def sharded(self) -> bool:
+        return self.mesh is not None and self.mesh.size > 1
+
+    def place(self, x: jax.Array, *logical: str | None) -> jax.Array:
+        """Puts a host/device array on the mesh with the logical spec (eager only)."""
+        sharding = self.named(*logical)
+        return x if sharding is None else jax.device_put(x, sharding)
+
+    def constrain(self, x: jax.Array, *logical: str | None) -> jax.Array:
+        """Reshards a traced value to the logical spec; works on Explicit and Auto axes."""
+        sharding = self.named(*logical)
+        if sharding is None:
+            return x
+        if _is_explicit(self.mesh):
+            return jax.reshard(x, sharding)
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _is_explicit(mesh: Mesh) -> bool:
+    types = getattr(mesh, "axis_types", None)
+    if not types:
+        return False
+    explicit = jax.sharding.AxisType.Explicit
+    return any(t == explicit for t in types)
+
+
+def shard_map(rules: ShardingRules, fn, in_specs, out_specs):
+    """`jax.shard_map` over the rules' mesh, resharding inputs to `in_specs` first.
+
+    Explicit-axis meshes refuse inputs whose sharding differs from the specs, so every
+    input is resharded (a no-op when it already matches). `in_specs` / `out_specs` are
+    pytrees of logical-name tuples, converted through the rules table.
+    """
+    mesh = rules.mesh
+    to_p = lambda names: rules.spec(*names)  # noqa: E731
+    is_names = lambda s: isinstance(s, tuple) and all(  # noqa: E731
+        n is None or isinstance(n, str) for n in s
+    )
+    pin = jax.tree.map(to_p, in_specs, is_leaf=is_names)
+    pout = jax.tree.map(to_p, out_specs, is_leaf=is_names)
+
+    def wrapped(*args):
+        args = tuple(
+            jax.tree.map(lambda s, a: rules.constrain(a, *s), spec, arg, is_leaf=is_names)
+            for spec, arg in zip(in_specs, args)
+        )
+        return jax.shard_map(fn, mesh=mesh, in_specs=pin, out_specs=pout, check_vma=False)(*args)
+
+    return wrapped
