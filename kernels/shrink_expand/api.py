@@ -18,7 +18,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-
 from lora_jax.kernels.shrink_expand import pallas_triton
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 from lora_jax.kernels.shrink_expand.work_list import build_work_list
@@ -31,8 +30,17 @@ def _check_float(name: str, arr) -> None:
         raise ValueError(f"{name} has dtype {arr.dtype}; expected bfloat16, float16 or float32.")
 
 
-def _check_meta(num_tokens: int, max_loras: int, token_lora_indices, sorted_token_ids,
-                slot_token_counts, slot_token_starts, slot_ranks, num_slices: int, rank: int):
+def _check_meta(
+    num_tokens: int,
+    max_loras: int,
+    token_lora_indices,
+    sorted_token_ids,
+    slot_token_counts,
+    slot_token_starts,
+    slot_ranks,
+    num_slices: int,
+    rank: int,
+):
     for name, arr, shape in (
         ("token_lora_indices", token_lora_indices, (num_tokens,)),
         ("sorted_token_ids", sorted_token_ids, (num_tokens,)),
@@ -89,17 +97,33 @@ def lora_shrink(
                 f"[max_loras, R, H={hidden}] with one shape {lora_a[0].shape}."
             )
     max_loras, rank, _ = lora_a[0].shape
-    _check_meta(num_tokens, max_loras, token_lora_indices, sorted_token_ids, slot_token_counts,
-                slot_token_starts, slot_ranks, len(lora_a), rank)
+    _check_meta(
+        num_tokens,
+        max_loras,
+        token_lora_indices,
+        sorted_token_ids,
+        slot_token_counts,
+        slot_token_starts,
+        slot_ranks,
+        len(lora_a),
+        rank,
+    )
     if block_sizes is None:
-        block_sizes = BlockSizes.get_default("shrink", num_tokens=num_tokens, hidden=hidden,
-                                             rank=rank)
-    tab = build_work_list(slot_token_counts, slot_token_starts, num_tokens=num_tokens,
-                          block_m=block_sizes.block_m)
+        block_sizes = BlockSizes.get_default(
+            "shrink", num_tokens=num_tokens, hidden=hidden, rank=rank
+        )
+    tab = build_work_list(
+        slot_token_counts, slot_token_starts, num_tokens=num_tokens, block_m=block_sizes.block_m
+    )
     return pallas_triton.shrink(
-        x, lora_a, tab, sorted_token_ids.astype(jnp.int32),
+        x,
+        lora_a,
+        tab,
+        sorted_token_ids.astype(jnp.int32),
         None if slot_ranks is None else slot_ranks.astype(jnp.int32),
-        scale=float(scale), bs=block_sizes, interpret=interpret,
+        scale=float(scale),
+        bs=block_sizes,
+        interpret=interpret,
     )
 
 
@@ -163,15 +187,32 @@ def lora_expand(
                 f"lora_expand: slice {s} covers columns [{off}, {off + b.shape[1]}) "
                 f"outside y's {width} columns."
             )
-    _check_meta(num_tokens, max_loras, token_lora_indices, sorted_token_ids, slot_token_counts,
-                slot_token_starts, slot_ranks, len(lora_b), rank)
+    _check_meta(
+        num_tokens,
+        max_loras,
+        token_lora_indices,
+        sorted_token_ids,
+        slot_token_counts,
+        slot_token_starts,
+        slot_ranks,
+        len(lora_b),
+        rank,
+    )
     if block_sizes is None:
-        block_sizes = BlockSizes.get_default("expand", num_tokens=num_tokens, hidden=width,
-                                             rank=rank)
-    tab = build_work_list(slot_token_counts, slot_token_starts, num_tokens=num_tokens,
-                          block_m=block_sizes.block_m)
+        block_sizes = BlockSizes.get_default(
+            "expand", num_tokens=num_tokens, hidden=width, rank=rank
+        )
+    tab = build_work_list(
+        slot_token_counts, slot_token_starts, num_tokens=num_tokens, block_m=block_sizes.block_m
+    )
     return pallas_triton.expand(
-        y, h, lora_b, tab, sorted_token_ids.astype(jnp.int32),
+        y,
+        h,
+        lora_b,
+        tab,
+        sorted_token_ids.astype(jnp.int32),
         None if slot_ranks is None else slot_ranks.astype(jnp.int32),
-        offsets=offsets, bs=block_sizes, interpret=interpret,
+        offsets=offsets,
+        bs=block_sizes,
+        interpret=interpret,
     )

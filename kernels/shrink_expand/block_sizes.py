@@ -43,9 +43,7 @@ class BlockSizes:
         for f in ("block_m", "block_k", "block_r", "block_n"):
             v = getattr(self, f)
             if v < 16 or v & (v - 1):
-                raise ValueError(
-                    f"BlockSizes.{f}={v}: Triton tiles must be powers of two >= 16."
-                )
+                raise ValueError(f"BlockSizes.{f}={v}: Triton tiles must be powers of two >= 16.")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"BlockSizes.num_warps={self.num_warps}: use 1, 2, 4, 8 or 16.")
         if self.num_stages < 1:
@@ -67,9 +65,7 @@ class BlockSizes:
                     block_m=32, block_r=min(rank_p, 64), block_k=128, num_warps=4, num_stages=4
                 )
             # Prefill: x dominates; the whole rank in one program reads x once.
-            return cls(
-                block_m=64, block_r=min(rank_p, 128), block_k=128, num_warps=4, num_stages=3
-            )
+            return cls(block_m=64, block_r=min(rank_p, 128), block_k=128, num_warps=4, num_stages=3)
         if op == "expand":
             if num_tokens <= 256:
                 return cls(block_m=16, block_n=64, num_warps=4, num_stages=1)

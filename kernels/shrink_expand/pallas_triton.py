@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 
 
@@ -179,9 +178,7 @@ def _expand_kernel(
         n_s, off = widths[s], offsets[s]
         blocks_s = -(-n_s // bn)
 
-        @pl.when(
-            (sid == s) & (nb < blocks_s) & (tab_ref[2, pid] > 0) & (tab_ref[0, pid] >= 0)
-        )
+        @pl.when((sid == s) & (nb < blocks_s) & (tab_ref[2, pid] > 0) & (tab_ref[0, pid] >= 0))
         def _(s=s, n_s=n_s, off=off):
             slot, _, rows = _block_rows(tab_ref, ids_ref, pid, bm)
             r = jnp.arange(rank_p, dtype=jnp.int32)
