@@ -275,3 +275,46 @@ def local_offsets(widths: Sequence[int], shards: int) -> tuple[int, ...]:
         offs.append(acc)
         acc += w // shards
     return tuple(offs)
+
+
+def find_lora_context(model: nnx.Module) -> LoRAContext | None:
+    """The `LoRAContext` shared by the LoRA layers of `model` (None if not wrapped).
+
+    Raises if the model's LoRA layers hold more than one context: one step has one mapping.
+    """
+    found = {}
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, LoRAContext):
+            found[id(node)] = node
+    if len(found) > 1:
+        raise ValueError(f"model has {len(found)} LoRA contexts; wrap it with one shared context")
+    return next(iter(found.values()), None)
+
+
+def set_lora_mapping(
+    model: nnx.Module,
+    token_lora_indices: jax.Array | LoRAMapping,
+    seq_lora_indices: jax.Array | None = None,
+) -> LoRAMapping | None:
+    """Sets the step's mapping on every LoRA layer of `model` (call inside your jit).
+
+    Example:
+        >>> set_lora_mapping(model, jnp.array([0, 0, -1, 2], jnp.int32))  # doctest: +SKIP
+    """
+    ctx = find_lora_context(model)
+    if ctx is None:
+        return None
+    if isinstance(token_lora_indices, LoRAMapping):
+        mapping = token_lora_indices
+    else:
+        max_loras = _context_max_loras(model)
+        mapping = make_lora_mapping(token_lora_indices, max_loras, seq_lora_indices)
+    ctx.set_value(mapping)
+    return mapping
+
+
+def _context_max_loras(model: nnx.Module) -> int:
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, BaseLayerWithLoRA) or hasattr(node, "lora_config"):
+            return node.lora_config.max_loras
+    raise ValueError("model has a LoRA context but no LoRA layer")
