@@ -1,0 +1,199 @@
+"""Shared checks for every shrink/expand backend (Tokamax style).
+
+A backend's test file subclasses `ShrinkExpandTestBase` and sets
+``interpret`` (and, for GPU classes, larger shapes). Everything is compared
+with the jnp oracles in `lora_jax.kernels` over shapes x dtypes x slice
+layouts x mappings, with the tolerances in `TOLERANCES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from lora_jax.kernels import (
+    BlockSizes,
+    lora_expand,
+    lora_expand_reference,
+    lora_shrink,
+    lora_shrink_reference,
+)
+
+# (op, dtype) -> (rtol, atol) on outputs of unit scale. Shrink sums exact
+# products in f32, so only the summation order differs. Expand feeds h to the
+# tensor cores in the weights' dtype (as vLLM does) and rounds y once.
+TOLERANCES = {
+    ("shrink", jnp.float32): (1e-5, 1e-5),
+    ("shrink", jnp.bfloat16): (1e-4, 1e-4),
+    ("shrink", jnp.float16): (1e-4, 1e-4),
+    ("expand", jnp.float32): (1e-5, 1e-5),
+    ("expand", jnp.bfloat16): (2e-2, 2e-2),
+    ("expand", jnp.float16): (4e-3, 4e-3),
+}
+
+
+def make_metadata(token_lora_indices, max_loras: int) -> dict[str, jax.Array]:
+    """The kernels' metadata, built in numpy the obvious way (the oracle of LoRAMapping)."""
+    idx = np.asarray(token_lora_indices, np.int32)
+    key = np.where(idx < 0, max_loras, idx)
+    sorted_ids = np.argsort(key, kind="stable").astype(np.int32)
+    counts = np.bincount(key, minlength=max_loras + 1)[:max_loras].astype(np.int32)
+    starts = (np.cumsum(counts) - counts).astype(np.int32)
+    active = np.full(max_loras, -1, np.int32)
+    used = np.nonzero(counts)[0]
+    active[: len(used)] = used
+    return dict(
+        token_lora_indices=jnp.asarray(idx),
+        sorted_token_ids=jnp.asarray(sorted_ids),
+        slot_token_counts=jnp.asarray(counts),
+        slot_token_starts=jnp.asarray(starts),
+        active_slots=jnp.asarray(active),
+        num_active=jnp.asarray(len(used), jnp.int32),
+    )
+
+
+def make_mapping(kind: str, num_tokens: int, max_loras: int, rng) -> np.ndarray:
+    """Token -> slot index, int32 [T], for the named mapping pattern."""
+    if kind == "none":
+        return np.full(num_tokens, -1, np.int32)
+    if kind == "one":
+        return np.full(num_tokens, max_loras - 1, np.int32)
+    if kind == "distinct":  # every token its own slot (T <= L), some slots unused
+        return rng.permutation(max_loras)[:num_tokens].astype(np.int32)
+    if kind == "sorted":  # prefill-like runs
+        return np.sort(rng.integers(0, max_loras, num_tokens)).astype(np.int32)
+    if kind == "unsorted":  # decode-like scatter, with unmapped tokens
+        return rng.integers(-1, max_loras, num_tokens).astype(np.int32)
+    raise ValueError(kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    num_tokens: int
+    hidden: int
+    rank: int
+    widths: tuple[int, ...]  # n_s of each slice; len = S
+    dtype: object
+    mapping: str
+    max_loras: int = 4
+    ranked: bool = False  # pass slot_ranks below R
+    block_sizes: BlockSizes | None = None
+
+    def __str__(self):
+        name = jnp.dtype(self.dtype).name
+        return (
+            f"T{self.num_tokens}-H{self.hidden}-R{self.rank}-S{len(self.widths)}-{name}-"
+            f"{self.mapping}{'-ranked' if self.ranked else ''}"
+        )
+
+
+_PREFILL = BlockSizes(block_m=16, block_k=32, block_r=16, block_n=32)
+
+# Small grids: interpret mode runs every program through XLA on the CPU.
+CPU_CASES = [
+    Case(8, 64, 16, (32,), jnp.bfloat16, "none"),
+    Case(8, 64, 16, (32, 16), jnp.float32, "one"),
+    Case(4, 48, 16, (32, 16, 16), jnp.float16, "distinct"),
+    Case(24, 64, 16, (48,), jnp.bfloat16, "sorted", block_sizes=_PREFILL),
+    Case(16, 40, 16, (24, 8, 8), jnp.float32, "unsorted"),
+    Case(12, 64, 8, (16,), jnp.bfloat16, "unsorted"),  # rank 8: padded to 16 inside
+    Case(9, 130, 32, (40, 20), jnp.float32, "unsorted"),  # ragged hidden, two k steps
+    Case(16, 64, 32, (32, 32), jnp.bfloat16, "unsorted", ranked=True),
+    Case(1, 64, 16, (16,), jnp.float32, "one"),
+    Case(40, 32, 24, (20,), jnp.float32, "sorted", max_loras=2, block_sizes=_PREFILL),
+]
+
+
+class ShrinkExpandTestBase:
+    """Subclass and set `interpret`; `cases` may be overridden with larger shapes."""
+
+    interpret: bool = True
+
+    def _inputs(self, case: Case, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        num_slices = len(case.widths)
+        idx = make_mapping(case.mapping, case.num_tokens, case.max_loras, rng)
+        meta = make_metadata(idx, case.max_loras)
+        x = jnp.asarray(rng.standard_normal((case.num_tokens, case.hidden)), case.dtype)
+        lora_a = tuple(
+            jnp.asarray(
+                rng.standard_normal((case.max_loras, case.rank, case.hidden))
+                / np.sqrt(case.hidden),
+                case.dtype,
+            )
+            for _ in range(num_slices)
+        )
+        lora_b = tuple(
+            jnp.asarray(rng.standard_normal((case.max_loras, n, case.rank)), case.dtype)
+            for n in case.widths
+        )
+        width = sum(case.widths) + 3  # a few columns no slice touches
+        y = jnp.asarray(rng.standard_normal((case.num_tokens, width)), case.dtype)
+        offsets = tuple(int(o) for o in np.cumsum((0,) + case.widths[:-1]))
+        slot_ranks = None
+        if case.ranked:
+            slot_ranks = jnp.asarray(
+                rng.integers(1, case.rank + 1, (num_slices, case.max_loras)), jnp.int32
+            )
+            # zero the padded rows as the adapter manager does
+            keep = jnp.arange(case.rank)[None, :, None] < slot_ranks[:, :, None, None]
+            lora_a = tuple(jnp.where(keep[s], a, 0).astype(a.dtype) for s, a in enumerate(lora_a))
+        h = jnp.asarray(
+            rng.standard_normal((num_slices, case.num_tokens, case.rank)) / np.sqrt(case.rank),
+            jnp.float32,
+        )
+        return idx, meta, x, lora_a, lora_b, y, offsets, slot_ranks, h
+
+    @pytest.mark.parametrize("case", CPU_CASES, ids=str)
+    def test_shrink(self, case: Case):
+        idx, meta, x, lora_a, _, _, _, slot_ranks, _ = self._inputs(case)
+        kw = dict(meta, scale=0.5, slot_ranks=slot_ranks)
+        out = lora_shrink(x, lora_a, **kw, block_sizes=case.block_sizes, interpret=self.interpret)
+        ref = lora_shrink_reference(x, lora_a, **kw)
+        assert out.shape == (len(case.widths), case.num_tokens, case.rank)
+        assert out.dtype == jnp.float32
+        assert bool(jnp.all(jnp.isfinite(out)))
+        rtol, atol = TOLERANCES[("shrink", case.dtype)]
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=rtol, atol=atol)
+        # unmapped rows are exactly 0, and so is everything past a slot's true rank
+        assert np.all(np.asarray(out)[:, idx < 0] == 0)
+        if slot_ranks is not None:
+            safe = np.where(idx < 0, 0, idx)
+            past = np.arange(case.rank)[None, None, :] >= np.asarray(slot_ranks)[:, safe][..., None]
+            assert np.all(np.asarray(out)[past] == 0)
+
+    @pytest.mark.parametrize("case", CPU_CASES, ids=str)
+    def test_expand(self, case: Case):
+        idx, meta, _, _, lora_b, y, offsets, slot_ranks, h = self._inputs(case)
+        kw = dict(meta, offsets=offsets, slot_ranks=slot_ranks)
+        out = lora_expand(
+            y, h, lora_b, **kw, block_sizes=case.block_sizes, interpret=self.interpret
+        )
+        ref = lora_expand_reference(y, h, lora_b, **kw)
+        assert out.shape == y.shape and out.dtype == y.dtype
+        rtol, atol = TOLERANCES[("expand", case.dtype)]
+        np.testing.assert_allclose(
+            np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=rtol, atol=atol
+        )
+        # unmapped rows and untouched columns are bit-identical to the input
+        y_np, out_np = np.asarray(y), np.asarray(out)
+        assert np.array_equal(out_np[idx < 0], y_np[idx < 0])
+        assert np.array_equal(out_np[:, sum(case.widths) :], y_np[:, sum(case.widths) :])
+
+    def test_shrink_then_expand_in_one_jit(self):
+        case = CPU_CASES[4]
+        _, meta, x, lora_a, lora_b, y, offsets, _, _ = self._inputs(case, seed=1)
+
+        @jax.jit
+        def step(x, y):
+            h = lora_shrink(x, lora_a, **meta, scale=2.0, interpret=self.interpret)
+            return lora_expand(y, h, lora_b, offsets=offsets, **meta, interpret=self.interpret)
+
+        def ref(x, y):
+            h = lora_shrink_reference(x, lora_a, **meta, scale=2.0)
+            return lora_expand_reference(y, h, lora_b, offsets=offsets, **meta)
+
+        np.testing.assert_allclose(step(x, y), ref(x, y), rtol=1e-5, atol=1e-5)

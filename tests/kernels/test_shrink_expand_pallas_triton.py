@@ -1,0 +1,145 @@
+"""Pallas Triton shrink/expand: interpret mode on CPU, CUDA lowering on CPU, real runs on GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from lora_jax.kernels import BlockSizes, lora_expand, lora_shrink
+from lora_jax.kernels.shrink_expand.work_list import build_work_list, num_work_blocks
+from shrink_expand_test_base import (
+    CPU_CASES,
+    Case,
+    ShrinkExpandTestBase,
+    make_mapping,
+    make_metadata,
+)
+
+
+class TestPallasTritonInterpret(ShrinkExpandTestBase):
+    interpret = True
+
+
+@pytest.mark.gpu
+class TestPallasTritonGpu(ShrinkExpandTestBase):
+    interpret = False
+
+    @pytest.mark.parametrize(
+        "case",
+        [
+            Case(256, 4096, 64, (4096,), jnp.bfloat16, "unsorted", max_loras=64),
+            Case(1024, 2049, 8, (1024, 256, 256), jnp.bfloat16, "sorted", max_loras=8),
+            Case(64, 4096, 256, (512, 128), jnp.float16, "unsorted", max_loras=16, ranked=True),
+            Case(300, 1000, 16, (200,), jnp.float32, "unsorted", max_loras=8),
+            Case(4096, 4096, 128, (4096,), jnp.bfloat16, "sorted", max_loras=8),
+        ],
+        ids=str,
+    )
+    def test_large(self, case):
+        self.test_shrink(case)
+        self.test_expand(case)
+
+
+def _abstract_gpu_context():
+    """jax >= 0.12 needs an abstract GPU device to lower Pallas Triton without a GPU."""
+    import contextlib
+
+    try:
+        from jax._src.mesh import AbstractDevice
+    except ImportError:
+        return contextlib.nullcontext()
+    try:
+        mesh = jax.sharding.AbstractMesh(
+            (1,),
+            ("x",),
+            abstract_device=AbstractDevice(
+                device_kind="NVIDIA H200", num_cores=132, platform="gpu"
+            ),
+        )
+    except TypeError:  # older jax: no abstract_device, and none needed
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_for_cuda(dtype):
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    num_tokens, hidden, rank, max_loras = 64, 2049, 8, 4
+    meta = make_metadata(np.arange(num_tokens) % max_loras, max_loras)
+    sds = jax.ShapeDtypeStruct
+    x = sds((num_tokens, hidden), dtype)
+    lora_a = (sds((max_loras, rank, hidden), dtype),) * 3
+    lora_b = (sds((max_loras, 100, rank), dtype), sds((max_loras, 50, rank), dtype)) * 1
+    y = sds((num_tokens, 160), dtype)
+    ranks = jnp.full((3, max_loras), 4, jnp.int32)
+
+    def step(x, lora_a, lora_b, y, meta):
+        h = lora_shrink(x, lora_a, **meta, slot_ranks=ranks)
+        return lora_expand(y, h[:2], lora_b, offsets=(0, 110), **meta, slot_ranks=ranks[:2])
+
+    with _abstract_gpu_context():
+        text = (
+            jax.jit(step)
+            .trace(x, lora_a, lora_b, y, meta)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+    assert text.count("triton") >= 2
+
+
+def test_work_list_covers_every_token_once():
+    rng = np.random.default_rng(0)
+    for num_tokens, max_loras, block_m in [(1, 4, 16), (37, 5, 16), (300, 8, 32), (16, 64, 16)]:
+        idx = make_mapping("unsorted", num_tokens, max_loras, rng)
+        meta = make_metadata(idx, max_loras)
+        tab = np.asarray(
+            build_work_list(
+                meta["slot_token_counts"],
+                meta["slot_token_starts"],
+                num_tokens=num_tokens,
+                block_m=block_m,
+            )
+        )
+        assert tab.shape == (3, num_work_blocks(num_tokens, max_loras, block_m))
+        sorted_ids = np.asarray(meta["sorted_token_ids"])
+        seen = np.zeros(num_tokens, int)
+        for slot, first, rows in tab.T:
+            assert 0 <= rows <= block_m
+            for p in range(first, first + rows):
+                tok = sorted_ids[p]
+                seen[tok] += 1
+                assert idx[tok] == slot
+        assert np.all(seen == 1)
+
+
+def test_matches_lora_mapping_metadata():
+    mapping = pytest.importorskip("lora_jax.mapping")
+    idx = np.array([3, -1, 0, 3, 1, -1, 0, 0], np.int32)
+    got = mapping.make_lora_mapping(jnp.asarray(idx), 4)
+    want = make_metadata(idx, 4)
+    for name, value in want.items():
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(value), name)
+
+
+def test_block_sizes_validated():
+    with pytest.raises(ValueError, match="block_m"):
+        BlockSizes(block_m=24)
+    with pytest.raises(ValueError, match="block_k"):
+        BlockSizes(block_k=8)
+    assert BlockSizes.get_default("shrink", num_tokens=16384, hidden=4096, rank=8).block_r == 16
+
+
+def test_bad_shapes_are_named():
+    case = CPU_CASES[1]
+    meta = make_metadata(np.zeros(case.num_tokens, np.int32), case.max_loras)
+    x = jnp.zeros((case.num_tokens, case.hidden), jnp.float32)
+    a = jnp.zeros((case.max_loras, case.rank, case.hidden + 1), jnp.float32)
+    with pytest.raises(ValueError, match=r"lora_a\[0\]"):
+        lora_shrink(x, (a,), **meta, interpret=True)
+    y = jnp.zeros((case.num_tokens, 8), jnp.float32)
+    h = jnp.zeros((1, case.num_tokens, case.rank), jnp.float32)
+    b = jnp.zeros((case.max_loras, 16, case.rank), jnp.float32)
+    with pytest.raises(ValueError, match="outside y"):
+        lora_expand(y, h, (b,), offsets=(0,), **meta, interpret=True)
