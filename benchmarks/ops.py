@@ -1,0 +1,382 @@
+"""Benchmark: shrink/expand kernels vs XLA gather+einsum, one-hot einsum and ragged_dot.
+
+Device time, not host dispatch: each measured program runs K different calls
+inside one jit (C = 4 rotated weight copies so adapters come from HBM, not the
+60 MB L2; a different token order per call so XLA cannot merge calls), is run
+back to back a few times and the wall time is divided by the number of calls.
+Baselines compile in a thread with a time budget; cells over it are reported
+as skipped. Bytes for the roofline = x (or h and y read+written) + the
+adapters actually used + outputs.
+
+    python benchmarks/ops.py --out $OUT            # full grid, prints a table, writes ops.json
+    python benchmarks/ops.py --sweep --out $OUT    # also try a few tile configs per case
+    python benchmarks/ops.py --interpret --tokens 16 --hiddens 64 --ranks 16  # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from lora_jax.kernels import BlockSizes, lora_expand, lora_shrink
+
+HBM_GBPS = 4300.0  # measured device-to-device copy on an H200 of this workplace (KINDS.md)
+MAX_LORAS = 64
+COPIES = 4
+
+
+def metadata(idx: np.ndarray, max_loras: int) -> dict[str, jax.Array]:
+    key = np.where(idx < 0, max_loras, idx)
+    sorted_ids = np.argsort(key, kind="stable").astype(np.int32)
+    counts = np.bincount(key, minlength=max_loras + 1)[:max_loras].astype(np.int32)
+    starts = (np.cumsum(counts) - counts).astype(np.int32)
+    active = np.full(max_loras, -1, np.int32)
+    used = np.nonzero(counts)[0]
+    active[: len(used)] = used
+    return dict(
+        token_lora_indices=jnp.asarray(idx.astype(np.int32)),
+        sorted_token_ids=jnp.asarray(sorted_ids),
+        slot_token_counts=jnp.asarray(counts),
+        slot_token_starts=jnp.asarray(starts),
+        active_slots=jnp.asarray(active),
+        num_active=jnp.asarray(len(used), jnp.int32),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    op: str
+    tokens: int
+    hidden: int
+    rank: int
+    adapters: int
+
+
+def ideal_bytes(c: Case) -> float:
+    if c.op == "shrink":
+        return c.tokens * c.hidden * 2 + c.adapters * c.rank * c.hidden * 2 + c.tokens * c.rank * 4
+    return c.tokens * c.rank * 4 + c.adapters * c.hidden * c.rank * 2 + 2 * c.tokens * c.hidden * 2
+
+
+def build(c: Case, calls: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    chosen = rng.permutation(MAX_LORAS)[: c.adapters]
+    base = chosen[np.arange(c.tokens) % c.adapters]
+    metas = [metadata(rng.permutation(base), MAX_LORAS) for _ in range(calls)]
+    k = jax.random.key(seed)
+    dt = jnp.bfloat16
+    if c.op == "shrink":
+        x = jax.random.normal(k, (c.tokens, c.hidden), dt)
+        w = [
+            jax.random.normal(jax.random.fold_in(k, i), (MAX_LORAS, c.rank, c.hidden), dt)
+            * (c.hidden**-0.5)
+            for i in range(COPIES)
+        ]  # [L, R, H]
+        return x, w, metas
+    h = jax.random.normal(k, (1, c.tokens, c.rank), jnp.float32)  # [S, T, R]
+    y = jax.random.normal(jax.random.fold_in(k, 99), (c.tokens, c.hidden), dt)  # [T, N]
+    w = [
+        jax.random.normal(jax.random.fold_in(k, i), (MAX_LORAS, c.hidden, c.rank), dt)
+        for i in range(COPIES)
+    ]  # [L, N, R]
+    return (h, y), w, metas
+
+
+# Each impl: (inputs, weights, metas) -> outputs of `calls` distinct calls.
+def ours(c: Case, bs: BlockSizes | None):
+    def shrink_fn(x, w, metas):
+        return [
+            lora_shrink(x, (w[i % COPIES],), **m, block_sizes=bs, interpret=INTERPRET)
+            for i, m in enumerate(metas)
+        ]
+
+    def expand_fn(hy, w, metas):
+        h, y = hy
+        for i, m in enumerate(metas):
+            y = lora_expand(
+                y, h, (w[i % COPIES],), offsets=(0,), **m, block_sizes=bs, interpret=INTERPRET
+            )
+        return y
+
+    return shrink_fn if c.op == "shrink" else expand_fn
+
+
+def _valid(m):
+    idx = m["token_lora_indices"]
+    return idx >= 0, jnp.where(idx >= 0, idx, 0)
+
+
+def gather_einsum(c: Case):
+    def shrink_fn(x, w, metas):
+        outs = []
+        for i, m in enumerate(metas):
+            valid, safe = _valid(m)
+            o = jnp.einsum("th,trh->tr", x, w[i % COPIES][safe], preferred_element_type=jnp.float32)
+            outs.append(jnp.where(valid[:, None], o, 0.0))
+        return outs
+
+    def expand_fn(hy, w, metas):
+        h, y = hy
+        for i, m in enumerate(metas):
+            valid, safe = _valid(m)
+            d = jnp.einsum(
+                "tr,tnr->tn",
+                h[0].astype(y.dtype),
+                w[i % COPIES][safe],
+                preferred_element_type=jnp.float32,
+            )
+            y = jnp.where(valid[:, None], (y.astype(jnp.float32) + d).astype(y.dtype), y)
+        return y
+
+    return shrink_fn if c.op == "shrink" else expand_fn
+
+
+def one_hot_einsum(c: Case):
+    def shrink_fn(x, w, metas):
+        outs = []
+        for i, m in enumerate(metas):
+            oh = jax.nn.one_hot(m["token_lora_indices"], MAX_LORAS, dtype=x.dtype)  # [T, L]
+            outs.append(
+                jnp.einsum(
+                    "td,tX,Xld->tl", x, oh, w[i % COPIES], preferred_element_type=jnp.float32
+                )
+            )
+        return outs
+
+    def expand_fn(hy, w, metas):
+        h, y = hy
+        for i, m in enumerate(metas):
+            oh = jax.nn.one_hot(m["token_lora_indices"], MAX_LORAS, dtype=y.dtype)
+            d = jnp.einsum(
+                "tr,tX,Xnr->tn",
+                h[0].astype(y.dtype),
+                oh,
+                w[i % COPIES],
+                preferred_element_type=jnp.float32,
+            )
+            y = (y.astype(jnp.float32) + d).astype(y.dtype)
+        return y
+
+    return shrink_fn if c.op == "shrink" else expand_fn
+
+
+def ragged(c: Case):
+    # Weights stored transposed for ragged_dot ([L, H, R] / [L, R, N]), made outside the timing.
+    def shrink_fn(x, wt, metas):
+        outs = []
+        for i, m in enumerate(metas):
+            order = m["sorted_token_ids"]
+            o = jax.lax.ragged_dot(
+                x[order],
+                wt[i % COPIES],
+                m["slot_token_counts"],
+                preferred_element_type=jnp.float32,
+            )
+            outs.append(jnp.zeros_like(o).at[order].set(o))
+        return outs
+
+    def expand_fn(hy, wt, metas):
+        h, y = hy
+        for i, m in enumerate(metas):
+            order = m["sorted_token_ids"]
+            d = jax.lax.ragged_dot(
+                h[0][order].astype(y.dtype),
+                wt[i % COPIES],
+                m["slot_token_counts"],
+                preferred_element_type=jnp.float32,
+            )
+            y = y.at[order].add(d.astype(y.dtype))
+        return y
+
+    return shrink_fn if c.op == "shrink" else expand_fn
+
+
+def compile_with_budget(fn, args, budget_s: float):
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    fut = pool.submit(lambda: jax.jit(fn).lower(*args).compile())
+    try:
+        return fut.result(timeout=budget_s), None
+    except concurrent.futures.TimeoutError:
+        return None, f"compile > {budget_s:.0f} s"
+    except Exception as e:  # noqa: BLE001 - report the cell, keep the run going
+        return None, f"{type(e).__name__}: {str(e)[:120]}"
+    finally:
+        pool.shutdown(wait=False)
+
+
+def time_calls(compiled, args, calls: int, reps: int = 3) -> float:
+    jax.block_until_ready(compiled(*args))  # warm-up
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(reps):
+            out = compiled(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / (reps * calls))
+    return best * 1e6  # us per call
+
+
+def cases(args):
+    out = []
+    for op in args.ops:
+        for hidden in args.hiddens:
+            for rank in args.ranks:
+                for t in args.tokens:
+                    if hidden == 8192 and rank != 64:
+                        continue  # trimmed grid: H = 8192 only at rank 64
+                    for n in args.adapters:
+                        if n > t and not (n == args.adapters[0] and t < n):
+                            continue
+                        out.append(Case(op, t, hidden, rank, min(n, t)))
+    return list(dict.fromkeys(out))
+
+
+SWEEP = {
+    "shrink": [
+        BlockSizes(block_m=16, block_r=16, block_k=256, num_stages=4),
+        BlockSizes(block_m=16, block_r=32, block_k=256, num_stages=4),
+        BlockSizes(block_m=16, block_r=16, block_k=512, num_stages=3),
+        BlockSizes(block_m=32, block_r=64, block_k=128, num_stages=4),
+        BlockSizes(block_m=64, block_r=128, block_k=128, num_stages=3),
+        BlockSizes(block_m=64, block_r=64, block_k=128, num_stages=4),
+        BlockSizes(block_m=128, block_r=128, block_k=64, num_stages=3, num_warps=8),
+        BlockSizes(block_m=32, block_r=128, block_k=128, num_stages=4),
+    ],
+    "expand": [
+        BlockSizes(block_m=16, block_n=64, num_stages=1),
+        BlockSizes(block_m=16, block_n=128, num_stages=1),
+        BlockSizes(block_m=16, block_n=256, num_stages=1, num_warps=8),
+        BlockSizes(block_m=32, block_n=128, num_stages=1),
+        BlockSizes(block_m=64, block_n=128, num_stages=1),
+        BlockSizes(block_m=64, block_n=64, num_stages=1),
+        BlockSizes(block_m=128, block_n=128, num_stages=1, num_warps=8),
+    ],
+}
+
+
+def main():
+    global INTERPRET
+    p = argparse.ArgumentParser()
+    p.add_argument("--ops", default="shrink,expand")
+    p.add_argument("--tokens", default="1,16,64,256,1024,4096,16384")
+    p.add_argument("--hiddens", default="4096,8192")
+    p.add_argument("--ranks", default="16,64,128")
+    p.add_argument("--adapters", default="1,8,64")
+    p.add_argument("--impls", default="ours,gather,onehot,ragged")
+    p.add_argument("--compile-budget", type=float, default=40.0)
+    p.add_argument("--time-budget", type=float, default=1e9, help="stop starting cases after")
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--interpret", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = p.parse_args()
+    INTERPRET = a.interpret
+    a.ops = a.ops.split(",")
+    a.tokens = [int(v) for v in a.tokens.split(",")]
+    a.hiddens = [int(v) for v in a.hiddens.split(",")]
+    a.ranks = [int(v) for v in a.ranks.split(",")]
+    a.adapters = [int(v) for v in a.adapters.split(",")]
+    impls = a.impls.split(",")
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    rows, start = [], time.time()
+    for c in cases(a):
+        if time.time() - start > a.time_budget:
+            print(f"time budget spent; skipping {c}", flush=True)
+            continue
+        calls = 8 if c.tokens >= 4096 else 32
+        if INTERPRET:
+            calls = 2
+        inputs, w, metas = build(c, calls)
+        res = dict(dataclasses.asdict(c), ideal_us=ideal_bytes(c) / HBM_GBPS / 1e3, impls={})
+        variants = [("ours", ours(c, None), w)]
+        if a.sweep:
+            variants += [(f"ours[{i}]", ours(c, bs), w) for i, bs in enumerate(SWEEP[c.op])]
+        if "gather" in impls:
+            gathered = c.tokens * c.rank * c.hidden * 2
+            if gathered > 4e9:
+                res["impls"]["gather"] = {"skipped": f"gathered weights {gathered / 1e9:.0f} GB"}
+            else:
+                variants.append(("gather", gather_einsum(c), w))
+        if "onehot" in impls:
+            variants.append(("onehot", one_hot_einsum(c), w))
+        if "ragged" in impls:
+            wt = [jnp.swapaxes(v, 1, 2) for v in w]
+            variants.append(("ragged", ragged(c), wt))
+        for name, fn, weights in variants:
+            if name != "ours" and not name.startswith("ours[") and name not in impls:
+                continue
+            budget = a.compile_budget if not name.startswith("ours") else 4 * a.compile_budget
+            compiled, err = compile_with_budget(fn, (inputs, weights, metas), budget)
+            if err:
+                res["impls"][name] = {"skipped": err}
+                continue
+            try:
+                us = time_calls(compiled, (inputs, weights, metas), calls)
+            except Exception as e:  # noqa: BLE001
+                res["impls"][name] = {"skipped": f"run: {type(e).__name__}: {str(e)[:100]}"}
+                continue
+            res["impls"][name] = {"us": us, "gbps": ideal_bytes(c) / us / 1e3}
+        if a.sweep:
+            best = min(
+                (k for k in res["impls"] if k.startswith("ours") and "us" in res["impls"][k]),
+                key=lambda k: res["impls"][k]["us"],
+                default=None,
+            )
+            res["best"] = best
+        rows.append(res)
+        print(fmt_row(res, a.sweep), flush=True)
+        with open(os.path.join(a.out, "ops.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    print("\n" + table(rows))
+
+
+def _us(r, k):
+    v = r["impls"].get(k, {})
+    return v.get("us")
+
+
+def fmt_row(r, sweep=False):
+    s = f"{r['op']:6s} T={r['tokens']:5d} H={r['hidden']} R={r['rank']:3d} n={r['adapters']:2d} "
+    for k, v in r["impls"].items():
+        s += f"| {k} {v['us']:.1f}us " if "us" in v else f"| {k} skip({v['skipped'][:30]}) "
+    if sweep:
+        s += f"| best={r.get('best')}"
+    return s
+
+
+def table(rows):
+    head = (
+        "| op | T | H | R | n | ideal µs | ours µs | GB/s | % roofline | gather µs | one-hot µs "
+        "| ragged_dot µs | × one-hot | × gather |\n|" + "---|" * 14
+    )
+    lines = [head]
+    for r in rows:
+        o = _us(r, "ours")
+        cells = []
+        for k in ("gather", "onehot", "ragged"):
+            v = r["impls"].get(k, {})
+            cells.append(f"{v['us']:.1f}" if "us" in v else ("skip" if v else "–"))
+        oh, ga = _us(r, "onehot"), _us(r, "gather")
+        lines.append(
+            f"| {r['op']} | {r['tokens']} | {r['hidden']} | {r['rank']} | {r['adapters']} "
+            f"| {r['ideal_us']:.1f} | {o:.1f} | {r['ideal_us'] * HBM_GBPS / o:.0f} "
+            f"| {100 * r['ideal_us'] / o:.0f} % | {cells[0]} | {cells[1]} | {cells[2]} "
+            f"| {oh / o:.1f} | {(f'{ga / o:.1f}' if ga else '–')} |"
+            if o
+            else f"| {r['op']} | {r['tokens']} | {r['hidden']} | {r['rank']} | {r['adapters']} "
+            f"| {r['ideal_us']:.1f} | skip | | | {cells[0]} | {cells[1]} | {cells[2]} | | |"
+        )
+    return "\n".join(lines)
+
+
+INTERPRET = False
+
+if __name__ == "__main__":
+    main()
