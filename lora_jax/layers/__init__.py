@@ -28,5 +28,10 @@ from lora_jax.layers.column import (
 from lora_jax.layers.column import QKVParallelLinearWithLoRA as QKVParallelLinearWithLoRA
 from lora_jax.layers.column import QKVParallelLinearWithShardedLoRA as QKVParallelLinearWithShardedLoRA
 from lora_jax.layers.column import ReplicatedLinearWithLoRA as ReplicatedLinearWithLoRA
+from lora_jax.layers.embedding import (
+    VocabParallelEmbeddingWithLoRA as VocabParallelEmbeddingWithLoRA,
+)
+from lora_jax.layers.logits import LogitsProcessor as LogitsProcessor
+from lora_jax.layers.logits import LogitsProcessorWithLoRA as LogitsProcessorWithLoRA
 from lora_jax.layers.row import RowParallelLinearWithLoRA as RowParallelLinearWithLoRA
 from lora_jax.layers.row import RowParallelLinearWithShardedLoRA as RowParallelLinearWithShardedLoRA

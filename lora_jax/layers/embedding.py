@@ -1,0 +1,227 @@
+"""`VocabParallelEmbeddingWithLoRA`: per-token LoRA on a vocab-sharded token embedding.
+
+PEFT's embedding LoRA has no shrink matmul: `lora_embedding_A [r, V]` is a lookup table
+whose column `A[:, id]` is the token's rank-r code, and `lora_embedding_B [D, r]` expands
+it, `y = emb(id) + B @ A[:, id]` (scaling folded into B). vLLM keeps that: a gather of
+A's column followed by `add_lora_embedding` (an expand).
+
+Here A is stacked as `lora_a [max_loras, max_rank, V_pad]` and sharded on vocab like the
+table, B as `lora_b [max_loras, D, max_rank]` (replicated). Each vocab shard gathers the
+rows and A columns of the ids it owns (others give 0), expands its A code with B into
+its partial output, and the one all-reduce of the base embedding sums the shards: the
+LoRA adds no collective. Tokens whose slot is -1 get exactly the base embedding.
+
+The module also holds the slot-write helpers shared with `lora_jax.layers.logits`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lora_jax import ops
+from lora_jax.config import LoRAConfig
+from lora_jax.layers.base import LoRAContext, LoRASlotRanks, _place_like, _write_slot
+from lora_jax.mapping import LoRAMapping
+from lora_jax.sharding import shard_map
+from lora_jax.vocab import ParallelLMHead, VocabParallelEmbedding
+
+# -- slot helpers shared by the vocab LoRA layers -----------------------------------------
+
+
+def check_slot(name: str, what: str, index, max_loras: int) -> int:
+    """`index` as an int in `[0, max_loras)`, else a ValueError naming the layer."""
+    if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+        raise ValueError(f"{name}.{what}: index must be an int, got {index!r}")
+    if not 0 <= int(index) < max_loras:
+        raise ValueError(f"{name}.{what}: index {index!r} outside [0, {max_loras})")
+    return int(index)
+
+
+def as_matrix(name: str, tensor: str, value, shape: tuple[int | None, int | None]) -> np.ndarray:
+    """`value` as a float32 2-D array whose dims match `shape` (None = any)."""
+    if value is None:
+        raise ValueError(f"{name}.set_lora: {tensor} is missing")
+    arr = np.asarray(value, np.float32)
+    want = "[" + ", ".join("rank" if s is None else str(s) for s in shape) + "]"
+    if arr.ndim != 2 or any(s is not None and s != n for s, n in zip(shape, arr.shape)):
+        raise ValueError(f"{name}.set_lora: {tensor} must be {want}, got shape {arr.shape}")
+    return arr
+
+
+def check_rank(name: str, rank: int, max_rank: int, *others: tuple[str, int]) -> None:
+    """Rank in `[1, max_rank]` and equal to every `(tensor, rank)` in `others`."""
+    if not 1 <= rank <= max_rank:
+        raise ValueError(f"{name}.set_lora: rank {rank} is outside [1, max_lora_rank={max_rank}]")
+    for tensor, r in others:
+        if r != rank:
+            raise ValueError(f"{name}.set_lora: {tensor} has rank {r}, lora_a has rank {rank}")
+
+
+def write_slot(var: nnx.Variable, index: int, value: np.ndarray) -> None:
+    """Writes one slot `var[index] = value`, keeping the stack's sharding."""
+    stack = var[...]
+    var.set_value(_write_slot(stack, jnp.int32(index), _place_like(np.asarray(value), stack)))
+
+
+def set_slot_rank(ranks: LoRASlotRanks, index: int, rank: int) -> None:
+    ranks.set_value(ranks[...].at[:, index].set(rank))
+
+
+# -- the layer ----------------------------------------------------------------------------
+
+
+class VocabParallelEmbeddingWithLoRA(nnx.Module):
+    """LoRA around a `VocabParallelEmbedding` (not an lm_head), per-token slots.
+
+    Example:
+        >>> base = VocabParallelEmbedding(100, 16, rngs=nnx.Rngs(0))
+        >>> emb = VocabParallelEmbeddingWithLoRA(base, LoRAConfig(max_loras=2, max_lora_rank=8))
+        >>> emb.set_lora(1, np.ones((4, 100)), np.ones((16, 4)))  # A [r, V], B [D, r]
+        >>> set_lora_mapping(emb, jnp.array([1, -1, 0], jnp.int32))  # doctest: +SKIP
+        >>> emb(jnp.array([5, 5, 7])).shape  # doctest: +SKIP
+        (3, 16)
+    """
+
+    def __init__(
+        self,
+        base_layer: VocabParallelEmbedding,
+        lora_config: LoRAConfig,
+        context: LoRAContext | None = None,
+        *,
+        name: str | None = None,
+    ):
+        self.name = name or type(self).__name__
+        if not isinstance(base_layer, VocabParallelEmbedding) or isinstance(
+            base_layer, ParallelLMHead
+        ):
+            raise ValueError(
+                f"{self.name}: base layer must be a VocabParallelEmbedding (not an lm_head), "
+                f"got {type(base_layer).__name__}"
+            )
+        self.base_layer = base_layer
+        self.lora_config = lora_config
+        self.lora_context = context if context is not None else LoRAContext(None)
+        rules = base_layer.rules
+        L, R = lora_config.max_loras, lora_config.max_lora_rank
+        dtype = lora_config.dtype_for(base_layer.param_dtype)
+        self.lora_dtype = dtype
+        V_pad, D = base_layer.num_embeddings_padded, base_layer.embedding_dim
+        self.lora_a = nnx.LoRAParam(
+            rules.place(jnp.zeros((L, R, V_pad), dtype), *self.A_AXES)
+        )  # [max_loras, max_rank, V_pad], a lookup table over token ids
+        self.lora_b = nnx.LoRAParam(
+            rules.place(jnp.zeros((L, D, R), dtype), *self.B_AXES)
+        )  # [max_loras, D, max_rank]
+        self.slot_ranks = LoRASlotRanks(jnp.zeros((1, L), jnp.int32))  # [1 slice, max_loras]
+
+    A_AXES = ("lora_slot", "lora_rank", "vocab")
+    B_AXES = ("lora_slot", "embed", "lora_rank")
+
+    # -- vLLM API -------------------------------------------------------------------------
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()) -> bool:
+        return isinstance(source_layer, VocabParallelEmbedding) and not isinstance(
+            source_layer, ParallelLMHead
+        )
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.base_layer.num_embeddings
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.base_layer.embedding_dim
+
+    @property
+    def embedding(self) -> nnx.Param:
+        """The base table `[V_pad, D]` (tied lm_heads read it through the wrapper)."""
+        return self.base_layer.embedding
+
+    def set_lora(self, index: int, lora_a, lora_b) -> None:
+        """Writes PEFT's `lora_embedding_A [r, V]` and `lora_embedding_B [D, r]` (scaling
+        folded into B) into slot `index`; ranks below max are zero-padded. All checks run
+        before any write.
+
+        Example:
+            >>> emb.set_lora(0, a_rv, b_dr)  # doctest: +SKIP
+        """
+        cfg, base = self.lora_config, self.base_layer
+        index = check_slot(self.name, "set_lora", index, cfg.max_loras)
+        V, V_pad, D, R = (
+            base.num_embeddings,
+            base.num_embeddings_padded,
+            base.embedding_dim,
+            cfg.max_lora_rank,
+        )
+        a = as_matrix(self.name, "lora_a (lora_embedding_A)", lora_a, (None, V))
+        b = as_matrix(self.name, "lora_b (lora_embedding_B)", lora_b, (D, None))
+        r = a.shape[0]
+        check_rank(self.name, r, R, ("lora_b", b.shape[1]))
+        write_slot(self.lora_a, index, np.pad(a, ((0, R - r), (0, V_pad - V))))
+        write_slot(self.lora_b, index, np.pad(b, ((0, 0), (0, R - r))))
+        set_slot_rank(self.slot_ranks, index, r)
+
+    def reset_lora(self, index: int) -> None:
+        """Zeroes slot `index`: its tokens then get exactly the base embedding."""
+        index = check_slot(self.name, "reset_lora", index, self.lora_config.max_loras)
+        for var in (self.lora_a, self.lora_b):
+            write_slot(var, index, np.zeros(var.shape[1:], np.float32))
+        set_slot_rank(self.slot_ranks, index, 0)
+
+    # -- forward --------------------------------------------------------------------------
+    def attend(self, x: jax.Array, gather: bool = False) -> jax.Array:
+        """The base table's logits (a tied lm_head; PEFT's embedding LoRA does not touch it)."""
+        return self.base_layer.attend(x, gather=gather)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        base = self.base_layer
+        mapping = self.lora_context.get_value()
+        if mapping is None:
+            return base(ids)
+        lead = ids.shape
+        flat = ids.reshape(-1).astype(jnp.int32)  # [T]
+        if mapping.num_tokens != flat.shape[0]:
+            raise ValueError(
+                f"{self.name}: the LoRA mapping has {mapping.num_tokens} tokens but the input "
+                f"has {flat.shape[0]} (ids shape {lead})"
+            )
+        rules = base.rules
+        axis = rules.mesh_axis("vocab")
+        local_v = base.num_embeddings_padded // base.shards
+        args = (
+            flat,
+            base.embedding[...],
+            self.lora_a[...],
+            self.lora_b[...],
+            self.slot_ranks[...],
+            mapping,
+        )
+
+        def local(ids_l, table_l, a_l, b, ranks, m: LoRAMapping):
+            start = 0 if axis is None else jax.lax.axis_index(axis) * local_v
+            rel = ids_l - start
+            own = (rel >= 0) & (rel < local_v)
+            safe = jnp.where(own, rel, 0)
+            y = jnp.where(own[:, None], jnp.take(table_l, safe, axis=0), 0)  # [T, D] partial
+            slot = m.token_lora_indices
+            code = a_l[jnp.maximum(slot, 0), :, safe]  # [T, R]: the A column of each id
+            code = jnp.where((own & (slot >= 0))[:, None], code.astype(jnp.float32), 0.0)
+            y = ops.lora_expand(y, code[None], (b,), m, offsets=(0,), slot_ranks=ranks)
+            return y if axis is None else jax.lax.psum(y, axis)
+
+        if rules.mesh is None:
+            out = local(*args)
+        else:
+            specs = (
+                (None,),
+                ("vocab", "embed"),
+                self.A_AXES,
+                self.B_AXES,
+                (None, None),
+                jax.tree.map(lambda _: (), mapping),
+            )
+            out = shard_map(rules, local, specs, (None, "embed"))(*args)
+        return out.astype(base.dtype or base.param_dtype).reshape(*lead, -1)
