@@ -13,6 +13,7 @@ merged column layer; QKVParallelLinearWithLoRA has 1 slice over the packed q|k|v
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -34,6 +35,19 @@ class LoRAContext(nnx.Variable):
         >>> ctx = LoRAContext(None)
         >>> ctx.set_value(make_lora_mapping(jnp.array([0, -1]), max_loras=2))
     """
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedLoRA:
+    """One adapter for one layer, validated and laid out as the layer stores it.
+
+    Host arrays, zero-padded to `max_lora_rank`; a slice the adapter lacks is all zeros
+    with rank 0. Made by `BaseLayerWithLoRA.prepare_lora`.
+    """
+
+    a: tuple[np.ndarray, ...]  # per slice f32 [max_rank, in]
+    b: tuple[np.ndarray, ...]  # per slice f32 [out_s (physical), max_rank]
+    ranks: tuple[int, ...]  # per slice true rank, 0 = absent
 
 
 class LoRASlotRanks(nnx.Variable):
@@ -100,7 +114,8 @@ class BaseLayerWithLoRA(nnx.Module):
                 for n in self.slice_widths
             ]
         )  # per slice [max_loras, out_s (physical), max_rank]
-        self.slot_ranks = LoRASlotRanks(jnp.zeros((len(self.slice_groups), L), jnp.int32))
+        ranks = jnp.zeros((len(self.slice_groups), L), jnp.int32)  # [S, max_loras]
+        self.slot_ranks = LoRASlotRanks(rules.place(ranks, None, None))
 
     # -- structure ------------------------------------------------------------------------
     def _slice_groups(self, base: LinearBase) -> tuple[tuple[int, ...], ...]:
@@ -165,9 +180,21 @@ class BaseLayerWithLoRA(nnx.Module):
         Example:
             >>> layer.set_lora(0, a_rk, b_nr)  # doctest: +SKIP
         """
-        L, R = self.lora_config.max_loras, self.lora_config.max_lora_rank
-        if not isinstance(index, (int, np.integer)) or not 0 <= int(index) < L:
-            raise ValueError(f"{self.name}.set_lora: index {index!r} outside [0, {L})")
+        self.write_lora(index, self.prepare_lora(index, lora_a, lora_b))
+
+    def prepare_lora(self, index: int, lora_a, lora_b) -> PreparedLoRA:
+        """Validates an adapter for slot `index` and builds the padded physical arrays.
+
+        Host-side only: nothing is written. Raises `ValueError` naming the layer on a bad
+        index, slice count, rank or shape. `write_lora` then stores the result; the adapter
+        manager prepares every layer first and writes them all in one jitted update.
+
+        Example:
+            >>> prepared = layer.prepare_lora(0, a_rk, b_nr)  # doctest: +SKIP
+            >>> layer.write_lora(0, prepared)  # doctest: +SKIP
+        """
+        R = self.lora_config.max_lora_rank
+        self._check_index(index, "set_lora")
         a_list, b_list = self._normalize(lora_a, lora_b)
         in_features = self.base_layer.in_features
         new_a, new_b, ranks = [], [], []
@@ -197,10 +224,34 @@ class BaseLayerWithLoRA(nnx.Module):
             new_a.append(np.pad(a, ((0, R - r), (0, 0))))
             new_b.append(np.asarray(self._physical_b(s, np.pad(b, ((0, 0), (0, R - r))))))
             ranks.append(r)
+        return PreparedLoRA(a=tuple(new_a), b=tuple(new_b), ranks=tuple(ranks))
+
+    def write_lora(self, index: int, prepared: PreparedLoRA) -> None:
+        """Stores a `prepare_lora` result into slot `index` (no further checks)."""
+        self._check_index(index, "write_lora")
         for s in range(self.n_slices):
-            self._write(self.lora_a[s], index, new_a[s])
-            self._write(self.lora_b[s], index, new_b[s])
-        self.slot_ranks.set_value(self.slot_ranks[...].at[:, index].set(jnp.array(ranks, jnp.int32)))
+            self._write(self.lora_a[s], index, prepared.a[s])
+            self._write(self.lora_b[s], index, prepared.b[s])
+        self._set_ranks(index, prepared.ranks)
+
+    def slot_updates(
+        self, prepared: PreparedLoRA | None
+    ) -> list[tuple[nnx.Variable, int, np.ndarray | None]]:
+        """`(variable, slot axis, new slot content)` per stacked variable, for writers that
+        update many layers in one jitted call (the adapter manager). `prepared=None` means a
+        reset: every content is `None` (zeros)."""
+        if prepared is None:
+            return [(v, 0, None) for v in (*self.lora_a, *self.lora_b)] + [
+                (self.slot_ranks, 1, None)
+            ]
+        ups = [(v, 0, x) for v, x in zip(self.lora_a, prepared.a)]
+        ups += [(v, 0, x) for v, x in zip(self.lora_b, prepared.b)]
+        return ups + [(self.slot_ranks, 1, np.asarray(prepared.ranks, np.int32))]
+
+    def _check_index(self, index, what: str) -> None:
+        L = self.lora_config.max_loras
+        if not isinstance(index, (int, np.integer)) or not 0 <= int(index) < L:
+            raise ValueError(f"{self.name}.{what}: index {index!r} outside [0, {L})")
 
     def _physical_b(self, s: int, b: np.ndarray) -> jax.Array:
         """Logical `[out_s, R]` → physical (kv replicas, per-shard packing of sub-slices)."""
@@ -216,12 +267,16 @@ class BaseLayerWithLoRA(nnx.Module):
 
     def reset_lora(self, index: int) -> None:
         """Zeroes slot `index`: it then gives exactly the base output."""
-        L = self.lora_config.max_loras
-        if not isinstance(index, (int, np.integer)) or not 0 <= int(index) < L:
-            raise ValueError(f"{self.name}.reset_lora: index {index!r} outside [0, {L})")
+        self._check_index(index, "reset_lora")
         for var in (*self.lora_a, *self.lora_b):
             self._write(var, index, np.zeros(var.shape[1:], np.float32))
-        self.slot_ranks.set_value(self.slot_ranks[...].at[:, index].set(0))
+        self._set_ranks(index, [0] * self.n_slices)
+
+    def _set_ranks(self, index: int, ranks: Sequence[int]) -> None:
+        old = self.slot_ranks[...]
+        new = np.array(old)
+        new[:, index] = ranks
+        self.slot_ranks.set_value(jax.device_put(new, old.sharding))
 
     # -- forward --------------------------------------------------------------------------
     def _lora_local(self, y, x, a, b, ranks, mapping: LoRAMapping):

@@ -1,0 +1,603 @@
+"""Adapter managers: a host-side cache of loaded adapters and the device slots they use.
+
+Semantics follow vLLM's `LoRAModelManager` / `LRUCacheLoRAModelManager` (and the worker
+managers' `set_active_adapters`):
+
+* `add_adapter` puts an adapter in the CPU cache (`max_cpu_loras`); it does not activate.
+* `activate_adapter` writes it into the first free device slot (`max_loras`). The LRU
+  manager evicts the least recently used unpinned active adapter when the slots are
+  full; the plain manager raises `ValueError`. Every add/activate of a known adapter
+  only touches it (returns False).
+* `pin_adapter` (LRU) keeps an adapter in both caches and activates it; when all slots
+  are pinned, activating another raises `RuntimeError`.
+
+A slot write validates the adapter for every layer first (host side), then writes every
+layer's slot in one jitted, donated update; on a bad adapter nothing changes. Slot
+choices are deterministic, so every process of a multi-host run makes the same ones.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lora_jax.config import LoRAConfig
+from lora_jax.layers import LoRAContext, find_lora_context
+from lora_jax.serving.peft import LoRAAdapter, load_peft_adapter
+from lora_jax.serving.wrap import layer_packed_modules, lora_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """A request for an adapter by id, loadable from a PEFT directory (vLLM's LoRARequest).
+
+    Example:
+        >>> LoRARequest("sql", 1, "/adapters/sql").lora_int_id
+        1
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+
+class _LRUCache:
+    """Ordered dict with pinning; `on_remove(key, value)` runs for every removal."""
+
+    def __init__(self, capacity: int, on_remove: Callable[[Hashable, Any], None]):
+        self.capacity = capacity
+        self.on_remove = on_remove
+        self.cache: collections.OrderedDict = collections.OrderedDict()
+        self.pinned: set = set()
+
+    def __contains__(self, key) -> bool:
+        return key in self.cache
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def touch(self, key) -> None:
+        if key in self.cache:
+            self.cache.move_to_end(key)
+
+    def get(self, key):
+        self.touch(key)
+        return self.cache.get(key)
+
+    def put(self, key, value) -> None:
+        if key not in self.cache:
+            while len(self.cache) >= self.capacity:
+                self.remove_oldest()
+        self.cache[key] = value
+        self.cache.move_to_end(key)
+
+    def pop(self, key, default=None):
+        if key not in self.cache:
+            return default
+        value = self.cache.pop(key)
+        self.pinned.discard(key)
+        self.on_remove(key, value)
+        return value
+
+    def pin(self, key) -> None:
+        if key not in self.cache:
+            raise ValueError(f"cannot pin {key!r}: not in the cache")
+        self.pinned.add(key)
+
+    def remove_oldest(self) -> None:
+        for key in self.cache:
+            if key not in self.pinned:
+                self.pop(key)
+                return
+        raise RuntimeError("All items are pinned, cannot remove oldest from the cache.")
+
+
+def _slot_sharding(stack: jax.Array, axis: int):
+    sharding = getattr(stack, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        spec = list(tuple(sharding.spec) + (None,) * (stack.ndim - len(sharding.spec)))
+        del spec[axis]
+        return NamedSharding(sharding.mesh, P(*spec))
+    return None
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3,))
+def _write_slots(stacks, index, values, axes):
+    out = []
+    for stack, value, axis in zip(stacks, values, axes):
+        if value is None:
+            # Zeros shaped (and sharded) like one slot of the stack.
+            update = jnp.zeros_like(jax.lax.slice_in_dim(stack, 0, 1, axis=axis))
+        else:
+            update = jnp.expand_dims(value.astype(stack.dtype), axis)
+        out.append(jax.lax.dynamic_update_slice_in_dim(stack, update, index, axis=axis))
+    return tuple(out)
+
+
+def write_slot_updates(index: int, updates: Sequence[tuple[nnx.Variable, int, Any]]) -> None:
+    """Writes `(variable, slot axis, content or None = zeros)` triples in one jitted call.
+
+    The old stacks are donated: their buffers are reused for the new values.
+
+    Example:
+        >>> write_slot_updates(0, layer.slot_updates(layer.prepare_lora(0, a, b)))  # doctest: +SKIP
+    """
+    if not updates:
+        return
+    stacks, values, axes = [], [], []
+    for var, axis, value in updates:
+        stack = var.get_value()
+        stacks.append(stack)
+        axes.append(axis)
+        if value is None:
+            values.append(None)
+            continue
+        value = np.asarray(value).astype(stack.dtype)  # cast on host: fewer bytes to move
+        sharding = _slot_sharding(stack, axis)
+        values.append(jax.device_put(value, sharding) if sharding is not None else value)
+    new = _write_slots(tuple(stacks), jnp.int32(index), tuple(values), tuple(axes))
+    for (var, _, _), arr in zip(updates, new):
+        var.set_value(arr)
+
+
+def _layer_variables(layer) -> list[nnx.Variable]:
+    """A LoRA layer's own variables (not the base layer's, not the shared context)."""
+    out = []
+    for path, node in nnx.iter_graph(layer):
+        if isinstance(node, nnx.Variable) and not isinstance(node, LoRAContext):
+            if not path or path[0] != "base_layer":
+                out.append(node)
+    return out
+
+
+class LoRAModelManager:
+    """Adapters of a wrapped model: a CPU registry (`max_cpu_loras`) and device slots.
+
+    This plain manager never evicts: adding beyond `capacity` or activating with every
+    slot taken raises. Use `LRUCacheLoRAModelManager` for serving.
+
+    Example:
+        >>> wrap_model(model, cfg)  # doctest: +SKIP
+        >>> mgr = LoRAModelManager(model, cfg)  # doctest: +SKIP
+        >>> mgr.add_adapter(adapter), mgr.activate_adapter(adapter.id)  # doctest: +SKIP
+        (True, True)
+        >>> mgr.token_mapping([adapter.id, None], tokens_per_request=[3, 2])  # doctest: +SKIP
+        array([ 0,  0,  0, -1, -1], dtype=int32)
+    """
+
+    def __init__(self, model: nnx.Module, lora_config: LoRAConfig | None = None):
+        self.model = model
+        self.modules = lora_layers(model)
+        if not self.modules:
+            raise ValueError(
+                "LoRAModelManager: the model has no LoRA layers; call wrap_model first"
+            )
+        if lora_config is None:
+            lora_config = next(iter(self.modules.values())).lora_config
+        self.lora_config = lora_config
+        for name, layer in self.modules.items():
+            cfg = layer.lora_config
+            if (cfg.max_loras, cfg.max_lora_rank) != (
+                lora_config.max_loras,
+                lora_config.max_lora_rank,
+            ):
+                raise ValueError(
+                    f"LoRAModelManager: layer {name!r} was built with max_loras={cfg.max_loras}, "
+                    f"max_lora_rank={cfg.max_lora_rank}; the manager's config has "
+                    f"{lora_config.max_loras}, {lora_config.max_lora_rank}"
+                )
+        self.context: LoRAContext | None = find_lora_context(model)
+        self.lora_index_to_id: list[int | None] = [None] * self.lora_slots
+        self._registered_adapters = self._make_registry()
+        self._active_adapters = self._make_active()
+
+    # -- caches (overridden by the LRU manager) -------------------------------------------
+    def _make_registry(self):
+        return {}
+
+    def _make_active(self):
+        return {}
+
+    def _register(self, adapter: LoRAAdapter) -> None:
+        if len(self._registered_adapters) >= self.capacity:
+            raise RuntimeError(f"No free adapter slots: the CPU cache holds {self.capacity}")
+        self._registered_adapters[adapter.id] = adapter
+
+    # -- sizes ----------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """CPU cache size (`max_cpu_loras`)."""
+        return self.lora_config.max_cpu_loras
+
+    @property
+    def lora_slots(self) -> int:
+        """Device slots (`max_loras`)."""
+        return self.lora_config.max_loras
+
+    def __len__(self) -> int:
+        return len(self._registered_adapters)
+
+    @property
+    def supported_lora_modules(self) -> list[str]:
+        """Checkpoint leaf names the model's LoRA layers accept (packed members expanded)."""
+        names = {p for n, layer in self.modules.items() for p in layer_packed_modules(n, layer)}
+        return sorted(names)
+
+    # -- queries --------------------------------------------------------------------------
+    def list_adapters(self) -> dict[int, LoRAAdapter]:
+        return dict(_items(self._registered_adapters))
+
+    def get_adapter(self, adapter_id: int) -> LoRAAdapter | None:
+        reg = self._registered_adapters
+        return reg.get(adapter_id) if adapter_id in reg else None
+
+    def slot_of(self, adapter_id: int) -> int | None:
+        """The device slot of an active adapter, else None."""
+        try:
+            return self.lora_index_to_id.index(adapter_id)
+        except ValueError:
+            return None
+
+    def token_mapping(
+        self,
+        request_adapter_ids: Sequence[int | None],
+        tokens_per_request: Sequence[int] | int | None = None,
+    ) -> np.ndarray:
+        """Slot per request (or per token with `tokens_per_request`), int32; `None`, 0 or
+        negative ids mean "no adapter" (-1). Every other id must be active.
+
+        Example:
+            >>> mgr.token_mapping([3, None, 3])  # doctest: +SKIP
+            array([ 1, -1,  1], dtype=int32)
+        """
+        slots = []
+        for i, aid in enumerate(request_adapter_ids):
+            if aid is None or (isinstance(aid, int | np.integer) and aid <= 0):
+                slots.append(-1)
+                continue
+            slot = self.slot_of(aid)
+            if slot is None:
+                state = (
+                    "registered but not active" if aid in self._registered_adapters else "unknown"
+                )
+                raise ValueError(
+                    f"token_mapping: request {i} uses adapter {aid!r}, which is {state}; "
+                    f"active: {[x for x in self.lora_index_to_id if x is not None]}"
+                )
+            slots.append(slot)
+        out = np.asarray(slots, np.int32)
+        if tokens_per_request is None:
+            return out
+        counts = np.broadcast_to(np.asarray(tokens_per_request, np.int64), out.shape)
+        return np.repeat(out, counts).astype(np.int32)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def add_adapter(self, adapter: LoRAAdapter) -> bool:
+        """Registers `adapter` in the CPU cache; False (and a touch) when already there."""
+        if not isinstance(adapter, LoRAAdapter):
+            raise ValueError(f"add_adapter: expected a LoRAAdapter, got {type(adapter).__name__}")
+        if adapter.id in self._registered_adapters:
+            self._touch_registered(adapter.id)
+            return False
+        self._check_modules(adapter)
+        self._register(adapter)
+        return True
+
+    def add_adapters(
+        self, adapters: Iterable[LoRAAdapter], *, activate: bool = False, progress: bool = True
+    ) -> list[bool]:
+        """`add_adapter` (and optionally `activate_adapter`) for many, with a progress bar."""
+        adapters = list(adapters)
+        added = []
+        for adapter in _progress(adapters, "adding adapters", progress):
+            added.append(self.add_adapter(adapter))
+            if activate:
+                self.activate_adapter(adapter.id)
+        return added
+
+    def load_adapters(
+        self,
+        paths: Mapping[str, str | os.PathLike] | Sequence[str | os.PathLike],
+        *,
+        first_id: int = 1,
+        activate: bool = False,
+        progress: bool = True,
+    ) -> list[LoRAAdapter]:
+        """Loads PEFT directories (ids `first_id`, `first_id + 1`, ...) and adds them.
+
+        Example:
+            >>> mgr.load_adapters({"sql": "ad/sql", "chat": "ad/chat"})  # doctest: +SKIP
+        """
+        items = list(paths.items()) if isinstance(paths, Mapping) else [(None, p) for p in paths]
+        loaded = []
+        for i, (name, path) in enumerate(_progress(items, "loading adapters", progress)):
+            adapter = load_peft_adapter(
+                path, self.model, self.lora_config, adapter_id=first_id + i, name=name
+            )
+            loaded.append(adapter)
+        for adapter in loaded:
+            self.add_adapter(adapter)
+            if activate:
+                self.activate_adapter(adapter.id)
+        return loaded
+
+    def activate_adapter(self, adapter_id: int) -> bool:
+        """Writes a registered adapter into the first free slot; False if already active.
+
+        The adapter is validated for every layer before any slot (or eviction) changes.
+        """
+        if adapter_id in self._active_adapters:
+            self._touch_active(adapter_id)
+            return False
+        if adapter_id not in self._registered_adapters:
+            raise ValueError(f"activate_adapter: adapter {adapter_id!r} is not registered")
+        slot, victim = self._choose_slot()
+        adapter = self._registered_adapters.get(adapter_id)
+        plan = self._plan_slot(slot, adapter)
+        if victim is not None:
+            self.deactivate_adapter(victim)
+        self._commit(slot, plan)
+        self._active_put(adapter_id)
+        self.lora_index_to_id[slot] = adapter_id
+        return True
+
+    def _choose_slot(self) -> tuple[int, int | None]:
+        """(slot to write, active adapter to evict first or None)."""
+        free = next((i for i, x in enumerate(self.lora_index_to_id) if x is None), None)
+        if free is None:
+            raise ValueError("No free lora slots")
+        return free, None
+
+    def deactivate_adapter(self, adapter_id: int) -> bool:
+        """Frees the adapter's slot (its weights stay until overwritten); False if inactive."""
+        if adapter_id not in self._active_adapters:
+            return False
+        self._active_adapters.pop(adapter_id)
+        self._free_slot(adapter_id)
+        return True
+
+    def remove_adapter(self, adapter_id: int) -> bool:
+        """Deactivates and unregisters; False when unknown. Removes pinned ones too."""
+        self.deactivate_adapter(adapter_id)
+        if adapter_id not in self._registered_adapters:
+            return False
+        self._registered_adapters.pop(adapter_id)
+        return True
+
+    def remove_all_adapters(self) -> None:
+        for aid in list(_keys(self._registered_adapters)):
+            self.remove_adapter(aid)
+
+    def pin_adapter(self, adapter_id: int) -> bool:
+        raise NotImplementedError("pinning needs LRUCacheLoRAModelManager")
+
+    def set_active_adapters(self, requests: Iterable[int | LoRAAdapter | LoRARequest | None]):
+        """Worker-style: make exactly the requested adapters usable in the next step.
+
+        The plain manager removes every adapter that is not requested, then adds and
+        activates the rest. More distinct requests than slots raise `RuntimeError`.
+        """
+        reqs = self._distinct(requests)
+        for aid in list(_keys(self._registered_adapters)):
+            if aid not in reqs:
+                self.remove_adapter(aid)
+        for aid, req in reqs.items():
+            if aid not in self._registered_adapters:
+                self.add_adapter(self._load(req))
+            self.activate_adapter(aid)
+
+    # -- slot writes ----------------------------------------------------------------------
+    def write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Writes `adapter` (None = zeros) into `slot` of every LoRA layer, all or nothing.
+
+        Every layer validates first; then layers with `prepare_lora`/`slot_updates` are
+        written in one jitted, donated update. Layers offering only `set_lora` are
+        written one by one and rolled back if any of them refuses.
+
+        Example:
+            >>> mgr.write_slot(0, None)  # zero slot 0 everywhere  # doctest: +SKIP
+        """
+        if not isinstance(slot, int | np.integer) or not 0 <= int(slot) < self.lora_slots:
+            raise ValueError(f"write_slot: slot {slot!r} outside [0, {self.lora_slots})")
+        self._commit(int(slot), self._plan_slot(int(slot), adapter))
+
+    def _plan_slot(self, slot: int, adapter: LoRAAdapter | None):
+        """Validates `adapter` for every layer; returns (batched updates, per-layer writes)."""
+        if adapter is not None:
+            self._check_modules(adapter)
+        updates, legacy = [], []
+        for name, layer in self.modules.items():
+            m = adapter.get_lora(name) if adapter is not None else None
+            if hasattr(layer, "prepare_lora") and hasattr(layer, "slot_updates"):
+                if m is None:
+                    updates += layer.slot_updates(None)
+                    continue
+                try:
+                    prepared = layer.prepare_lora(slot, *m.set_lora_args())
+                except ValueError as e:
+                    raise ValueError(f"adapter {adapter.name!r} ({adapter.source}): {e}") from e
+                updates += layer.slot_updates(prepared)
+            else:
+                legacy.append((layer, m))
+        return updates, legacy, adapter
+
+    def _commit(self, slot: int, plan) -> None:
+        updates, legacy, adapter = plan
+        snapshot = [(v, v.get_value()) for layer, _ in legacy for v in _layer_variables(layer)]
+        try:
+            for layer, m in legacy:
+                if m is None:
+                    layer.reset_lora(slot)
+                else:
+                    layer.set_lora(slot, *m.set_lora_args())
+        except ValueError as e:
+            for var, value in snapshot:
+                var.set_value(value)
+            name = adapter.name if adapter is not None else None
+            raise ValueError(f"adapter {name!r}: {e}") from e
+        write_slot_updates(slot, updates)
+
+    # -- helpers --------------------------------------------------------------------------
+    def _check_modules(self, adapter: LoRAAdapter) -> None:
+        unknown = [m for m in adapter.modules if m not in self.modules]
+        if unknown:
+            raise ValueError(
+                f"adapter {adapter.name!r} ({adapter.source}) has modules {unknown[:4]} that are "
+                f"not LoRA layers of this model"
+            )
+
+    def _touch_registered(self, adapter_id) -> None:
+        pass
+
+    def _active_put(self, adapter_id) -> None:
+        self._active_adapters[adapter_id] = None
+
+    def _touch_active(self, adapter_id) -> None:
+        pass
+
+    def _free_slot(self, adapter_id) -> None:
+        slot = self.slot_of(adapter_id)
+        if slot is not None:
+            self.lora_index_to_id[slot] = None
+
+    def _distinct(self, requests) -> dict[int, Any]:
+        reqs: dict[int, Any] = {}
+        for req in requests:
+            if req is None:
+                continue
+            aid = req.id if isinstance(req, LoRAAdapter) else getattr(req, "lora_int_id", req)
+            if isinstance(aid, int | np.integer) and aid <= 0:
+                continue
+            reqs.setdefault(int(aid), req)
+        if len(reqs) > self.lora_slots:
+            raise RuntimeError(
+                f"Number of requested adapters ({len(reqs)}) is greater than the number of "
+                f"device slots ({self.lora_slots})"
+            )
+        return reqs
+
+    def _load(self, req) -> LoRAAdapter:
+        if isinstance(req, LoRAAdapter):
+            return req
+        if isinstance(req, LoRARequest) and req.lora_path:
+            return load_peft_adapter(
+                req.lora_path,
+                self.model,
+                self.lora_config,
+                adapter_id=req.lora_int_id,
+                name=req.lora_name,
+            )
+        raise ValueError(
+            f"adapter {req!r} is not registered and cannot be loaded (pass a LoRAAdapter or a "
+            "LoRARequest with lora_path)"
+        )
+
+
+class LRUCacheLoRAModelManager(LoRAModelManager):
+    """`LoRAModelManager` whose CPU cache and device slots evict least recently used
+    (unpinned) adapters instead of raising.
+
+    Example:
+        >>> cfg = LoRAConfig(max_loras=2, max_cpu_loras=4)
+        >>> mgr = LRUCacheLoRAModelManager(model, cfg)  # doctest: +SKIP
+        >>> mgr.set_active_adapters([a1, a2, a1])  # doctest: +SKIP
+        >>> mgr.lora_index_to_id  # doctest: +SKIP
+        [1, 2]
+    """
+
+    def _make_registry(self):
+        return _LRUCache(self.capacity, lambda key, _: self.deactivate_adapter(key))
+
+    def _make_active(self):
+        return _LRUCache(self.lora_slots, lambda key, _: self._free_slot(key))
+
+    def _register(self, adapter: LoRAAdapter) -> None:
+        self._registered_adapters.put(adapter.id, adapter)
+
+    def _touch_registered(self, adapter_id) -> None:
+        self._registered_adapters.touch(adapter_id)
+
+    def _active_put(self, adapter_id) -> None:
+        self._active_adapters.put(adapter_id, None)
+
+    def _touch_active(self, adapter_id) -> None:
+        self._active_adapters.touch(adapter_id)
+
+    def _choose_slot(self) -> tuple[int, int | None]:
+        free = next((i for i, x in enumerate(self.lora_index_to_id) if x is None), None)
+        if free is not None:
+            return free, None
+        active = self._active_adapters
+        victim = next((k for k in active.cache if k not in active.pinned), None)
+        if victim is None:
+            raise RuntimeError("All items are pinned, cannot remove oldest from the cache.")
+        return self.slot_of(victim), victim
+
+    def deactivate_adapter(self, adapter_id: int) -> bool:
+        if adapter_id not in self._active_adapters:
+            return False
+        self._active_adapters.pop(adapter_id)  # frees the slot through on_remove
+        return True
+
+    def remove_adapter(self, adapter_id: int) -> bool:
+        self.deactivate_adapter(adapter_id)
+        return self._registered_adapters.pop(adapter_id) is not None
+
+    def remove_oldest_adapter(self) -> bool:
+        """Drops the least recently used unpinned adapter; False when none is registered,
+        `RuntimeError` when all are pinned."""
+        if len(self._registered_adapters) == 0:
+            return False
+        self._registered_adapters.remove_oldest()
+        return True
+
+    def pin_adapter(self, adapter_id: int) -> bool:
+        """Keeps an adapter in the CPU cache and in a device slot (activating it)."""
+        if adapter_id not in self._registered_adapters:
+            raise ValueError(f"Pinning failed. LoRA {adapter_id} is not registered.")
+        if adapter_id not in self._active_adapters:
+            self.activate_adapter(adapter_id)
+        self._registered_adapters.pin(adapter_id)
+        self._active_adapters.pin(adapter_id)
+        return True
+
+    def set_active_adapters(self, requests: Iterable[int | LoRAAdapter | LoRARequest | None]):
+        """Worker-style: load (evicting the LRU when the CPU cache is full) and activate
+        every requested adapter; other adapters stay cached."""
+        reqs = self._distinct(requests)
+        for aid, req in reqs.items():
+            if aid not in self._registered_adapters:
+                adapter = self._load(req)
+                if len(self._registered_adapters) + 1 > self.capacity:
+                    self.remove_oldest_adapter()
+                self.add_adapter(adapter)
+            else:
+                self._registered_adapters.touch(aid)
+            self.activate_adapter(aid)
+
+
+def _items(cache):
+    return cache.cache.items() if isinstance(cache, _LRUCache) else cache.items()
+
+
+def _keys(cache):
+    return list(cache.cache) if isinstance(cache, _LRUCache) else list(cache)
+
+
+def _progress(items: list, desc: str, enabled: bool):
+    if not enabled or len(items) < 2:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, unit="adapter")

@@ -1,0 +1,495 @@
+"""PEFT LoRA checkpoints → host-side `LoRAAdapter`s ready for the adapter manager.
+
+A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors` with keys
+like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (`[r, in]`) and
+`....lora_B.weight` (`[out, r]`); embeddings use `lora_embedding_A` (`[r, V]`) and
+`lora_embedding_B` (`[D, r]`). Loading:
+
+1. reads the config and refuses what cannot be served exactly (DoRA, `modules_to_save`,
+   LoRA bias, layer filters, ranks outside `[1, max_lora_rank]`);
+2. reads the safetensors file with a strict parser (never unpickles; a `.bin`
+   checkpoint is refused) — a truncated or corrupt file fails before anything is kept;
+3. resolves every module against the wrapped model's LoRA layers, packing `q/k/v` →
+   `qkv_proj` and `gate/up` → `gate_up_proj` (a missing member is a `None` slice);
+4. folds the scaling into B: `alpha / r`, or `alpha / sqrt(r)` with rsLoRA, with `r` and
+   `alpha` from `rank_pattern` / `alpha_pattern` when a pattern matches the module
+   (PEFT's rule: the first key `k` with `re.match(rf"(.*\\.)?({k})$", name)`).
+
+Ranks stay as in the file; zero-padding to `max_lora_rank` happens at the slot write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from lora_jax.config import LoRAConfig
+from lora_jax.serving.wrap import layer_packed_modules, lora_layers, module_name, packed_names
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+PEFT_PREFIX = "base_model.model."
+# PEFT key suffix → which factor it is. lm_head LoRA uses plain lora_A / lora_B.
+KEY_KINDS: dict[str, str] = {
+    ".lora_A.weight": "a",
+    ".lora_B.weight": "b",
+    ".lora_embedding_A": "a",
+    ".lora_embedding_B": "b",
+}
+
+_ids = itertools.count(1)
+
+
+# -- config ---------------------------------------------------------------------------------
+def _pattern_key(keys: Sequence[str], name: str) -> str | None:
+    for key in keys:
+        if re.match(rf"(.*\.)?({key})$", name):
+            return key
+    return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PEFTConfig:
+    """The parts of a PEFT `LoraConfig` that decide how an adapter is served.
+
+    Example:
+        >>> cfg = PEFTConfig(r=8, lora_alpha=16, rank_pattern=(("q_proj", 4),))
+        >>> cfg.rank_for("model.layers.0.self_attn.q_proj"), cfg.scaling_for("x.v_proj")
+        (4, 2.0)
+    """
+
+    r: int
+    """Default rank."""
+    lora_alpha: float
+    """Default alpha; the scaling is alpha / r (alpha / sqrt(r) with rsLoRA)."""
+    use_rslora: bool = False
+    """rsLoRA scaling alpha / sqrt(r)."""
+    target_modules: tuple[str, ...] | str | None = None
+    """PEFT names (a module matches `name` or `*.name`) or one regex (full match)."""
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    """(pattern, rank) pairs in the config's order; the first match wins."""
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
+    """(pattern, alpha) pairs in the config's order; the first match wins."""
+    source: str = CONFIG_NAME
+    """Where the config came from (for error messages)."""
+
+    def __post_init__(self):
+        for what, r in [
+            ("r", self.r),
+            *((f"rank_pattern[{k!r}]", v) for k, v in self.rank_pattern),
+        ]:
+            if isinstance(r, bool) or not isinstance(r, int | np.integer) or r <= 0:
+                raise ValueError(f"{self.source}: {what}={r!r} must be a positive integer")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = CONFIG_NAME) -> PEFTConfig:
+        """Parses an `adapter_config.json` dict; refuses what lora_jax cannot serve."""
+        peft_type = str(d.get("peft_type", "LORA")).upper()
+        if peft_type != "LORA":
+            raise ValueError(f"{source}: peft_type={peft_type!r} is not supported; only LORA")
+        if d.get("use_dora"):
+            raise ValueError(f"{source}: use_dora=True: lora_jax does not yet support DoRA")
+        if d.get("modules_to_save"):
+            raise ValueError(
+                f"{source}: modules_to_save={d['modules_to_save']!r}: lora_jax only supports "
+                "modules_to_save being None"
+            )
+        if d.get("bias", "none") != "none":
+            raise ValueError(f"{source}: bias={d['bias']!r} is not supported; only 'none'")
+        if d.get("lora_bias"):
+            raise ValueError(f"{source}: lora_bias=True is not supported")
+        for key in (
+            "layers_to_transform",
+            "layers_pattern",
+            "trainable_token_indices",
+            "target_parameters",
+        ):
+            if d.get(key) not in (None, [], {}, ""):
+                raise ValueError(f"{source}: {key}={d[key]!r} is not supported")
+        if "r" not in d or "lora_alpha" not in d:
+            raise ValueError(f"{source}: needs 'r' and 'lora_alpha'")
+        targets = d.get("target_modules")
+        if targets is not None and not isinstance(targets, str):
+            targets = tuple(sorted(targets))
+        return cls(
+            r=d["r"],
+            lora_alpha=float(d["lora_alpha"]),
+            use_rslora=bool(d.get("use_rslora", False)),
+            target_modules=targets,
+            rank_pattern=tuple((str(k), v) for k, v in (d.get("rank_pattern") or {}).items()),
+            alpha_pattern=tuple(
+                (str(k), float(v)) for k, v in (d.get("alpha_pattern") or {}).items()
+            ),
+            source=source,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> PEFTConfig:
+        """Reads `<path>/adapter_config.json`."""
+        file = os.path.join(os.fspath(path), CONFIG_NAME)
+        if not os.path.isfile(file):
+            raise ValueError(f"{path}: no {CONFIG_NAME} (not a PEFT adapter directory)")
+        try:
+            with open(file) as f:
+                d = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{file}: cannot read the adapter config: {e}") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"{file}: expected a JSON object")
+        return cls.from_dict(d, source=file)
+
+    def rank_for(self, name: str) -> int:
+        key = _pattern_key([k for k, _ in self.rank_pattern], name)
+        return self.r if key is None else int(dict(self.rank_pattern)[key])
+
+    def alpha_for(self, name: str) -> float:
+        key = _pattern_key([k for k, _ in self.alpha_pattern], name)
+        return self.lora_alpha if key is None else float(dict(self.alpha_pattern)[key])
+
+    def scaling_for(self, name: str) -> float:
+        r, alpha = self.rank_for(name), self.alpha_for(name)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def validate(self, lora_config: LoRAConfig) -> None:
+        """Every rank must fit `max_lora_rank`."""
+        R = lora_config.max_lora_rank
+        for what, r in [
+            ("r", self.r),
+            *((f"rank_pattern[{k!r}]", v) for k, v in self.rank_pattern),
+        ]:
+            if r > R:
+                raise ValueError(f"{self.source}: {what}={r} is greater than max_lora_rank={R}")
+
+
+# -- safetensors ----------------------------------------------------------------------------
+_ST_DTYPES: dict[str, Any] = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def _st_dtype(name: str, file: str, key: str):
+    if name in _ST_DTYPES:
+        return np.dtype(_ST_DTYPES[name])
+    import ml_dtypes  # ships with jax
+
+    extra = {
+        "BF16": ml_dtypes.bfloat16,
+        "F8_E4M3": ml_dtypes.float8_e4m3fn,
+        "F8_E5M2": ml_dtypes.float8_e5m2,
+    }
+    if name not in extra:
+        raise ValueError(f"{file}: tensor {key!r} has unsupported dtype {name!r}")
+    return np.dtype(extra[name])
+
+
+def read_safetensors(file: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Reads a `.safetensors` file strictly into numpy arrays (no pickle, no torch).
+
+    Every header entry is checked against the file size and its dtype × shape, so a
+    truncated or corrupt file raises `ValueError` naming the file (and tensor).
+
+    Example:
+        >>> tensors = read_safetensors("adapter/adapter_model.safetensors")  # doctest: +SKIP
+    """
+    file = os.fspath(file)
+    try:
+        with open(file, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ValueError(f"{file}: cannot read: {e}") from e
+    if len(raw) < 8:
+        raise ValueError(f"{file}: truncated safetensors file ({len(raw)} bytes)")
+    n = int.from_bytes(raw[:8], "little")
+    if n <= 0 or 8 + n > len(raw):
+        raise ValueError(f"{file}: corrupt or truncated safetensors header (length {n})")
+    try:
+        header = json.loads(raw[8 : 8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: corrupt safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: corrupt safetensors header (not an object)")
+    data = memoryview(raw)[8 + n :]
+    out = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype_name, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+            shape = tuple(int(s) for s in shape)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{file}: tensor {key!r} has a corrupt header entry") from e
+        dtype = _st_dtype(dtype_name, file, key)
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if not 0 <= start <= end <= len(data) or end - start != size:
+            raise ValueError(
+                f"{file}: tensor {key!r} (dtype {dtype_name}, shape {list(shape)}) lies outside "
+                f"the file or has the wrong byte size: truncated or corrupt file"
+            )
+        out[key] = np.frombuffer(data[start:end], dtype=dtype).reshape(shape).copy()
+    return out
+
+
+def write_safetensors(file: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
+    """Writes numpy arrays as a `.safetensors` file (for tests and generated adapters)."""
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.fspath(file))
+
+
+# -- adapters -------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModuleLoRA:
+    """One LoRA layer's share of an adapter, per packed member (`None` = absent).
+
+    `lora_a[i]` is `[r_i, in]`, `lora_b[i]` is `[out_i, r_i]` with the scaling folded in.
+    """
+
+    module_name: str
+    lora_a: tuple[np.ndarray | None, ...]
+    lora_b: tuple[np.ndarray | None, ...]
+
+    @property
+    def rank(self) -> int:
+        return max(a.shape[0] for a in self.lora_a if a is not None)
+
+    def set_lora_args(self) -> tuple[Any, Any]:
+        """`(lora_a, lora_b)` as a layer's `set_lora` takes them."""
+        if len(self.lora_a) == 1:
+            return self.lora_a[0], self.lora_b[0]
+        return list(self.lora_a), list(self.lora_b)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoRAAdapter:
+    """A loaded adapter: id, name and its per-LoRA-layer weights (host numpy, f32).
+
+    Example:
+        >>> adapter = load_peft_adapter("adapters/sql", model, cfg, adapter_id=1)  # doctest: +SKIP
+        >>> adapter.get_lora("model.layers.0.self_attn.qkv_proj").lora_a[0].shape  # doctest: +SKIP
+        (8, 64)
+    """
+
+    id: int
+    name: str
+    rank: int
+    modules: Mapping[str, ModuleLoRA]
+    source: str = ""
+
+    def get_lora(self, module: str) -> ModuleLoRA | None:
+        return self.modules.get(module)
+
+
+def _parse_key(key: str, file: str, name_map) -> tuple[str, str]:
+    for suffix, kind in KEY_KINDS.items():
+        if key.endswith(suffix):
+            name = key[: -len(suffix)]
+            name = name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
+            return (name_map(name) if name_map else name), kind
+    allowed = ", ".join(f"*{s}" for s in KEY_KINDS)
+    raise ValueError(f"{file}: tensor {key!r} is not a LoRA weight; allowed keys: {allowed}")
+
+
+def _module_index(model) -> tuple[dict[str, tuple[str, int, int]], dict[str, Any], set[str]]:
+    """checkpoint module name → (LoRA layer name, member index, member count)."""
+    layers = lora_layers(model)
+    index = {}
+    for name, layer in layers.items():
+        members = packed_names(name, layer_packed_modules(name, layer))
+        for i, full in enumerate(members):
+            index[full] = (name, i, len(members))
+    from flax import nnx
+
+    all_names = set(index)
+    for path, node in nnx.iter_graph(model):
+        if path and isinstance(node, nnx.Module):
+            all_names.add(module_name(path))
+    return index, layers, all_names
+
+
+def _check_targets(cfg: PEFTConfig, all_names: set[str]) -> None:
+    t = cfg.target_modules
+    if t is None:
+        return
+    if isinstance(t, str):
+        if not any(re.fullmatch(t, n) for n in all_names):
+            raise ValueError(f"{cfg.source}: target_modules regex {t!r} matches no model module")
+        return
+    missing = [x for x in t if not any(n == x or n.endswith("." + x) for n in all_names)]
+    if missing:
+        leaves = sorted({n.rpartition(".")[2] for n in all_names if not n[-1:].isdigit()})
+        raise ValueError(
+            f"{cfg.source}: target_modules {missing} are not modules of the model; "
+            f"its modules: {leaves}"
+        )
+
+
+def load_peft_adapter(
+    path: str | os.PathLike,
+    model,
+    lora_config: LoRAConfig,
+    *,
+    adapter_id: int | None = None,
+    name: str | None = None,
+    name_map: Callable[[str], str] | None = None,
+) -> LoRAAdapter:
+    """Loads a PEFT LoRA directory against a wrapped model (see the module docstring).
+
+    Args:
+      path: directory with `adapter_config.json` and `adapter_model.safetensors`.
+      model: the model after `wrap_model` (its LoRA layers decide names and shapes).
+      lora_config: the serving limits (`max_lora_rank`).
+      adapter_id: the manager key (int >= 1); a fresh one when None.
+      name: a display name; defaults to the directory name.
+      name_map: optional checkpoint-module-name rewrite (vLLM's `WeightsMapper`).
+
+    Raises `ValueError` naming the file and tensor on any problem; nothing is returned
+    half-loaded.
+
+    Example:
+        >>> adapter = load_peft_adapter("adapters/sql", model, cfg, adapter_id=1)  # doctest: +SKIP
+    """
+    path = os.fspath(path)
+    cfg = PEFTConfig.from_dir(path)
+    cfg.validate(lora_config)
+    file = os.path.join(path, WEIGHTS_NAME)
+    if not os.path.isfile(file):
+        pickles = [p for p in PICKLE_NAMES if os.path.isfile(os.path.join(path, p))]
+        if pickles:
+            raise ValueError(
+                f"{os.path.join(path, pickles[0])}: pickle checkpoints are never loaded (unsafe); "
+                f"save the adapter as {WEIGHTS_NAME} "
+                "(PEFT: save_pretrained(safe_serialization=True))"
+            )
+        raise ValueError(f"{path}: no {WEIGHTS_NAME}")
+    tensors = read_safetensors(file)
+    return adapter_from_tensors(
+        tensors,
+        cfg,
+        model,
+        lora_config,
+        adapter_id=adapter_id,
+        name=name or os.path.basename(os.path.normpath(path)),
+        source=file,
+        name_map=name_map,
+    )
+
+
+def adapter_from_tensors(
+    tensors: Mapping[str, np.ndarray],
+    cfg: PEFTConfig,
+    model,
+    lora_config: LoRAConfig,
+    *,
+    adapter_id: int | None = None,
+    name: str = "adapter",
+    source: str = WEIGHTS_NAME,
+    name_map: Callable[[str], str] | None = None,
+) -> LoRAAdapter:
+    """Builds a `LoRAAdapter` from PEFT-keyed tensors (the body of `load_peft_adapter`)."""
+    cfg.validate(lora_config)
+    index, layers, all_names = _module_index(model)
+    _check_targets(cfg, all_names)
+    if adapter_id is None:
+        adapter_id = next(_ids)
+    if (
+        isinstance(adapter_id, bool)
+        or not isinstance(adapter_id, int | np.integer)
+        or adapter_id < 1
+    ):
+        raise ValueError(f"{source}: adapter_id must be an int >= 1, got {adapter_id!r}")
+    pairs: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
+    for key, value in tensors.items():
+        mod, kind = _parse_key(key, source, name_map)
+        if mod not in index:
+            known = sorted({n.rpartition(".")[2] for n in index})
+            hint = " (it exists but is not LoRA-wrapped)" if mod in all_names else ""
+            raise ValueError(
+                f"{source}: tensor {key!r}: module {mod!r} is not a LoRA module of the model"
+                f"{hint}; LoRA modules: {known}"
+            )
+        if kind in pairs.setdefault(mod, {}):
+            raise ValueError(
+                f"{source}: tensor {key!r}: module {mod!r} has two lora_{kind} tensors"
+            )
+        pairs[mod][kind] = (key, np.asarray(value))
+    if not pairs:
+        raise ValueError(f"{source}: no LoRA tensors")
+    members: dict[str, list] = {}
+    for mod, ab in pairs.items():
+        if set(ab) != {"a", "b"}:
+            have = next(iter(ab.values()))[0]
+            raise ValueError(
+                f"{source}: tensor {have!r}: module {mod!r} lacks its lora_A/lora_B pair"
+            )
+        (ka, a), (kb, b) = ab["a"], ab["b"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(
+                f"{source}: tensors {ka!r} {list(a.shape)} and {kb!r} {list(b.shape)} must be "
+                "[r, in] and [out, r] with the same r"
+            )
+        r = cfg.rank_for(mod)
+        if a.shape[0] != r:
+            raise ValueError(
+                f"{source}: tensor {ka!r} has rank {a.shape[0]} but {cfg.source} gives r={r} for "
+                f"module {mod!r}"
+            )
+        if r > lora_config.max_lora_rank:
+            raise ValueError(
+                f"{source}: module {mod!r} rank {r} is greater than max_lora_rank="
+                f"{lora_config.max_lora_rank}"
+            )
+        layer_name, i, n = index[mod]
+        _check_member_shape(layers[layer_name], i, n, a, b, ka, kb, source)
+        scale = np.float32(cfg.scaling_for(mod))
+        slot = members.setdefault(layer_name, [[None] * n, [None] * n])
+        slot[0][i] = a.astype(np.float32)
+        slot[1][i] = b.astype(np.float32) * scale
+    modules = {
+        ln: ModuleLoRA(module_name=ln, lora_a=tuple(a), lora_b=tuple(b))
+        for ln, (a, b) in members.items()
+    }
+    for ln, m in modules.items():
+        prepare = getattr(layers[ln], "prepare_lora", None)
+        if prepare is not None:
+            try:
+                prepare(0, *m.set_lora_args())
+            except ValueError as e:
+                raise ValueError(f"{source}: module {ln!r}: {e}") from e
+    rank = max(m.rank for m in modules.values())
+    return LoRAAdapter(id=int(adapter_id), name=name, rank=rank, modules=modules, source=source)
+
+
+def _check_member_shape(layer, i, n, a, b, ka, kb, source) -> None:
+    """Per-member in/out sizes for the linear LoRA layers (others check at prepare)."""
+    base = getattr(layer, "base_layer", None)
+    sizes = getattr(layer, "logical_slice_sizes", None)
+    if base is None or sizes is None or not hasattr(base, "in_features"):
+        return
+    if n == len(sizes):
+        out = sizes[i]
+    elif n == 1:
+        out = sum(sizes)
+    else:
+        return
+    if a.shape[1] != base.in_features or b.shape[0] != out:
+        raise ValueError(
+            f"{source}: tensors {ka!r} {list(a.shape)} / {kb!r} {list(b.shape)} do not fit "
+            f"module {layer.name!r}: expected [r, {base.in_features}] / [{out}, r]"
+        )

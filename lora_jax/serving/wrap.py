@@ -1,0 +1,278 @@
+"""LoRA-ize a Flax NNX model in place: every target base linear → its vLLM LoRA class.
+
+`wrap_model` walks the NNX graph, and for each module whose path is targeted asks the
+registered LoRA classes (`LORA_LAYER_CLASSES`, tried in order) which one
+`can_replace_layer(source_layer, lora_config, packed_modules_list)`; the first that
+accepts wraps the module, and the wrapper replaces it at the same attribute or list
+index. All wrappers share one `LoRAContext`, so the model's call signature does not
+change: the step's token→slot mapping reaches every layer through that variable.
+
+Module names are the dotted NNX paths (`model.layers.0.self_attn.qkv_proj`), which
+match HF/PEFT names once the packed modules are expanded through the packed mapping
+(`qkv_proj` → `q_proj`, `k_proj`, `v_proj`). A packed module is targeted when any of
+its packed names is. New layer kinds (lm_head, embeddings, MoE) join by appending to
+`LORA_LAYER_CLASSES` (or `register_lora_layer`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from flax import nnx
+
+from lora_jax.config import LoRAConfig
+from lora_jax.layers import (
+    BaseLayerWithLoRA,
+    ColumnParallelLinearWithLoRA,
+    ColumnParallelLinearWithShardedLoRA,
+    LoRAContext,
+    MergedColumnParallelLinearVariableSliceWithLoRA,
+    MergedColumnParallelLinearVariableSliceWithShardedLoRA,
+    MergedColumnParallelLinearWithLoRA,
+    MergedColumnParallelLinearWithShardedLoRA,
+    MergedQKVParallelLinearWithLoRA,
+    MergedQKVParallelLinearWithShardedLoRA,
+    QKVParallelLinearWithLoRA,
+    QKVParallelLinearWithShardedLoRA,
+    ReplicatedLinearWithLoRA,
+    RowParallelLinearWithLoRA,
+    RowParallelLinearWithShardedLoRA,
+    find_lora_context,
+)
+
+# Tried in order; the first class whose `can_replace_layer` accepts a module wraps it.
+# Sharded (S-LoRA) classes come first: they only accept when `fully_sharded_loras`.
+LORA_LAYER_CLASSES: list[type] = [
+    ColumnParallelLinearWithShardedLoRA,
+    MergedColumnParallelLinearWithShardedLoRA,
+    MergedColumnParallelLinearVariableSliceWithShardedLoRA,
+    QKVParallelLinearWithShardedLoRA,
+    MergedQKVParallelLinearWithShardedLoRA,
+    RowParallelLinearWithShardedLoRA,
+    ReplicatedLinearWithLoRA,
+    ColumnParallelLinearWithLoRA,
+    MergedColumnParallelLinearWithLoRA,
+    MergedColumnParallelLinearVariableSliceWithLoRA,
+    QKVParallelLinearWithLoRA,
+    MergedQKVParallelLinearWithLoRA,
+    RowParallelLinearWithLoRA,
+]
+
+TargetModules = Sequence[str] | str | None
+
+
+def register_lora_layer(cls: type, *, first: bool = False) -> type:
+    """Adds a LoRA layer class to the registry `wrap_model` tries (usable as a decorator).
+
+    The class needs `can_replace_layer(source_layer, lora_config, packed_modules_list)`
+    and a constructor `cls(base_layer, lora_config, context, *, name=...)`.
+
+    Example:
+        >>> register_lora_layer(MyLayerWithLoRA)  # doctest: +SKIP
+    """
+    if cls not in LORA_LAYER_CLASSES:
+        LORA_LAYER_CLASSES.insert(0, cls) if first else LORA_LAYER_CLASSES.append(cls)
+    return cls
+
+
+def default_packed_modules_mapping() -> dict[str, list[str]]:
+    """`lora_jax.models.PACKED_MODULES_MAPPING` when available, else `{}`."""
+    try:
+        from lora_jax.models import PACKED_MODULES_MAPPING
+    except ImportError:
+        return {}
+    return {k: list(v) for k, v in PACKED_MODULES_MAPPING.items()}
+
+
+def is_lora_layer(node: Any) -> bool:
+    """True for the LoRA wrappers `wrap_model` creates (any registered class)."""
+    return isinstance(node, (BaseLayerWithLoRA, *LORA_LAYER_CLASSES))
+
+
+def module_name(path: Sequence[Any]) -> str:
+    """NNX path parts → the dotted module name (`("model", "layers", 0)` → `model.layers.0`)."""
+    return ".".join(str(p) for p in path)
+
+
+def packed_names(name: str, packed_modules: Sequence[str]) -> list[str]:
+    """Full checkpoint names a (packed) module answers to: `a.qkv_proj` → `a.q_proj`, ..."""
+    prefix = name.rpartition(".")[0]
+    return [f"{prefix}.{p}" if prefix else p for p in packed_modules]
+
+
+def _matches(target: TargetModules, names: Sequence[str]) -> bool:
+    if target is None:
+        return True
+    if isinstance(target, str):
+        return any(re.fullmatch(target, n) for n in names)
+    return any(n == t or n.endswith("." + t) for n in names for t in target)
+
+
+def _normalize_targets(target_modules: TargetModules) -> TargetModules:
+    if target_modules is None or isinstance(target_modules, str):
+        if isinstance(target_modules, str):
+            try:
+                re.compile(target_modules)
+            except re.error as e:
+                raise ValueError(f"target_modules regex {target_modules!r} is invalid: {e}") from e
+        return target_modules
+    targets = tuple(target_modules)
+    for t in targets:
+        if not isinstance(t, str) or not t:
+            raise ValueError(f"target_modules entries must be non-empty strings, got {t!r}")
+    return targets
+
+
+def _pick_class(node, lora_config: LoRAConfig, packed: Sequence[str]) -> type | None:
+    for cls in LORA_LAYER_CLASSES:
+        if cls.can_replace_layer(node, lora_config, list(packed)):
+            return cls
+    return None
+
+
+def _get_child(parent, key):
+    return parent[key] if isinstance(key, int) else getattr(parent, key)
+
+
+def _set_child(parent, key, value) -> None:
+    if isinstance(key, int):
+        parent[key] = value
+    else:
+        setattr(parent, key, value)
+
+
+def _resolve(model: nnx.Module, path: Sequence[Any]):
+    node = model
+    for key in path:
+        node = _get_child(node, key)
+    return node
+
+
+def _candidates(model: nnx.Module, lora_config, mapping):
+    """(path, module, packed list, class) for every module some LoRA class can wrap."""
+    out = []
+    inside_lora: list[tuple] = []
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Module) or not path:
+            continue
+        if is_lora_layer(node):
+            inside_lora.append(tuple(path))
+            continue
+        name = module_name(path)
+        packed = list(mapping.get(str(path[-1]), [str(path[-1])]))
+        cls = _pick_class(node, lora_config, packed)
+        if cls is not None:
+            out.append((tuple(path), node, packed, cls, name))
+    # iter_graph visits children before parents: drop the base layers of existing wrappers.
+    return [c for c in out if not any(c[0][: len(p)] == p for p in inside_lora)]
+
+
+def wrap_model(
+    model: nnx.Module,
+    lora_config: LoRAConfig,
+    *,
+    target_modules: TargetModules = None,
+    packed_modules_mapping: Mapping[str, Sequence[str]] | None = None,
+    context: LoRAContext | None = None,
+) -> LoRAContext:
+    """Replaces every targeted base linear of `model` by its LoRA class, in place.
+
+    Args:
+      model: an NNX module built from `lora_jax.linear` layers.
+      lora_config: slot count, max rank, `fully_sharded_loras` (picks the S-LoRA classes).
+      target_modules: PEFT-style list of names (a module matches when its dotted path
+        equals a name or ends with `.name`), a regex string (`re.fullmatch` on the path),
+        or `None` for every supported module. Packed modules match through their
+        packed names.
+      packed_modules_mapping: packed module → checkpoint names, e.g.
+        `{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}`; defaults to
+        `lora_jax.models.PACKED_MODULES_MAPPING`.
+      context: the `LoRAContext` to share; defaults to the model's existing one or a new one.
+
+    Returns the shared `LoRAContext`. Raises `ValueError` when a target name matches no
+    module of the model (nothing is changed then).
+
+    Example:
+        >>> ctx = wrap_model(model, LoRAConfig(max_loras=4, max_lora_rank=8))  # doctest: +SKIP
+        >>> set_lora_mapping(model, jnp.array([0, -1, 3], jnp.int32))  # doctest: +SKIP
+    """
+    if not isinstance(lora_config, LoRAConfig):
+        raise ValueError(f"wrap_model: lora_config must be a LoRAConfig, got {type(lora_config)}")
+    mapping = (
+        default_packed_modules_mapping()
+        if packed_modules_mapping is None
+        else dict(packed_modules_mapping)
+    )
+    targets = _normalize_targets(target_modules)
+    candidates = _candidates(model, lora_config, mapping)
+    if isinstance(targets, tuple):
+        all_names = [n for c in candidates for n in [c[4], *packed_names(c[4], c[2])]]
+        missing = [t for t in targets if not _matches((t,), all_names)]
+        if missing:
+            leaves = sorted({n.rpartition(".")[2] for n in all_names})
+            raise ValueError(
+                f"wrap_model: target_modules {missing} match no supported module of the model; "
+                f"supported module names: {leaves}"
+            )
+    elif isinstance(targets, str):
+        if not any(_matches(targets, [c[4], *packed_names(c[4], c[2])]) for c in candidates):
+            raise ValueError(
+                f"wrap_model: target_modules regex {targets!r} matches no supported module; "
+                f"e.g. {[c[4] for c in candidates[:4]]}"
+            )
+    if context is None:
+        context = find_lora_context(model) or LoRAContext(None)
+    chosen = [c for c in candidates if _matches(targets, [c[4], *packed_names(c[4], c[2])])]
+    for path, node, packed, cls, name in chosen:
+        layer = cls(node, lora_config, context, name=name)
+        layer.packed_modules = tuple(packed)
+        _set_child(_resolve(model, path[:-1]), path[-1], layer)
+    return context
+
+
+def unwrap_model(model: nnx.Module) -> int:
+    """Puts every LoRA layer's base layer back in its place; returns how many were removed.
+
+    Example:
+        >>> unwrap_model(model)  # doctest: +SKIP
+        7
+    """
+    found = [(tuple(p), n) for p, n in nnx.iter_graph(model) if p and is_lora_layer(n)]
+    # Outermost first so a nested wrapper (never made by wrap_model) is not half-restored.
+    found.sort(key=lambda pn: len(pn[0]))
+    done = 0
+    for path, layer in found:
+        try:
+            current = _resolve(model, path)
+        except (AttributeError, IndexError, KeyError):
+            continue
+        if current is layer:
+            _set_child(_resolve(model, path[:-1]), path[-1], layer.base_layer)
+            done += 1
+    return done
+
+
+def lora_layers(model: nnx.Module) -> dict[str, Any]:
+    """The model's LoRA layers by dotted module name, in graph order.
+
+    Example:
+        >>> sorted(lora_layers(model))[:1]  # doctest: +SKIP
+        ['model.layers.0.mlp.down_proj']
+    """
+    layers = {}
+    for path, node in nnx.iter_graph(model):
+        if path and is_lora_layer(node):
+            layers[module_name(path)] = node
+    return dict(sorted(layers.items(), key=lambda kv: _natural_key(kv[0])))
+
+
+def layer_packed_modules(name: str, layer) -> tuple[str, ...]:
+    """The checkpoint (leaf) names a LoRA layer's slices answer to."""
+    packed = getattr(layer, "packed_modules", None)
+    return tuple(packed) if packed else (name.rpartition(".")[2],)
+
+
+def _natural_key(name: str):
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
