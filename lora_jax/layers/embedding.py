@@ -36,7 +36,7 @@ def check_slot(name: str, what: str, index, max_loras: int) -> int:
     if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
         raise ValueError(f"{name}.{what}: index must be an int, got {index!r}")
     if not 0 <= int(index) < max_loras:
-        raise ValueError(f"{name}.{what}: index {index!r} outside [0, {max_loras})")
+        raise ValueError(f"{name}.{what}: index {int(index)} outside [0, {max_loras})")
     return int(index)
 
 

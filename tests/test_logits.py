@@ -1,0 +1,289 @@
+"""LogitsProcessor / LogitsProcessorWithLoRA against a dense numpy oracle on 1..8 vocab shards."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import lora_jax as lj
+from lora_jax.config import MAX_LORA_VOCAB_SIZE
+from lora_jax.vocab import ParallelLMHead, VocabParallelEmbedding
+
+V, D, MAX_LORAS, MAX_RANK = 100, 16, 4, 8
+RANKS = {0: 8, 1: 4, 3: 2}  # slot -> adapter rank; slot 2 stays empty
+MESHES = [None, (1, 1, True), (1, 2, True), (1, 4, True), (1, 8, True), (2, 4, False)]
+SOFT_CAP, SCALE = 2.0, 0.5  # a small cap so that "LoRA before cap" is visible
+
+
+def make_rules(mesh_cfg):
+    if mesh_cfg is None:
+        return lj.ShardingRules()
+    dp, tp, explicit = mesh_cfg
+    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh(
+        (dp, tp), ("dp", "tp"), devices=jax.devices()[: dp * tp], axis_types=(kind, kind)
+    )
+    return lj.ShardingRules(mesh)
+
+
+def make_adapters(seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        s: (
+            0.3 * rng.normal(size=(r, D)).astype(np.float32),
+            0.3 * rng.normal(size=(V, r)).astype(np.float32),
+        )
+        for s, r in RANKS.items()
+    }
+
+
+def make_layer(rules, adapters=None, tied=False, dtype=jnp.float32, **lp_kw):
+    cls = VocabParallelEmbedding if tied else ParallelLMHead
+    head = cls(V, D, rules=rules, param_dtype=dtype, rngs=nnx.Rngs(0))
+    w = 0.5 * np.random.default_rng(1).normal(size=(V, D)).astype(np.float32)
+    head.load_table(w)
+    lp_kw = {"soft_cap": SOFT_CAP, "scale": SCALE} | lp_kw
+    cfg = lj.LoRAConfig(max_loras=MAX_LORAS, max_lora_rank=MAX_RANK)
+    layer = lj.LogitsProcessorWithLoRA(lj.LogitsProcessor(V, **lp_kw), head, cfg)
+    for s, (a, b) in (adapters or {}).items():
+        layer.set_lora(s, a, b)
+    return layer, head, w
+
+
+def dense(w, adapters, x, slots, soft_cap=SOFT_CAP, scale=SCALE):
+    """logits = x W^T + (x A^T) B^T per row slot, then soft cap, then scale (vLLM's order)."""
+    x = x.astype(np.float64)
+    out = x @ w.T.astype(np.float64)
+    for n, s in enumerate(slots):
+        if s in adapters:
+            a, b = adapters[s]
+            out[n] += (x[n] @ a.T.astype(np.float64)) @ b.T.astype(np.float64)
+    if soft_cap is not None:
+        out = np.tanh(out / soft_cap) * soft_cap
+    return out * scale
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _forward(graphdef, head_def, state, head_state, x, token_slots, seq_slots, bias):
+    layer, head = nnx.merge(graphdef, state), nnx.merge(head_def, head_state)
+    lj.set_lora_mapping(layer, token_slots, seq_slots)
+    return layer(head, x, bias)
+
+
+def run(layer, head, x, token_slots, seq_slots=None, bias=None):
+    """Logits under one jit (eager shard_maps retrace on every call)."""
+    (g, s), (hg, hs) = nnx.split(layer), nnx.split(head)
+    seq = None if seq_slots is None else jnp.asarray(seq_slots)
+    bias = None if bias is None else jnp.asarray(bias)
+    return np.asarray(_forward(g, hg, s, hs, jnp.asarray(x), jnp.asarray(token_slots), seq, bias))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _base_forward(graphdef, head_def, state, head_state, x):
+    return nnx.merge(graphdef, state).base_layer(nnx.merge(head_def, head_state), x)
+
+
+def run_base(layer, head, x):
+    """The base processor's logits, jitted like `run` (fusion changes the last ulp)."""
+    (g, s), (hg, hs) = nnx.split(layer), nnx.split(head)
+    return np.asarray(_base_forward(g, hg, s, hs, jnp.asarray(x)))
+
+
+def seq_case(B=10, T=23, seed=2):
+    """Hidden states of B sequences (last tokens), their slots, and a per-token mapping."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(B, D)).astype(np.float32)
+    seq = rng.choice([-1, 0, 1, 2, 3], size=B).astype(np.int32)
+    seq[:5] = [-1, 0, 1, 2, 3]
+    tok = rng.choice([0, 1, 2, 3], size=T).astype(np.int32)  # deliberately unrelated
+    return x, seq, tok
+
+
+def test_base_processor_matches_dense_and_tied_head():
+    rules = make_rules((1, 4, True))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 3, D)).astype(np.float32)
+    for tied in (False, True):
+        _, head, w = make_layer(rules, tied=tied)
+        bias = rng.normal(size=(V,)).astype(np.float32)
+        lp = lj.LogitsProcessor(V, soft_cap=SOFT_CAP, scale=SCALE)
+        got = np.asarray(lp(head, jnp.asarray(x), jnp.asarray(bias)))
+        assert got.shape == (2, 3, V)
+        ref = dense(w, {}, x.reshape(6, D) + 0, [-1] * 6, soft_cap=None, scale=1.0) + bias
+        ref = np.tanh(ref / SOFT_CAP) * SOFT_CAP * SCALE
+        np.testing.assert_allclose(got.reshape(6, V), ref, rtol=1e-5, atol=1e-5)
+    assert lj.LogitsProcessor(V, logits_as_input=True)(None, jnp.ones((2, 5))).shape == (2, 5)
+    with pytest.raises(ValueError, match="soft_cap must be > 0"):
+        lj.LogitsProcessor(V, soft_cap=0.0)
+
+
+@pytest.mark.parametrize("mesh_cfg", MESHES, ids=str)
+def test_per_sequence_lora_matches_dense(mesh_cfg):
+    adapters = make_adapters()
+    layer, head, w = make_layer(make_rules(mesh_cfg), adapters=adapters)
+    assert head.num_embeddings_padded == 128 and layer.lora_b.shape == (MAX_LORAS, 128, MAX_RANK)
+    x, seq, tok = seq_case()
+    got = run(layer, head, x, tok, seq)
+    assert got.shape == (len(seq), V)
+    np.testing.assert_allclose(got, dense(w, adapters, x, seq), rtol=1e-5, atol=1e-5)
+    # sequences with -1 or the empty slot get exactly the base processor's logits
+    base = run_base(layer, head, x)
+    plain = (seq == -1) | (seq == 2)
+    np.testing.assert_array_equal(got[plain], base[plain])
+
+
+def test_lora_joins_before_soft_cap_and_scale():
+    adapters = make_adapters()
+    layer, head, w = make_layer(make_rules(None), adapters=adapters)
+    x, seq, tok = seq_case()
+    got = run(layer, head, x, tok, seq)
+    # applying the LoRA after the cap would differ by far more than the tolerance
+    wrong = dense(w, {}, x, seq) + SCALE * (dense(w, adapters, x, seq, None, 1.0) - x @ w.T)
+    assert np.abs(got - wrong).max() > 0.1
+    np.testing.assert_allclose(got, dense(w, adapters, x, seq), rtol=1e-5, atol=1e-5)
+
+
+def test_token_rows_fall_back_to_token_mapping():
+    """Full-sequence logits (one row per token) use the per-token mapping."""
+    adapters = make_adapters(seed=4)
+    layer, head, w = make_layer(make_rules((1, 8, True)), adapters=adapters)
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(3, 4, D)).astype(np.float32)  # [B, S, D]
+    tok = np.repeat(np.array([1, -1, 3], np.int32), 4)
+    got = run(layer, head, x, tok, np.array([1, -1, 3], np.int32))
+    assert got.shape == (3, 4, V)
+    np.testing.assert_allclose(
+        got.reshape(12, V), dense(w, adapters, x.reshape(12, D), tok), atol=1e-5
+    )
+    got = run(layer, head, x, tok)  # no per-sequence mapping at all
+    np.testing.assert_allclose(
+        got.reshape(12, V), dense(w, adapters, x.reshape(12, D), tok), atol=1e-5
+    )
+    lj.set_lora_mapping(layer, jnp.zeros(5, jnp.int32), jnp.zeros(4, jnp.int32))
+    with pytest.raises(ValueError, match="3 hidden-state rows match neither"):
+        layer(head, jnp.ones((3, D)))
+
+
+def test_tied_head_through_embedding_lora_and_bias():
+    adapters = make_adapters(seed=6)
+    layer, emb, w = make_layer(make_rules((1, 2, True)), adapters=adapters, tied=True)
+    wrapped = lj.VocabParallelEmbeddingWithLoRA(emb, lj.LoRAConfig(max_loras=MAX_LORAS))
+    x, seq, tok = seq_case()
+    bias = np.linspace(-1, 1, V).astype(np.float32)
+    got = run(layer, wrapped, x, tok, seq, bias)
+    ref = dense(w, adapters, x, seq, None, 1.0) + bias
+    np.testing.assert_allclose(got, np.tanh(ref / SOFT_CAP) * SOFT_CAP * SCALE, atol=1e-5)
+
+
+def test_reset_slot_isolation_and_no_mapping():
+    adapters = make_adapters()
+    layer, head, w = make_layer(make_rules((1, 4, True)), adapters=adapters)
+    x, seq, tok = seq_case()
+    before = run(layer, head, x, tok, seq)
+    a, b = make_adapters(seed=8)[0]
+    layer.set_lora(3, a, b)  # rank 8 over a rank-2 slot
+    after = run(layer, head, x, tok, seq)
+    np.testing.assert_array_equal(after[seq != 3], before[seq != 3])
+    np.testing.assert_allclose(after[seq == 3], dense(w, {3: (a, b)}, x, seq)[seq == 3], atol=1e-5)
+    for s in range(MAX_LORAS):
+        layer.reset_lora(s)
+    base = run_base(layer, head, x)
+    np.testing.assert_array_equal(run(layer, head, x, tok, seq), base)
+    fresh, head2, _ = make_layer(make_rules((1, 4, True)), adapters=adapters)
+    xj = jnp.asarray(x)  # no mapping set: exactly the base processor
+    np.testing.assert_array_equal(
+        np.asarray(fresh(head2, xj)), np.asarray(fresh.base_layer(head2, xj))
+    )
+
+
+def test_bf16_close_to_dense():
+    adapters = make_adapters()
+    layer, head, w = make_layer(make_rules((1, 4, True)), adapters=adapters, dtype=jnp.bfloat16)
+    x, seq, tok = seq_case()
+    got = run(layer, head, x.astype(jnp.bfloat16), tok, seq).astype(np.float32)
+    np.testing.assert_allclose(got, dense(w, adapters, x, seq), rtol=3e-2, atol=5e-2)
+
+
+def test_one_all_gather_and_no_lora_collective():
+    layer, head, _ = make_layer(make_rules((1, 4, True)), adapters=make_adapters())
+    (g, s), (hg, hs) = nnx.split(layer), nnx.split(head)
+    x, seq, tok = seq_case()
+
+    def with_lora(s, hs, x, tok, seq):
+        lp = nnx.merge(g, s)
+        lj.set_lora_mapping(lp, tok, seq)
+        return lp(nnx.merge(hg, hs), x)
+
+    def base_only(s, hs, x):
+        return nnx.merge(g, s).base_layer(nnx.merge(hg, hs), x)
+
+    hlo_lora = jax.jit(with_lora).lower(s, hs, x, tok, seq).compile().as_text()
+    hlo_base = jax.jit(base_only).lower(s, hs, x).compile().as_text()
+
+    def count(hlo, op):
+        return sum(1 for ln in hlo.splitlines() if f" {op}(" in ln or f" {op}-start(" in ln)
+
+    for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter"):
+        assert count(hlo_lora, op) == count(hlo_base, op), op
+    assert count(hlo_lora, "all-gather") == 1
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+
+def _snapshot(layer):
+    return [np.asarray(v[...]) for v in (layer.lora_a, layer.lora_b, layer.slot_ranks)]
+
+
+@pytest.mark.parametrize(
+    "index, a_shape, b_shape, match",
+    [
+        (4, (4, D), (V, 4), r"index 4 outside \[0, 4\)"),
+        (np.int64(-2), (4, D), (V, 4), "index -2 outside"),
+        (1.0, (4, D), (V, 4), "must be an int"),
+        (0, (4, D + 1), (V, 4), r"lora_a must be \[rank, 16\]"),
+        (0, (4, D), (128, 4), r"lora_b must be \[100, rank\]"),
+        (0, (4, D), (V, 2), "lora_b has rank 2, lora_a has rank 4"),
+        (0, (9, D), (V, 9), r"rank 9 is outside \[1, max_lora_rank=8\]"),
+        (0, (0, D), (V, 0), r"rank 0 is outside"),
+    ],
+)
+def test_bad_set_lora_changes_nothing(index, a_shape, b_shape, match):
+    layer, _, _ = make_layer(make_rules((1, 2, True)), adapters=make_adapters())
+    before = _snapshot(layer)
+    with pytest.raises(ValueError, match=match):
+        layer.set_lora(index, np.ones(a_shape), np.ones(b_shape))
+    for x, y in zip(before, _snapshot(layer)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_vocab_size_bounds():
+    cfg = lj.LoRAConfig(max_loras=1, max_lora_rank=1)
+    rules = make_rules(None)
+    big = ParallelLMHead(MAX_LORA_VOCAB_SIZE + 1, 2, rules=rules, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="vocab size must be <= 258048"):
+        lj.LogitsProcessorWithLoRA(lj.LogitsProcessor(MAX_LORA_VOCAB_SIZE + 1), big, cfg)
+    layer = lj.LogitsProcessorWithLoRA(lj.LogitsProcessor(MAX_LORA_VOCAB_SIZE), big, cfg)
+    assert layer.lora_b.shape == (1, big.num_embeddings_padded, 1)
+    small = ParallelLMHead(V, D, rules=rules, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="vocab size 101 exceeds the lm_head's 100 rows"):
+        lj.LogitsProcessorWithLoRA(lj.LogitsProcessor(V + 1), small, cfg)
+    with pytest.raises(ValueError, match="must be a LogitsProcessor"):
+        lj.LogitsProcessorWithLoRA(small, small, cfg)
+    with pytest.raises(ValueError, match="lm_head must be a ParallelLMHead"):
+        lj.LogitsProcessorWithLoRA(lj.LogitsProcessor(V), object(), cfg)
+
+
+def test_wrong_head_at_call():
+    layer, _, _ = make_layer(make_rules(None), adapters=make_adapters())
+    other = ParallelLMHead(V + 64, D, rules=make_rules(None), rngs=nnx.Rngs(0))
+    lj.set_lora_mapping(layer, jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match="built for 128x16"):
+        layer(other, jnp.ones((2, D)))
+    with pytest.raises(ValueError, match="hidden size 8 != lm_head embedding_dim 16"):
+        layer(make_layer(make_rules(None))[1], jnp.ones((2, 8)))
