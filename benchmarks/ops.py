@@ -206,7 +206,7 @@ def compile_with_budget(fn, args, budget_s: float):
     except concurrent.futures.TimeoutError:
         return None, f"compile > {budget_s:.0f} s"
     except Exception as e:  # noqa: BLE001 - report the cell, keep the run going
-        return None, f"{type(e).__name__}: {str(e)[:120]}"
+        return None, f"{type(e).__name__}: {str(e)[:600]}"
     finally:
         pool.shutdown(wait=False)
 
@@ -241,22 +241,20 @@ def cases(args):
 
 SWEEP = {
     "shrink": [
-        BlockSizes(block_m=16, block_r=16, block_k=256, num_stages=4),
-        BlockSizes(block_m=16, block_r=32, block_k=256, num_stages=4),
-        BlockSizes(block_m=16, block_r=16, block_k=512, num_stages=3),
-        BlockSizes(block_m=32, block_r=64, block_k=128, num_stages=4),
-        BlockSizes(block_m=64, block_r=128, block_k=128, num_stages=3),
-        BlockSizes(block_m=64, block_r=64, block_k=128, num_stages=4),
-        BlockSizes(block_m=128, block_r=128, block_k=64, num_stages=3, num_warps=8),
-        BlockSizes(block_m=32, block_r=128, block_k=128, num_stages=4),
+        BlockSizes(block_m=16, block_r=16, block_k=256, num_stages=2),
+        BlockSizes(block_m=16, block_r=32, block_k=128, num_stages=3),
+        BlockSizes(block_m=16, block_r=16, block_k=64, num_stages=6),
+        BlockSizes(block_m=32, block_r=64, block_k=64, num_stages=3, num_warps=8),
+        BlockSizes(block_m=64, block_r=64, block_k=64, num_stages=2),
+        BlockSizes(block_m=32, block_r=128, block_k=32, num_stages=4),
+        BlockSizes(block_m=64, block_r=128, block_k=32, num_stages=3, num_warps=8),
+        BlockSizes(block_m=16, block_r=64, block_k=128, num_stages=2),
     ],
     "expand": [
         BlockSizes(block_m=16, block_n=64, num_stages=1),
-        BlockSizes(block_m=16, block_n=128, num_stages=1),
         BlockSizes(block_m=16, block_n=256, num_stages=1, num_warps=8),
         BlockSizes(block_m=32, block_n=128, num_stages=1),
-        BlockSizes(block_m=64, block_n=128, num_stages=1),
-        BlockSizes(block_m=64, block_n=64, num_stages=1),
+        BlockSizes(block_m=64, block_n=256, num_stages=1, num_warps=8),
         BlockSizes(block_m=128, block_n=128, num_stages=1, num_warps=8),
     ],
 }
@@ -368,7 +366,7 @@ def table(rows):
             f"| {r['op']} | {r['tokens']} | {r['hidden']} | {r['rank']} | {r['adapters']} "
             f"| {r['ideal_us']:.1f} | {o:.1f} | {r['ideal_us'] * HBM_GBPS / o:.0f} "
             f"| {100 * r['ideal_us'] / o:.0f} % | {cells[0]} | {cells[1]} | {cells[2]} "
-            f"| {oh / o:.1f} | {(f'{ga / o:.1f}' if ga else '–')} |"
+            f"| {(f'{oh / o:.1f}' if oh else '–')} | {(f'{ga / o:.1f}' if ga else '–')} |"
             if o
             else f"| {r['op']} | {r['tokens']} | {r['hidden']} | {r['rank']} | {r['adapters']} "
             f"| {r['ideal_us']:.1f} | skip | | | {cells[0]} | {cells[1]} | {cells[2]} | | |"

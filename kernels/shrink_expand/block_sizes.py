@@ -59,15 +59,12 @@ class BlockSizes:
             if num_tokens <= 256:
                 # Decode: an adapter serves a handful of tokens; A dominates the
                 # bytes, so split the rank over programs to read it in parallel.
-                return cls(block_m=16, block_r=16, block_k=256, num_warps=4, num_stages=4)
-            if num_tokens <= 1024:
-                return cls(
-                    block_m=32, block_r=min(rank_p, 64), block_k=128, num_warps=4, num_stages=4
-                )
-            # Prefill: x dominates; the whole rank in one program reads x once.
-            return cls(block_m=64, block_r=min(rank_p, 128), block_k=128, num_warps=4, num_stages=3)
+                return cls(block_m=16, block_r=16, block_k=128, num_warps=4, num_stages=4)
+            # Prefill: x dominates; wide rank blocks read each x tile from HBM once
+            # (a second rank block finds it in L2).
+            return cls(block_m=32, block_r=min(rank_p, 64), block_k=64, num_warps=4, num_stages=3)
         if op == "expand":
             if num_tokens <= 256:
-                return cls(block_m=16, block_n=64, num_warps=4, num_stages=1)
+                return cls(block_m=16, block_n=128, num_warps=4, num_stages=1)
             return cls(block_m=64, block_n=128, num_warps=4, num_stages=1)
         raise ValueError(f"BlockSizes.get_default: op={op!r}; expected 'shrink' or 'expand'.")

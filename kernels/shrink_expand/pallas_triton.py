@@ -21,6 +21,7 @@ is self-contained so that it can be dropped when Mosaic GPU takes over.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,6 +29,39 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
+
+# Keep a program's shared memory under the 48 KiB that a kernel may use without
+# opting in: the launch through XLA's Triton custom call does not opt in, and
+# larger requests fail at run time with INVALID_ARGUMENT.
+SMEM_BUDGET = 45 * 1024
+
+
+def fit_shrink_tiles(bs: BlockSizes, rank: int, itemsize: int) -> BlockSizes:
+    """Fewer pipeline stages, then a shorter k step, until the buffers fit SMEM_BUDGET."""
+    bs = dataclasses.replace(bs, block_r=min(bs.block_r, max(16, 1 << (rank - 1).bit_length())))
+    stages, bk = bs.num_stages, bs.block_k
+    while stages * (bs.block_m + bs.block_r) * bk * itemsize > SMEM_BUDGET:
+        if stages > 2:
+            stages -= 1
+        elif bk > 32:
+            bk //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            break
+    return dataclasses.replace(bs, num_stages=stages, block_k=bk)
+
+
+def fit_expand_tiles(bs: BlockSizes, rank: int, itemsize: int) -> BlockSizes:
+    """Narrower column (then token) tiles until both dot operands fit SMEM_BUDGET."""
+    rank_p = max(16, 1 << (rank - 1).bit_length())
+    bm, bn = bs.block_m, bs.block_n
+    while (bm + bn) * rank_p * itemsize > SMEM_BUDGET and (bn > 16 or bm > 16):
+        if bn > 16 and bn >= bm:
+            bn //= 2
+        else:
+            bm //= 2
+    return dataclasses.replace(bs, block_m=bm, block_n=bn)
 
 
 def _dot_precision(dtype):
@@ -124,10 +158,10 @@ def shrink(
     rank = lora_a[0].shape[1]
     rank_p = max(16, 1 << (rank - 1).bit_length())
     br = min(bs.block_r, rank_p)
-    bs = BlockSizes(**{**bs.__dict__, "block_r": br})
     compute_dtype = jnp.promote_types(x.dtype, lora_a[0].dtype)
     if compute_dtype not in (jnp.bfloat16, jnp.float16):
         compute_dtype = jnp.float32
+    bs = dataclasses.replace(bs, block_r=br)
     has_ranks = slot_ranks is not None
     kernel = functools.partial(
         _shrink_kernel,
@@ -224,10 +258,10 @@ def expand(
     rank = lora_b[0].shape[2]
     widths = tuple(b.shape[1] for b in lora_b)
     bn = min(bs.block_n, max(16, 1 << (max(widths) - 1).bit_length()))
-    bs = BlockSizes(**{**bs.__dict__, "block_n": bn})
     compute_dtype = lora_b[0].dtype
     if compute_dtype not in (jnp.bfloat16, jnp.float16) or y.dtype == jnp.float32:
         compute_dtype = jnp.float32
+    bs = dataclasses.replace(bs, block_n=bn)
     has_ranks = slot_ranks is not None
     kernel = functools.partial(
         _expand_kernel,
