@@ -1,0 +1,91 @@
+"""Every linear LoRA layer against a dense per-token oracle and against its tp=1 run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from layer_cases import KINDS, MAX_LORAS, TOL, build, dense_reference, forward, logical_output, make_mesh
+
+import lora_jax as lj
+
+T = 16
+# Mixed ranks (16 = max, 8 and 4 need padding), -1 tokens, repeated and unsorted slots.
+ADAPTERS = {0: 16, 1: 8, 3: 4}
+IDX = np.array([1, -1, 0, 3, 1, 1, -1, 2, 0, 3, 3, -1, 1, 0, 2, 1], np.int32)
+MESHES = {"tp1": (1, 1), "tp2": (1, 2), "tp4": (1, 4), "tp8": (1, 8), "dp2tp4": (2, 4)}
+_UNSHARDED = {}
+
+
+def _inputs(layer, dtype):
+    n_in = layer.base_layer.in_features
+    return jnp.asarray(np.random.default_rng(7).normal(size=(T, n_in)), dtype)
+
+
+def _run(kind, mesh_shape, dtype, explicit=True):
+    rules = lj.ShardingRules(make_mesh(*mesh_shape, explicit=explicit)) if mesh_shape else lj.ShardingRules()
+    layer, weights, adapters = build(kind, rules, dtype, adapters=ADAPTERS)
+    x = _inputs(layer, dtype)
+    y = forward(layer, x, jnp.asarray(IDX))
+    return layer, weights, adapters, x, y
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_layer_matches_dense_and_tp1(kind, mesh):
+    layer, weights, adapters, x, y = _run(kind, MESHES[mesh], jnp.float32)
+    ref = dense_reference(layer, weights, adapters, x, IDX)
+    got = logical_output(layer, y)
+    rtol, atol = TOL[jnp.float32]
+    np.testing.assert_allclose(got, ref, rtol=rtol, atol=atol)
+    if mesh != "tp1":
+        if kind.name not in _UNSHARDED:
+            layer1, *_, y1 = _run(kind, None, jnp.float32)
+            _UNSHARDED[kind.name] = logical_output(layer1, y1)
+        np.testing.assert_allclose(got, _UNSHARDED[kind.name], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("mesh", ["tp1", "dp2tp4"])
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_layer_bf16(kind, mesh):
+    layer, weights, adapters, x, y = _run(kind, MESHES[mesh], jnp.bfloat16)
+    assert y.dtype == jnp.bfloat16
+    ref = dense_reference(layer, weights, adapters, np.asarray(x, np.float32), IDX)
+    rtol, atol = TOL[jnp.bfloat16]
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(logical_output(layer, y), ref, rtol=rtol, atol=atol * scale)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_layer_auto_axes_mesh(kind):
+    layer, weights, adapters, x, y = _run(kind, (2, 4), jnp.float32, explicit=False)
+    ref = dense_reference(layer, weights, adapters, x, IDX)
+    np.testing.assert_allclose(logical_output(layer, y), ref, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_no_adapter_and_reset_give_base_exactly(kind):
+    rules = lj.ShardingRules(make_mesh(1, 2))
+    layer, *_ = build(kind, rules, adapters=ADAPTERS)
+    x = _inputs(layer, jnp.float32)
+    base_y = np.asarray(jax.jit(lambda b, x: b(x))(layer.base_layer, x))
+    all_none = np.asarray(forward(layer, x, jnp.full((T,), -1, jnp.int32)))
+    np.testing.assert_array_equal(all_none, base_y)
+    for slot in ADAPTERS:
+        layer.reset_lora(slot)
+    reset = np.asarray(forward(layer, x, jnp.asarray(np.where(IDX < 0, -1, IDX % MAX_LORAS))))
+    np.testing.assert_array_equal(reset, base_y)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_writing_a_slot_leaves_other_slots_bit_identical(kind):
+    layer, *_ = build(kind, lj.ShardingRules(make_mesh(1, 4)), adapters=ADAPTERS)
+    x = _inputs(layer, jnp.float32)
+    before = np.asarray(forward(layer, x, jnp.asarray(IDX)))
+    from layer_cases import random_adapter
+
+    ad = random_adapter(layer, 12, seed=42)
+    layer.set_lora(2, ad.a, ad.b)
+    after = np.asarray(forward(layer, x, jnp.asarray(IDX)))
+    untouched = IDX != 2
+    np.testing.assert_array_equal(after[untouched], before[untouched])
+    assert not np.allclose(after[~untouched], before[~untouched])

@@ -1,0 +1,122 @@
+"""Slot semantics of DESIGN §3: validation, isolation, no recompiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from layer_cases import KIND_BY_NAME, KINDS, MAX_LORAS, MAX_RANK, build, make_mesh, random_adapter
+
+import lora_jax as lj
+
+
+def _snapshot(layer):
+    return [np.asarray(v) for v in jax.tree.leaves(nnx.state(layer, nnx.LoRAParam))] + [
+        np.asarray(layer.slot_ranks[...])
+    ]
+
+
+def _assert_unchanged(layer, before):
+    for a, b in zip(_snapshot(layer), before):
+        np.testing.assert_array_equal(a, b)
+
+
+def _bad_inputs(layer):
+    ad = random_adapter(layer, 8, seed=1)
+    n_in = layer.base_layer.in_features
+    big = random_adapter(layer, MAX_RANK * 2, seed=2)
+    cases = {
+        "rank": (0, big.a, big.b, "max_lora_rank"),
+        "index_high": (MAX_LORAS, ad.a, ad.b, "outside"),
+        "index_negative": (-1, ad.a, ad.b, "outside"),
+        "in_size": (0, [np.zeros((8, n_in + 1))] * layer.n_slices, ad.b, "lora_a must be"),
+        "out_size": (0, ad.a, [np.zeros((b.shape[0] + 2, 8)) for b in ad.b], "lora_b must be"),
+    }
+    if layer.n_slices > 1:
+        cases["slice_count"] = (0, ad.a[:-1], ad.b[:-1], "slice")
+    else:
+        cases["slice_count"] = (0, ad.a * 2, ad.b * 2, "slice")
+    return cases
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_bad_set_lora_raises_naming_the_layer_and_changes_nothing(kind):
+    layer, *_ = build(kind, lj.ShardingRules(make_mesh(1, 2)), adapters={0: 16, 1: 4})
+    before = _snapshot(layer)
+    for what, (index, a, b, msg) in _bad_inputs(layer).items():
+        with pytest.raises(ValueError, match=msg) as info:
+            layer.set_lora(index, a, b)
+        assert type(layer).__name__ in str(info.value), what
+        _assert_unchanged(layer, before)
+
+
+def test_rank_is_zero_padded_and_recorded():
+    layer, *_ = build(KIND_BY_NAME["merged"], lj.ShardingRules())
+    ad = random_adapter(layer, 4, seed=0)
+    layer.set_lora(2, ad.a, ad.b)
+    a0 = np.asarray(layer.lora_a[0][...])  # [L, R, in]
+    np.testing.assert_allclose(a0[2, :4], ad.a[0])
+    assert not a0[2, 4:].any()
+    assert np.asarray(layer.slot_ranks[...])[:, 2].tolist() == [4, 4]
+
+
+def test_variable_slice_accepts_single_tensor_checkpoint():
+    layer, *_ = build(KIND_BY_NAME["variable_slice"], lj.ShardingRules())
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(8, layer.base_layer.in_features))
+    b = rng.normal(size=(sum(layer.logical_slice_sizes), 8))
+    layer.set_lora(1, a, b)
+    cuts = np.cumsum(layer.logical_slice_sizes)[:-1]
+    for s, part in enumerate(np.split(b, cuts)):
+        np.testing.assert_allclose(np.asarray(layer.lora_a[s][...])[1, :8], a, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(layer.lora_b[s][...])[1, :, :8], part, rtol=1e-6)
+
+
+def test_missing_packed_slice_is_zero():
+    layer, *_ = build(KIND_BY_NAME["merged"], lj.ShardingRules())
+    ad = random_adapter(layer, 8, seed=0)
+    layer.set_lora(0, [None, ad.a[1]], [None, ad.b[1]])
+    assert not np.asarray(layer.lora_b[0][...])[0].any()
+    assert np.asarray(layer.slot_ranks[...])[:, 0].tolist() == [0, 8]
+
+
+def test_new_mapping_or_new_weights_never_recompile():
+    layer, *_ = build(KIND_BY_NAME["qkv"], lj.ShardingRules(make_mesh(1, 2)), adapters={0: 8})
+    graphdef, state = nnx.split(layer)
+    traces = []
+
+    @jax.jit
+    def step(state, x, idx):
+        traces.append(1)
+        model = nnx.merge(graphdef, state)
+        lj.set_lora_mapping(model, idx)
+        return model(x)
+
+    x = jnp.ones((8, layer.base_layer.in_features))
+    step(state, x, jnp.zeros(8, jnp.int32))
+    step(state, x, jnp.array([3, -1, 1, 1, 0, 2, -1, 3], jnp.int32))
+    ad = random_adapter(layer, 16, seed=5)
+    layer.set_lora(3, ad.a, ad.b)
+    layer.reset_lora(0)
+    _, state = nnx.split(layer)
+    step(state, x, jnp.full((8,), -1, jnp.int32))
+    assert len(traces) == 1
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        lj.LoRAConfig(max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        lj.LoRAConfig(max_lora_rank=7)
+    with pytest.raises(ValueError, match="max_loras"):
+        lj.LoRAConfig(max_loras=0)
+    with pytest.raises(ValueError, match="lora_dtype"):
+        lj.LoRAConfig(lora_dtype=jnp.int32)
+    assert lj.LoRAConfig(max_loras=3).max_cpu_loras == 3
+
+
+def test_fully_sharded_rank_must_divide_tp():
+    rules = lj.ShardingRules(make_mesh(1, 8))
+    base = lj.ColumnParallelLinear(16, 16, rules=rules, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="divisible"):
+        lj.ColumnParallelLinearWithShardedLoRA(base, lj.LoRAConfig(max_lora_rank=1))
