@@ -1,0 +1,391 @@
+"""MoE LoRA layers: vLLM's `FusedMoEWithLoRA` and `FusedMoE3DWithLoRA`, plus expert parallelism.
+
+Each (token, chosen expert) pair uses its token's adapter slot `l` and the expert `e`:
+
+    g = x @ w13[e] + Σ_s place_s(x @ A13_s[l, e].T @ B13_s[l, e].T)   (before the activation)
+    o = a @ w2[e]  + a @ A2[l, e].T @ B2[l, e].T                       (a = act(gate) * up)
+
+and the routing weight multiplies `o` (vLLM applies it on the w2 output, LoRA included).
+Token slot -1 (or a reset slot) gives exactly the base output.
+
+Stacks (vLLM layout with its singleton dim dropped), `nnx.LoRAParam`:
+* `w13_lora_a[s] [L, E, R, hidden]`, `w13_lora_b[s] [L, E, n_s, R]`: 2 slices (gate w1, up
+  w3) for gated experts, 1 (w1) for non-gated; `FusedMoE3DWithLoRA` has 1 slice covering
+  the fused w13, B in the base's gate/up layout (concat or interleaved).
+* `w2_lora_a [L, E, R, inter]`, `w2_lora_b [L, E, hidden, R]`.
+
+Sharding: experts on "expert", the intermediate dim on "tensor" (w13's B out dim, w2's A
+in dim), so the w2 LoRA is a partial sum that joins the base partial sum before the one
+all-reduce. Fully sharded (S-LoRA): w13's A is split on rank (all-gather of the `(T*k, R)`
+shrink), w2's B on hidden (all-reduce of the `(T*k, R)` shrink; each shard adds its hidden
+columns, and the final all-reduce assembles them) — as in vLLM's `fused_moe_lora`.
+
+Fast path ("grouped"): the (token, expert) pairs, already sorted by expert for the base
+`ragged_dot`, get a combined index `slot * E_local + expert` (-1 without adapter or for
+another shard's expert), and the LoRA runs as Punica shrink/expand over the flattened
+`[L * E_local, ...]` stacks: `lora_jax.ops` (Pallas kernels on GPU) when `lora_impl="ops"`,
+or `jax.lax.ragged_dot` over pairs sorted by (slot, expert) when `lora_impl="ragged"`.
+The "dense" base impl runs the per-token ops once per local expert (the reference).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lora_jax import ops
+from lora_jax.config import LoRAConfig
+from lora_jax.layers.base import BaseLayerWithLoRA, LoRAContext, LoRASlotRanks
+from lora_jax.mapping import LoRAMapping, make_lora_mapping
+from lora_jax.moe import ExpertRoutes, FusedMoE
+
+LORA_IMPLS = ("ops", "ragged")
+
+
+class FusedMoEWithLoRA(BaseLayerWithLoRA):
+    """Per-(token, expert) LoRA on a `FusedMoE`: w1/w3 (gated) or w1, and w2.
+
+    `set_lora(index, [w1_a, w2_a, w3_a], [w1_b, w2_b, w3_b])` with `w1_a/w3_a [E, r, hidden]`,
+    `w2_a [E, r, inter]`, `w1_b/w3_b [E, inter, r]`, `w2_b [E, hidden, r]` (vLLM's order;
+    w3 is omitted or None for non-gated experts; None = the adapter lacks that module).
+
+    Example:
+        >>> base = FusedMoE(8, 2, 64, 32, rngs=nnx.Rngs(0))  # doctest: +SKIP
+        >>> layer = FusedMoEWithLoRA(base, LoRAConfig(max_loras=4, max_lora_rank=8))
+        >>> layer.set_lora(0, [a1, a2, a3], [b1, b2, b3])
+        >>> layer.lora_context.set_value(make_lora_mapping(idx_t, 4)); y = layer(x, logits)
+    """
+
+    fused_w13: bool = False  # FusedMoE3DWithLoRA: one A/B over the fused gate|up
+
+    def __init__(
+        self,
+        base_layer: FusedMoE,
+        lora_config: LoRAConfig,
+        context: LoRAContext | None = None,
+        *,
+        name: str | None = None,
+        lora_impl: str = "ops",
+        ops_backend: str | None = None,
+    ):
+        self.name = name or type(self).__name__
+        if not isinstance(base_layer, FusedMoE):
+            raise ValueError(f"{self.name}: base layer must be FusedMoE, got {type(base_layer)}")
+        if lora_impl not in LORA_IMPLS:
+            raise ValueError(
+                f"{self.name}: lora_impl must be one of {LORA_IMPLS}, got {lora_impl!r}"
+            )
+        self.base_layer = base_layer
+        self.lora_config = lora_config
+        self.lora_context = context if context is not None else LoRAContext(None)
+        self.lora_impl, self.ops_backend = lora_impl, ops_backend
+        base, rules, cfg = base_layer, base_layer.rules, lora_config
+        L, R, E = cfg.max_loras, cfg.max_lora_rank, base.num_experts
+        H, n = base.hidden_size, base.intermediate_size
+        tp = base.tp
+        self.fully_sharded = cfg.fully_sharded_loras
+        if self.fully_sharded and (R % tp or H % tp):
+            raise ValueError(
+                f"{self.name}: fully_sharded_loras needs max_lora_rank={R} and hidden_size={H} "
+                f"divisible by the tensor axis ({tp})"
+            )
+        dtype = cfg.dtype_for(base.param_dtype)
+        self.lora_dtype = dtype
+        a13, b13, a2, b2 = self.lora_axes()
+        zeros = lambda shape, axes: nnx.LoRAParam(rules.place(jnp.zeros(shape, dtype), *axes))  # noqa: E731
+        self.w13_lora_a = nnx.List([zeros((L, E, R, H), a13) for _ in self.w13_widths])
+        self.w13_lora_b = nnx.List([zeros((L, E, w, R), b13) for w in self.w13_widths])
+        self.w2_lora_a = zeros((L, E, R, n), a2)  # [L, E, R, inter]
+        self.w2_lora_b = zeros((L, E, H, R), b2)  # [L, E, hidden, R]
+        # True rank per (projection, slot): w13 slices first, then w2. 0 = empty.
+        ranks = jnp.zeros((len(self.w13_widths) + 1, L), jnp.int32)
+        self.slot_ranks = LoRASlotRanks(rules.place(ranks, None, None))
+
+    # -- structure ------------------------------------------------------------------------
+    @property
+    def w13_widths(self) -> tuple[int, ...]:
+        """Logical out width of each w13 slice."""
+        base = self.base_layer
+        if self.fused_w13 or not base.is_act_and_mul:
+            return (base.w13_width,)
+        return (base.intermediate_size, base.intermediate_size)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The modules `set_lora` takes, in order."""
+        if self.fused_w13:
+            return ("w13", "w2")
+        return ("w1", "w2", "w3") if self.base_layer.is_act_and_mul else ("w1", "w2")
+
+    def lora_axes(self) -> tuple[tuple, tuple, tuple, tuple]:
+        """Logical axes of w13 A, w13 B, w2 A, w2 B."""
+        fs = self.fully_sharded
+        return (
+            ("lora_slot", "expert", "lora_rank_sharded" if fs else "lora_rank", None),
+            ("lora_slot", "expert", "tensor", "lora_rank"),
+            ("lora_slot", "expert", "lora_rank", "tensor"),
+            ("lora_slot", "expert", "tensor" if fs else None, "lora_rank"),
+        )
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()) -> bool:
+        """vLLM: separate w1/w2/w3 modules → this class; one fused w13 → the 3D class."""
+        n = 1 if cls.fused_w13 else 2
+        return isinstance(source_layer, FusedMoE) and len(packed_modules_list) == n
+
+    # -- slot writes ----------------------------------------------------------------------
+    def _check_index(self, what: str, index) -> int:
+        L = self.lora_config.max_loras
+        if not isinstance(index, (int, np.integer)) or not 0 <= int(index) < L:
+            raise ValueError(f"{self.name}.{what}: index {index!r} outside [0, {L})")
+        return int(index)
+
+    def _pair(self, proj: str, a, b, in_size: int, out_size: int):
+        """Validates one projection's `A [E, r, in]`, `B [E, out, r]`; pads to max rank."""
+        E, R = self.base_layer.num_experts, self.lora_config.max_lora_rank
+        if (a is None) != (b is None):
+            raise ValueError(f"{self.name}.set_lora: {proj} has only one of lora_a and lora_b")
+        if a is None:
+            return np.zeros((E, R, in_size), np.float32), np.zeros((E, out_size, R), np.float32), 0
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        if a.ndim != 3 or b.ndim != 3 or a.shape[0] != E or b.shape[0] != E:
+            raise ValueError(
+                f"{self.name}.set_lora: {proj} lora_a/lora_b must be [num_experts={E}, ., .], "
+                f"got {a.shape} and {b.shape}"
+            )
+        r = a.shape[1]
+        if not 1 <= r <= R:
+            raise ValueError(
+                f"{self.name}.set_lora: {proj} rank {r} is outside [1, max_lora_rank={R}]"
+            )
+        if a.shape[2] != in_size:
+            raise ValueError(
+                f"{self.name}.set_lora: {proj} lora_a must be [{E}, r, {in_size}], got {a.shape}"
+            )
+        if b.shape != (E, out_size, r):
+            raise ValueError(
+                f"{self.name}.set_lora: {proj} lora_b must be [{E}, {out_size}, {r}], got {b.shape}"
+            )
+        pad = ((0, 0), (0, R - r), (0, 0))
+        return np.pad(a, pad), np.pad(b, ((0, 0), (0, 0), (0, R - r))), r
+
+    def set_lora(self, index: int, lora_a, lora_b) -> None:
+        """Writes an adapter into slot `index` (scaling folded into B); see the class doc.
+
+        Every check runs before any write: on error no slot changes.
+
+        Example:
+            >>> layer.set_lora(1, [w1_a, w2_a, w3_a], [w1_b, w2_b, w3_b])  # doctest: +SKIP
+        """
+        index = self._check_index("set_lora", index)
+        names = self.projections
+        a_list = list(lora_a) if isinstance(lora_a, (list, tuple)) else None
+        b_list = list(lora_b) if isinstance(lora_b, (list, tuple)) else None
+        if not self.base_layer.is_act_and_mul and not self.fused_w13 and a_list and b_list:
+            # vLLM passes (w1, w2, w3) for non-gated experts too; w3 must then be empty.
+            if len(a_list) == 3 and len(b_list) == 3 and a_list[2] is None and b_list[2] is None:
+                a_list, b_list = a_list[:2], b_list[:2]
+        if (
+            a_list is None
+            or b_list is None
+            or len(a_list) != len(names)
+            or len(b_list) != len(names)
+        ):
+            got = [None if v is None else len(v) for v in (a_list, b_list)]
+            raise ValueError(
+                f"{self.name}.set_lora: lora_a and lora_b must be lists over {names}, got "
+                f"lengths {got}"
+            )
+        base = self.base_layer
+        H, n = base.hidden_size, base.intermediate_size
+        sizes = {"w1": (H, n), "w3": (H, n), "w13": (H, base.w13_width), "w2": (n, H)}
+        checked = {p: self._pair(p, a, b, *sizes[p]) for p, a, b in zip(names, a_list, b_list)}
+        w13_names = [p for p in names if p != "w2"]
+        for s, p in enumerate(w13_names):
+            a, b, _ = checked[p]
+            if p == "w13" and base.is_act_and_mul:
+                gate, up = base.split_w13(b, axis=1)
+                b = np.asarray(base.pack_w13(gate, up, axis=1))  # per-shard [gate_i | up_i]
+            self._write(self.w13_lora_a[s], index, a)
+            self._write(self.w13_lora_b[s], index, b)
+        a, b, _ = checked["w2"]
+        self._write(self.w2_lora_a, index, a)
+        self._write(self.w2_lora_b, index, b)
+        self._set_ranks(index, [checked[p][2] for p in (*w13_names, "w2")])
+
+    def _set_ranks(self, index: int, ranks) -> None:
+        # Host-side edit put back with the old sharding: after a jitted step the
+        # variable may live on the mesh, where mixing in a 1-device array fails.
+        old = self.slot_ranks[...]
+        new = np.array(old)
+        new[:, index] = ranks
+        sharding = getattr(old, "sharding", None)
+        named = isinstance(sharding, jax.sharding.NamedSharding)
+        self.slot_ranks.set_value(jax.device_put(new, sharding) if named else jnp.asarray(new))
+
+    def reset_lora(self, index: int) -> None:
+        """Zeroes slot `index`: it then gives exactly the base output."""
+        index = self._check_index("reset_lora", index)
+        for var in (*self.w13_lora_a, *self.w13_lora_b, self.w2_lora_a, self.w2_lora_b):
+            self._write(var, index, np.zeros(var.shape[1:], np.float32))
+        self._set_ranks(index, 0)
+
+    # -- forward --------------------------------------------------------------------------
+    def __call__(self, hidden_states: jax.Array, router_logits: jax.Array) -> jax.Array:
+        base = self.base_layer
+        mapping = self.lora_context.get_value()
+        if mapping is None:
+            return base(hidden_states, router_logits)
+        x = base.check_input(hidden_states)
+        if mapping.num_tokens != x.shape[0]:
+            raise ValueError(
+                f"{self.name}: the LoRA mapping has {mapping.num_tokens} tokens but the input "
+                f"has {x.shape[0]}"
+            )
+        w, ids = base.select_experts(router_logits)
+        a13, b13, a2, b2 = self.lora_axes()
+        stacks = (
+            tuple(v[...] for v in self.w13_lora_a),
+            tuple(v[...] for v in self.w13_lora_b),
+            self.w2_lora_a[...],
+            self.w2_lora_b[...],
+        )
+        specs = ((a13,) * len(stacks[0]), (b13,) * len(stacks[1]), a2, b2)
+        extra = (stacks, self.slot_ranks[...], mapping.token_lora_indices)
+        extra_specs = (specs, (None, None), (base.batch_axis(x.shape[0]),))
+        make = lambda st, ranks, idx: _MoELoRAHook(self, st, ranks, idx)  # noqa: E731
+        y = base.run(x, w, ids, make, extra, extra_specs)
+        return y.reshape(hidden_states.shape)
+
+
+class FusedMoE3DWithLoRA(FusedMoEWithLoRA):
+    """One LoRA over the fused w13 (gate and up together), B in the base's gate/up layout.
+
+    `set_lora(index, [w13_a [E, r, hidden], w2_a [E, r, inter]],
+    [w13_b [E, 2*inter, r], w2_b [E, hidden, r]])`; `w13_b` is concatenated `[gate; up]`
+    or interleaved (GPT-OSS) exactly like the base layer's `gate_up_layout`.
+
+    Example:
+        >>> layer = FusedMoE3DWithLoRA(base, LoRAConfig(max_loras=2))  # doctest: +SKIP
+        >>> layer.set_lora(0, [a13, a2], [b13, b2])  # doctest: +SKIP
+    """
+
+    fused_w13 = True
+
+
+class _MoELoRAHook:
+    """Per-shard LoRA of one MoE call; `FusedMoE.experts_local` calls it at its two matmuls."""
+
+    def __init__(self, layer: FusedMoEWithLoRA, stacks, ranks, token_idx):
+        self.layer = layer
+        self.base = layer.base_layer
+        self.a13, self.b13, self.a2, self.b2 = stacks
+        self.num_local = self.a2.shape[1]
+        self.max_loras = self.a2.shape[0]
+        self.ranks = ranks  # [S13 + 1, L]
+        self.token_idx = token_idx  # i32[T_local]
+        self.tp_axis = self.base.rules.mesh_axis("tensor")
+        self.rank_sharded = layer.fully_sharded and self.tp_axis is not None and self.base.tp > 1
+
+    # Rows are either the sorted pairs of the grouped impl (expert=None, flattened
+    # [L * E_local] stacks, combined index) or all tokens for one expert (dense impl).
+    def rows(self, *, routes: ExpertRoutes | None = None, expert=None):
+        if routes is None:
+            return make_lora_mapping(self.token_idx, self.max_loras), expert
+        slot = self.token_idx[routes.pair_token]  # [P]
+        combined = jnp.where(
+            (slot >= 0) & routes.local, slot * self.num_local + routes.pair_expert, -1
+        )
+        return make_lora_mapping(combined, self.max_loras * self.num_local), None
+
+    def _stack(self, w, expert):
+        if expert is None:
+            return w.reshape(-1, *w.shape[2:])  # [L * E_local, ., .], index slot * E + e
+        return jax.lax.dynamic_index_in_dim(w, expert, axis=1, keepdims=False)  # [L, ., .]
+
+    def _ranks(self, rows, which):
+        ranks = self.ranks[which]
+        return ranks if rows[1] is not None else jnp.repeat(ranks, self.num_local, axis=1)
+
+    def _shrink(self, x, a, rows, ranks):
+        m, expert = rows
+        a = [self._stack(w, expert) for w in a]
+        if self.layer.lora_impl == "ragged" and expert is None:
+            return _ragged_shrink(x, a, m)
+        return ops.lora_shrink(x, a, m, 1.0, slot_ranks=ranks, backend=self.layer.ops_backend)
+
+    def _expand(self, y, h, b, rows, ranks, offsets):
+        m, expert = rows
+        b = [self._stack(w, expert) for w in b]
+        if self.layer.lora_impl == "ragged" and expert is None:
+            return _ragged_expand(y, h, b, m, offsets)
+        return ops.lora_expand(
+            y, h, b, m, offsets=offsets, slot_ranks=ranks, backend=self.layer.ops_backend
+        )
+
+    def w13(self, g, x, rows):
+        """Adds the w1/w3 (or fused w13) LoRA into the local w13 output `g [P, w13_local]`."""
+        n_s = len(self.a13)
+        ranks = self._ranks(rows, slice(0, n_s))
+        h = self._shrink(x, self.a13, rows, None if self.rank_sharded else ranks)  # [S, P, R/tp]
+        if self.rank_sharded:
+            h = jax.lax.all_gather(h, self.tp_axis, axis=2, tiled=True)  # [S, P, R]
+        widths = [b.shape[2] for b in self.b13]
+        interleave = n_s == 2 and self.base.gate_up_layout == "interleaved"
+        if not interleave:
+            offsets = tuple(int(o) for o in np.cumsum([0, *widths[:-1]]))
+            return self._expand(g, h, self.b13, rows, ranks, offsets)
+        # Separate gate/up LoRAs on an interleaved base: expand into [gate | up], interleave.
+        d = self._expand(jnp.zeros(g.shape, jnp.float32), h, self.b13, rows, ranks, (0, widths[0]))
+        d = d.reshape(g.shape[0], 2, -1).transpose(0, 2, 1).reshape(g.shape)
+        return (g.astype(jnp.float32) + d).astype(g.dtype)
+
+    def w2(self, o, a, rows):
+        """Adds the w2 LoRA into the local (partial) w2 output `o [P, hidden]`."""
+        ranks = self._ranks(rows, slice(-1, None))
+        h = self._shrink(a, [self.a2], rows, ranks)  # partial over tensor shards [1, P, R]
+        if not (self.layer.fully_sharded and self.tp_axis is not None and self.base.tp > 1):
+            return self._expand(o, h, [self.b2], rows, ranks, (0,))
+        h = jax.lax.psum(h, self.tp_axis)
+        width = self.b2.shape[2]  # hidden / tp
+        d = self._expand(
+            jnp.zeros((o.shape[0], width), jnp.float32), h, [self.b2], rows, ranks, (0,)
+        )
+        off = jax.lax.axis_index(self.tp_axis) * width
+        cols = jax.lax.dynamic_slice_in_dim(o, off, width, axis=1)
+        cols = (cols.astype(jnp.float32) + d).astype(o.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(o, cols, off, axis=1)
+
+
+def _ragged_shrink(x, lora_a, m: LoRAMapping) -> jax.Array:
+    """`ops.lora_shrink` via `ragged_dot` over rows sorted by slot; f32 `[S, P, R]`."""
+    order = m.sorted_token_ids
+    xs = x[order]  # [P, H]; rows without a slot sort last and fall outside every group
+    outs = []
+    for a in lora_a:
+        hs = jax.lax.ragged_dot(
+            xs,
+            jnp.swapaxes(a, 1, 2).astype(xs.dtype),
+            m.slot_token_counts,
+            preferred_element_type=jnp.float32,
+        )  # [P, R]
+        outs.append(jnp.zeros_like(hs).at[order].set(hs))
+    return jnp.stack(outs)
+
+
+def _ragged_expand(y, h, lora_b, m: LoRAMapping, offsets) -> jax.Array:
+    """`ops.lora_expand` via `ragged_dot`; rows without a slot stay bit-identical."""
+    order = m.sorted_token_ids
+    keep = (m.token_lora_indices >= 0)[:, None]
+    for s, (b, off) in enumerate(zip(lora_b, offsets)):
+        hs = h[s][order].astype(b.dtype)  # [P, R]
+        d = jax.lax.ragged_dot(
+            hs, jnp.swapaxes(b, 1, 2), m.slot_token_counts, preferred_element_type=jnp.float32
+        )  # [P, n]
+        d = jnp.zeros_like(d).at[order].set(d)
+        cols = y[:, off : off + b.shape[1]]
+        new = (cols.astype(jnp.float32) + d).astype(y.dtype)
+        y = y.at[:, off : off + b.shape[1]].set(jnp.where(keep, new, cols))
+    return y
