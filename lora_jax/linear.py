@@ -63,7 +63,9 @@ class LinearBase(nnx.Module):
         tp = self.rules.size("tensor") if self.parallel != "replicated" else 1
         self.tp = tp
         self.out_tp = tp if self.parallel == "column" else 1
-        self.physical_sizes = tuple(self._physical_size(i, n) for i, n in enumerate(self.output_sizes))
+        self.physical_sizes = tuple(
+            self._physical_size(i, n) for i, n in enumerate(self.output_sizes)
+        )
         name = type(self).__name__
         if self.parallel == "row" and self.in_features % tp:
             raise ValueError(f"{name}: in_features={in_features} not divisible by tensor axis {tp}")
@@ -264,7 +266,11 @@ class QKVParallelLinear(LinearBase):
         **kw,
     ):
         kv = total_num_kv_heads or total_num_heads
-        self.head_size, self.total_num_heads, self.total_num_kv_heads = head_size, total_num_heads, kv
+        self.head_size, self.total_num_heads, self.total_num_kv_heads = (
+            head_size,
+            total_num_heads,
+            kv,
+        )
         rules = kw.get("rules") or ShardingRules()
         tp = rules.size("tensor")
         if total_num_heads % tp:
@@ -286,7 +292,9 @@ class QKVParallelLinear(LinearBase):
             return arr
         axis = axis % arr.ndim
         shape = arr.shape
-        heads = arr.reshape(*shape[:axis], self.total_num_kv_heads, self.head_size, *shape[axis + 1 :])
+        heads = arr.reshape(
+            *shape[:axis], self.total_num_kv_heads, self.head_size, *shape[axis + 1 :]
+        )
         heads = jnp.repeat(heads, r, axis=axis)
         return heads.reshape(*shape[:axis], shape[axis] * r, *shape[axis + 1 :])
 

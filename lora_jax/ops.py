@@ -154,8 +154,9 @@ def lora_expand(
     keep = (idx >= 0)[:, None]
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
         b_t = _gather_slot(b, idx)  # [T, n_s, R]
-        delta = jnp.einsum("tr,tnr->tn", h[s].astype(jnp.float32), b_t,
-                           preferred_element_type=jnp.float32)
+        delta = jnp.einsum(
+            "tr,tnr->tn", h[s].astype(jnp.float32), b_t, preferred_element_type=jnp.float32
+        )
         cols = y[:, off : off + b.shape[1]]
         new = (cols.astype(jnp.float32) + delta).astype(y.dtype)
         y = y.at[:, off : off + b.shape[1]].set(jnp.where(keep, new, cols))

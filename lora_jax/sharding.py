@@ -107,8 +107,11 @@ def shard_map(rules: ShardingRules, fn, in_specs, out_specs):
     """
     mesh = rules.mesh
     to_p = lambda names: rules.spec(*names)  # noqa: E731
-    is_names = lambda s: isinstance(s, tuple) and all(  # noqa: E731
-        n is None or isinstance(n, str) for n in s
+    is_names = lambda s: (
+        isinstance(s, tuple)
+        and all(  # noqa: E731
+            n is None or isinstance(n, str) for n in s
+        )
     )
     pin = jax.tree.map(to_p, in_specs, is_leaf=is_names)
     pout = jax.tree.map(to_p, out_specs, is_leaf=is_names)

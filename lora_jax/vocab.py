@@ -47,7 +47,7 @@ class VocabParallelEmbedding(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         rules: ShardingRules | None = None,
-        embedding_init=nnx.initializers.normal(0.02),
+        embedding_init=None,
         rngs: nnx.Rngs,
     ):
         self.rules = rules if rules is not None else ShardingRules()
@@ -56,6 +56,7 @@ class VocabParallelEmbedding(nnx.Module):
         self.shards = self.rules.size("vocab")
         self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size, self.shards)
         self.dtype, self.param_dtype = dtype, param_dtype
+        embedding_init = embedding_init or nnx.initializers.normal(0.02)
         table = embedding_init(rngs.params(), (self.num_embeddings, embedding_dim), param_dtype)
         self.embedding = nnx.Param(self.rules.place(self._pad(table), "vocab", "embed"))
 
@@ -67,8 +68,8 @@ class VocabParallelEmbedding(nnx.Module):
         """Sets the table from an unpadded `[V, D]` array."""
         if tuple(table.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(
-                f"{type(self).__name__}.load_table: expected {(self.num_embeddings, self.embedding_dim)}, "
-                f"got {tuple(table.shape)}"
+                f"{type(self).__name__}.load_table: expected "
+                f"{(self.num_embeddings, self.embedding_dim)}, got {tuple(table.shape)}"
             )
         self.embedding.set_value(self.rules.place(self._pad(table), "vocab", "embed"))
 
@@ -89,7 +90,9 @@ class VocabParallelEmbedding(nnx.Module):
             out = jnp.where(own[:, None], jnp.take(table_l, jnp.where(own, rel, 0), axis=0), 0)
             return out if axis is None else jax.lax.psum(out, axis)
 
-        out = shard_map(self.rules, local, ((None,), ("vocab", "embed")), (None, "embed"))(flat, table)
+        out = shard_map(self.rules, local, ((None,), ("vocab", "embed")), (None, "embed"))(
+            flat, table
+        )
         return out.astype(dtype).reshape(*lead, -1)
 
     def attend(self, x: jax.Array, gather: bool = False) -> jax.Array:

@@ -36,8 +36,16 @@ def _qkv(rules, dtype):
 
 
 KINDS = [
-    Kind("replicated", lj.ReplicatedLinearWithLoRA, lambda r, d: lj.ReplicatedLinear(IN, 24, **_kw(r, d))),
-    Kind("column", lj.ColumnParallelLinearWithLoRA, lambda r, d: lj.ColumnParallelLinear(IN, 64, **_kw(r, d))),
+    Kind(
+        "replicated",
+        lj.ReplicatedLinearWithLoRA,
+        lambda r, d: lj.ReplicatedLinear(IN, 24, **_kw(r, d)),
+    ),
+    Kind(
+        "column",
+        lj.ColumnParallelLinearWithLoRA,
+        lambda r, d: lj.ColumnParallelLinear(IN, 64, **_kw(r, d)),
+    ),
     Kind(
         "merged",
         lj.MergedColumnParallelLinearWithLoRA,
@@ -50,7 +58,9 @@ KINDS = [
     ),
     Kind("qkv", lj.QKVParallelLinearWithLoRA, _qkv),
     Kind("merged_qkv", lj.MergedQKVParallelLinearWithLoRA, _qkv),
-    Kind("row", lj.RowParallelLinearWithLoRA, lambda r, d: lj.RowParallelLinear(64, 24, **_kw(r, d))),
+    Kind(
+        "row", lj.RowParallelLinearWithLoRA, lambda r, d: lj.RowParallelLinear(64, 24, **_kw(r, d))
+    ),
     Kind(
         "column_sharded",
         lj.ColumnParallelLinearWithShardedLoRA,

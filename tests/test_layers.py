@@ -4,7 +4,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from layer_cases import KINDS, MAX_LORAS, TOL, build, dense_reference, forward, logical_output, make_mesh
+from layer_cases import (
+    KINDS,
+    MAX_LORAS,
+    TOL,
+    build,
+    dense_reference,
+    forward,
+    logical_output,
+    make_mesh,
+)
 
 import lora_jax as lj
 
@@ -22,7 +31,11 @@ def _inputs(layer, dtype):
 
 
 def _run(kind, mesh_shape, dtype, explicit=True):
-    rules = lj.ShardingRules(make_mesh(*mesh_shape, explicit=explicit)) if mesh_shape else lj.ShardingRules()
+    rules = (
+        lj.ShardingRules(make_mesh(*mesh_shape, explicit=explicit))
+        if mesh_shape
+        else lj.ShardingRules()
+    )
     layer, weights, adapters = build(kind, rules, dtype, adapters=ADAPTERS)
     x = _inputs(layer, dtype)
     y = forward(layer, x, jnp.asarray(IDX))

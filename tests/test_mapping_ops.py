@@ -52,10 +52,19 @@ def test_add_lora_linear_xla_matches_loop(dtype):
     idx = np.array([2, -1, 0, 0, 1, -1, 2, 1, 0], np.int32)
     m = lj.make_lora_mapping(jnp.asarray(idx), L)
     y = ops.add_lora_linear(y0, x, a, b, m, 0.5, offsets=offsets, backend="xla")
-    ref = _oracle(np.asarray(x, np.float32), [np.asarray(v, np.float32) for v in a],
-                  [np.asarray(v, np.float32) for v in b], idx, 0.5, np.asarray(y0, np.float32), offsets)
+    ref = _oracle(
+        np.asarray(x, np.float32),
+        [np.asarray(v, np.float32) for v in a],
+        [np.asarray(v, np.float32) for v in b],
+        idx,
+        0.5,
+        np.asarray(y0, np.float32),
+        offsets,
+    )
     tol = 1e-4 if dtype == jnp.float32 else 5e-2
-    np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=tol, atol=tol * np.abs(ref).max())
+    np.testing.assert_allclose(
+        np.asarray(y, np.float32), ref, rtol=tol, atol=tol * np.abs(ref).max()
+    )
     # -1 rows bit-identical.
     np.testing.assert_array_equal(np.asarray(y)[idx < 0], np.asarray(y0)[idx < 0])
 

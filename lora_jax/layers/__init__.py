@@ -21,17 +21,23 @@ from lora_jax.layers.column import (
 from lora_jax.layers.column import (
     MergedColumnParallelLinearWithShardedLoRA as MergedColumnParallelLinearWithShardedLoRA,
 )
-from lora_jax.layers.column import MergedQKVParallelLinearWithLoRA as MergedQKVParallelLinearWithLoRA
+from lora_jax.layers.column import (
+    MergedQKVParallelLinearWithLoRA as MergedQKVParallelLinearWithLoRA,
+)
 from lora_jax.layers.column import (
     MergedQKVParallelLinearWithShardedLoRA as MergedQKVParallelLinearWithShardedLoRA,
 )
 from lora_jax.layers.column import QKVParallelLinearWithLoRA as QKVParallelLinearWithLoRA
-from lora_jax.layers.column import QKVParallelLinearWithShardedLoRA as QKVParallelLinearWithShardedLoRA
+from lora_jax.layers.column import (
+    QKVParallelLinearWithShardedLoRA as QKVParallelLinearWithShardedLoRA,
+)
 from lora_jax.layers.column import ReplicatedLinearWithLoRA as ReplicatedLinearWithLoRA
 from lora_jax.layers.embedding import (
     VocabParallelEmbeddingWithLoRA as VocabParallelEmbeddingWithLoRA,
 )
 from lora_jax.layers.logits import LogitsProcessor as LogitsProcessor
 from lora_jax.layers.logits import LogitsProcessorWithLoRA as LogitsProcessorWithLoRA
+from lora_jax.layers.logits import ParallelLMHeadWithLoRA as ParallelLMHeadWithLoRA
+from lora_jax.layers.logits import TiedLMHeadWithLoRA as TiedLMHeadWithLoRA
 from lora_jax.layers.row import RowParallelLinearWithLoRA as RowParallelLinearWithLoRA
 from lora_jax.layers.row import RowParallelLinearWithShardedLoRA as RowParallelLinearWithShardedLoRA

@@ -64,7 +64,9 @@ class ColumnParallelLinearWithLoRA(_ColumnLoRA):
     """One LoRA over a column-parallel layer; B split with the base kernel's out dim."""
 
     def _check_base(self, base):
-        if not isinstance(base, ColumnParallelLinear | MergedColumnParallelLinear | QKVParallelLinear):
+        if not isinstance(
+            base, ColumnParallelLinear | MergedColumnParallelLinear | QKVParallelLinear
+        ):
             raise ValueError(f"{self.name}: base layer must be column-parallel, got {type(base)}")
 
     @classmethod
@@ -101,9 +103,13 @@ class MergedColumnParallelLinearWithLoRA(_ColumnLoRA):
         if cls.fully_sharded != lora_config.fully_sharded_loras:
             return False
         return (
-            type(source_layer) is MergedColumnParallelLinear
-            or isinstance(source_layer, MergedColumnParallelLinear)
-        ) and len(packed_modules_list) == 2 and len(source_layer.output_sizes) == 2
+            (
+                type(source_layer) is MergedColumnParallelLinear
+                or isinstance(source_layer, MergedColumnParallelLinear)
+            )
+            and len(packed_modules_list) == 2
+            and len(source_layer.output_sizes) == 2
+        )
 
 
 class MergedColumnParallelLinearVariableSliceWithLoRA(MergedColumnParallelLinearWithLoRA):
