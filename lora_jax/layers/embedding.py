@@ -16,6 +16,8 @@ The module also holds the slot-write helpers shared with `lora_jax.layers.logits
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,12 +25,18 @@ from flax import nnx
 
 from lora_jax import ops
 from lora_jax.config import LoRAConfig
-from lora_jax.layers.base import LoRAContext, LoRASlotRanks, _place_like, _write_slot
+from lora_jax.layers.base import (
+    LoRAContext,
+    LoRASlotRanks,
+    PreparedLoRA,
+    _place_like,
+    _write_slot,
+)
 from lora_jax.mapping import LoRAMapping
 from lora_jax.sharding import shard_map
 from lora_jax.vocab import ParallelLMHead, VocabParallelEmbedding
 
-# -- slot helpers shared by the vocab LoRA layers -----------------------------------------
+# -- slot logic shared by the vocab LoRA layers ------------------------------------------
 
 
 def check_slot(name: str, what: str, index, max_loras: int) -> int:
@@ -60,20 +68,80 @@ def check_rank(name: str, rank: int, max_rank: int, *others: tuple[str, int]) ->
             raise ValueError(f"{name}.set_lora: {tensor} has rank {r}, lora_a has rank {rank}")
 
 
-def write_slot(var: nnx.Variable, index: int, value: np.ndarray) -> None:
-    """Writes one slot `var[index] = value`, keeping the stack's sharding."""
+def _write(var: nnx.Variable, index: int, value: np.ndarray) -> None:
     stack = var[...]
     var.set_value(_write_slot(stack, jnp.int32(index), _place_like(np.asarray(value), stack)))
 
 
-def set_slot_rank(ranks: LoRASlotRanks, index: int, rank: int) -> None:
-    ranks.set_value(ranks[...].at[:, index].set(rank))
+class VocabSlotsMixin:
+    """Slot writes over one `lora_a`/`lora_b` pair and `slot_ranks [1, max_loras]`, with
+    the protocol of `BaseLayerWithLoRA` (`prepare_lora` / `write_lora` / `slot_updates`)
+    so the adapter manager writes these layers in its one jitted update.
+
+    Subclasses implement `_layout(lora_a, lora_b) -> (a_stored, b_stored, rank)`.
+    """
+
+    name: str
+    lora_config: LoRAConfig
+    lora_a: nnx.LoRAParam
+    lora_b: nnx.LoRAParam
+    slot_ranks: LoRASlotRanks
+
+    def _layout(self, lora_a, lora_b) -> tuple[np.ndarray, np.ndarray, int]:
+        raise NotImplementedError
+
+    def prepare_lora(self, index: int, lora_a, lora_b) -> PreparedLoRA:
+        """Validates an adapter for slot `index` and lays it out as stored; writes nothing."""
+        check_slot(self.name, "set_lora", index, self.lora_config.max_loras)
+        a, b, r = self._layout(lora_a, lora_b)
+        return PreparedLoRA(a=(a,), b=(b,), ranks=(r,))
+
+    def write_lora(self, index: int, prepared: PreparedLoRA) -> None:
+        """Stores a `prepare_lora` result into slot `index`."""
+        index = check_slot(self.name, "write_lora", index, self.lora_config.max_loras)
+        _write(self.lora_a, index, prepared.a[0])
+        _write(self.lora_b, index, prepared.b[0])
+        self._set_rank(index, prepared.ranks[0])
+
+    def slot_updates(self, prepared: PreparedLoRA | None) -> list[tuple[nnx.Variable, int, Any]]:
+        """`(variable, slot axis, new slot content or None = zeros)` for batched writers."""
+        if prepared is None:
+            return [(self.lora_a, 0, None), (self.lora_b, 0, None), (self.slot_ranks, 1, None)]
+        ranks = np.asarray(prepared.ranks, np.int32)
+        return [
+            (self.lora_a, 0, prepared.a[0]),
+            (self.lora_b, 0, prepared.b[0]),
+            (self.slot_ranks, 1, ranks),
+        ]
+
+    def set_lora(self, index: int, lora_a, lora_b) -> None:
+        """Writes an adapter (scaling folded into B) into slot `index`; ranks below max
+        are zero-padded. All checks run before any write.
+
+        Example:
+            >>> layer.set_lora(0, lora_a, lora_b)  # doctest: +SKIP
+        """
+        self.write_lora(index, self.prepare_lora(index, lora_a, lora_b))
+
+    def reset_lora(self, index: int) -> None:
+        """Zeroes slot `index`: it then gives exactly the base output."""
+        index = check_slot(self.name, "reset_lora", index, self.lora_config.max_loras)
+        for var in (self.lora_a, self.lora_b):
+            _write(var, index, np.zeros(var.shape[1:], np.float32))
+        self._set_rank(index, 0)
+
+    def _set_rank(self, index: int, rank: int) -> None:
+        old = self.slot_ranks[...]
+        new = np.array(old)
+        new[:, index] = rank
+        sharding = getattr(old, "sharding", None)
+        self.slot_ranks.set_value(jax.device_put(new, sharding) if sharding else jnp.asarray(new))
 
 
 # -- the layer ----------------------------------------------------------------------------
 
 
-class VocabParallelEmbeddingWithLoRA(nnx.Module):
+class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, nnx.Module):
     """LoRA around a `VocabParallelEmbedding` (not an lm_head), per-token slots.
 
     Example:
@@ -115,7 +183,8 @@ class VocabParallelEmbeddingWithLoRA(nnx.Module):
         self.lora_b = nnx.LoRAParam(
             rules.place(jnp.zeros((L, D, R), dtype), *self.B_AXES)
         )  # [max_loras, D, max_rank]
-        self.slot_ranks = LoRASlotRanks(jnp.zeros((1, L), jnp.int32))  # [1 slice, max_loras]
+        ranks = jnp.zeros((1, L), jnp.int32)  # [1 slice, max_loras]
+        self.slot_ranks = LoRASlotRanks(rules.place(ranks, None, None))
 
     A_AXES = ("lora_slot", "lora_rank", "vocab")
     B_AXES = ("lora_slot", "embed", "lora_rank")
@@ -140,36 +209,15 @@ class VocabParallelEmbeddingWithLoRA(nnx.Module):
         """The base table `[V_pad, D]` (tied lm_heads read it through the wrapper)."""
         return self.base_layer.embedding
 
-    def set_lora(self, index: int, lora_a, lora_b) -> None:
-        """Writes PEFT's `lora_embedding_A [r, V]` and `lora_embedding_B [D, r]` (scaling
-        folded into B) into slot `index`; ranks below max are zero-padded. All checks run
-        before any write.
-
-        Example:
-            >>> emb.set_lora(0, a_rv, b_dr)  # doctest: +SKIP
-        """
-        cfg, base = self.lora_config, self.base_layer
-        index = check_slot(self.name, "set_lora", index, cfg.max_loras)
-        V, V_pad, D, R = (
-            base.num_embeddings,
-            base.num_embeddings_padded,
-            base.embedding_dim,
-            cfg.max_lora_rank,
-        )
+    def _layout(self, lora_a, lora_b):
+        """PEFT's `lora_embedding_A [r, V]` → `[R, V_pad]`, `lora_embedding_B [D, r]` → `[D, R]`."""
+        base, R = self.base_layer, self.lora_config.max_lora_rank
+        V, V_pad, D = base.num_embeddings, base.num_embeddings_padded, base.embedding_dim
         a = as_matrix(self.name, "lora_a (lora_embedding_A)", lora_a, (None, V))
         b = as_matrix(self.name, "lora_b (lora_embedding_B)", lora_b, (D, None))
         r = a.shape[0]
         check_rank(self.name, r, R, ("lora_b", b.shape[1]))
-        write_slot(self.lora_a, index, np.pad(a, ((0, R - r), (0, V_pad - V))))
-        write_slot(self.lora_b, index, np.pad(b, ((0, 0), (0, R - r))))
-        set_slot_rank(self.slot_ranks, index, r)
-
-    def reset_lora(self, index: int) -> None:
-        """Zeroes slot `index`: its tokens then get exactly the base embedding."""
-        index = check_slot(self.name, "reset_lora", index, self.lora_config.max_loras)
-        for var in (self.lora_a, self.lora_b):
-            write_slot(var, index, np.zeros(var.shape[1:], np.float32))
-        set_slot_rank(self.slot_ranks, index, 0)
+        return np.pad(a, ((0, R - r), (0, V_pad - V))), np.pad(b, ((0, 0), (0, R - r))), r
 
     # -- forward --------------------------------------------------------------------------
     def attend(self, x: jax.Array, gather: bool = False) -> jax.Array:

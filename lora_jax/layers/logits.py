@@ -25,11 +25,11 @@ from flax import nnx
 
 from lora_jax import ops
 from lora_jax.config import MAX_LORA_VOCAB_SIZE, LoRAConfig
-from lora_jax.layers.base import LoRAContext, LoRASlotRanks
-from lora_jax.layers.embedding import as_matrix, check_rank, check_slot, set_slot_rank, write_slot
+from lora_jax.layers.base import LoRAContext, LoRASlotRanks, PreparedLoRA
+from lora_jax.layers.embedding import VocabSlotsMixin, as_matrix, check_rank
 from lora_jax.mapping import LoRAMapping, make_lora_mapping
 from lora_jax.sharding import shard_map
-from lora_jax.vocab import VocabParallelEmbedding
+from lora_jax.vocab import ParallelLMHead, VocabParallelEmbedding
 
 
 def _head_of(lm_head) -> VocabParallelEmbedding:
@@ -121,7 +121,7 @@ class LogitsProcessor(nnx.Module):
         return self.postprocess(logits)
 
 
-class LogitsProcessorWithLoRA(nnx.Module):
+class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
     """vLLM's lm_head LoRA: per-sequence slots added to the logits before soft cap/scale.
 
     Built next to the lm_head it will be called with (its vocab padding and mesh fix the
@@ -180,7 +180,8 @@ class LogitsProcessorWithLoRA(nnx.Module):
         self.lora_b = nnx.LoRAParam(
             self.rules.place(jnp.zeros((L, self.vocab_padded, R), dtype), *self.B_AXES)
         )  # [max_loras, V_pad, max_rank], vocab-sharded like the lm_head
-        self.slot_ranks = LoRASlotRanks(jnp.zeros((1, L), jnp.int32))  # [1 slice, max_loras]
+        ranks = jnp.zeros((1, L), jnp.int32)  # [1 slice, max_loras]
+        self.slot_ranks = LoRASlotRanks(self.rules.place(ranks, None, None))
 
     # -- vLLM API -------------------------------------------------------------------------
     @classmethod
@@ -207,31 +208,15 @@ class LogitsProcessorWithLoRA(nnx.Module):
     def logits_as_input(self) -> bool:
         return self.base_layer.logits_as_input
 
-    def set_lora(self, index: int, lora_a, lora_b) -> None:
-        """Writes PEFT's lm_head `lora_A [r, D]` and `lora_B [V, r]` (scaling folded into B)
-        into slot `index`; ranks below max and the vocab padding are zero-filled. All checks
-        run before any write.
-
-        Example:
-            >>> lp.set_lora(1, a_rd, b_vr)  # doctest: +SKIP
-        """
-        cfg = self.lora_config
-        index = check_slot(self.name, "set_lora", index, cfg.max_loras)
-        V, V_pad, D, R = self.vocab_size, self.vocab_padded, self.hidden_size, cfg.max_lora_rank
+    def _layout(self, lora_a, lora_b):
+        """PEFT's lm_head `lora_A [r, D]` → `[R, D]`, `lora_B [V, r]` → `[V_pad, R]`."""
+        V, V_pad, D = self.vocab_size, self.vocab_padded, self.hidden_size
+        R = self.lora_config.max_lora_rank
         a = as_matrix(self.name, "lora_a", lora_a, (None, D))
         b = as_matrix(self.name, "lora_b", lora_b, (V, None))
         r = a.shape[0]
         check_rank(self.name, r, R, ("lora_b", b.shape[1]))
-        write_slot(self.lora_a, index, np.pad(a, ((0, R - r), (0, 0))))
-        write_slot(self.lora_b, index, np.pad(b, ((0, V_pad - V), (0, R - r))))
-        set_slot_rank(self.slot_ranks, index, r)
-
-    def reset_lora(self, index: int) -> None:
-        """Zeroes slot `index`: its sequences then get exactly the base logits."""
-        index = check_slot(self.name, "reset_lora", index, self.lora_config.max_loras)
-        for var in (self.lora_a, self.lora_b):
-            write_slot(var, index, np.zeros(var.shape[1:], np.float32))
-        set_slot_rank(self.slot_ranks, index, 0)
+        return np.pad(a, ((0, R - r), (0, 0))), np.pad(b, ((0, V_pad - V), (0, R - r))), r
 
     # -- forward --------------------------------------------------------------------------
     def row_lora_indices(self, mapping: LoRAMapping, num_rows: int) -> jax.Array:
@@ -314,3 +299,83 @@ class LogitsProcessorWithLoRA(nnx.Module):
         if self.logits_as_input:
             return self.base_layer.postprocess(hidden_states)
         return self.base_layer.postprocess(self._get_logits(hidden_states, lm_head, embedding_bias))
+
+
+class ParallelLMHeadWithLoRA(nnx.Module):
+    """A model's `lm_head` with LoRA: `head(hidden) → logits [..., V]` through a
+    `LogitsProcessorWithLoRA` (no soft cap / scale: the model applies its own).
+
+    This is what `wrap_model` puts at `model.lm_head`, so a model's `compute_logits`
+    (`self.lm_head(hidden)`) goes through the LoRA unchanged. Slot writes go to
+    `logits_processor`.
+
+    Example:
+        >>> head = ParallelLMHead(100, 16, rngs=nnx.Rngs(0))
+        >>> lm = ParallelLMHeadWithLoRA(head, LoRAConfig(max_loras=2, max_lora_rank=8))
+        >>> lm.set_lora(0, np.ones((8, 16)), np.ones((100, 8)))
+        >>> lm(jnp.ones((3, 16))).shape  # no mapping set: the base logits
+        (3, 100)
+    """
+
+    tied: bool = False
+
+    def __init__(
+        self,
+        base_layer: VocabParallelEmbedding,
+        lora_config: LoRAConfig,
+        context: LoRAContext | None = None,
+        *,
+        name: str | None = None,
+    ):
+        self.name = name or type(self).__name__
+        self.base_layer = base_layer
+        self.lora_config = lora_config
+        head = _head_of(base_layer)
+        self.logits_processor = LogitsProcessorWithLoRA(
+            LogitsProcessor(head.num_embeddings), head, lora_config, context, name=self.name
+        )
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()) -> bool:
+        return isinstance(source_layer, ParallelLMHead)
+
+    @property
+    def num_embeddings(self) -> int:
+        return _head_of(self.base_layer).num_embeddings
+
+    @property
+    def lora_context(self) -> LoRAContext:
+        return self.logits_processor.lora_context
+
+    def prepare_lora(self, index: int, lora_a, lora_b) -> PreparedLoRA:
+        return self.logits_processor.prepare_lora(index, lora_a, lora_b)
+
+    def write_lora(self, index: int, prepared: PreparedLoRA) -> None:
+        self.logits_processor.write_lora(index, prepared)
+
+    def slot_updates(self, prepared: PreparedLoRA | None):
+        return self.logits_processor.slot_updates(prepared)
+
+    def set_lora(self, index: int, lora_a, lora_b) -> None:
+        """PEFT's lm_head `lora_A [r, D]`, `lora_B [V, r]` (scaling folded in) → slot `index`."""
+        self.logits_processor.set_lora(index, lora_a, lora_b)
+
+    def reset_lora(self, index: int) -> None:
+        self.logits_processor.reset_lora(index)
+
+    def logits(self, hidden_states: jax.Array) -> jax.Array:
+        return self.logits_processor(self.base_layer, hidden_states)
+
+    def __call__(self, hidden_states: jax.Array) -> jax.Array:
+        return self.logits(hidden_states)
+
+
+class TiedLMHeadWithLoRA(ParallelLMHeadWithLoRA):
+    """The lm_head LoRA of a model with tied embeddings (`model.lm_head is None`): it sits
+    at `model.lm_head` over the shared embedding table; `unwrap_model` puts None back."""
+
+    tied = True
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()) -> bool:
+        return False  # made explicitly by wrap_model for tied models
