@@ -34,11 +34,14 @@ from lora_jax.layers import (
     MergedColumnParallelLinearWithShardedLoRA,
     MergedQKVParallelLinearWithLoRA,
     MergedQKVParallelLinearWithShardedLoRA,
+    ParallelLMHeadWithLoRA,
     QKVParallelLinearWithLoRA,
     QKVParallelLinearWithShardedLoRA,
     ReplicatedLinearWithLoRA,
     RowParallelLinearWithLoRA,
     RowParallelLinearWithShardedLoRA,
+    TiedLMHeadWithLoRA,
+    VocabParallelEmbeddingWithLoRA,
     find_lora_context,
 )
 
@@ -58,6 +61,8 @@ LORA_LAYER_CLASSES: list[type] = [
     QKVParallelLinearWithLoRA,
     MergedQKVParallelLinearWithLoRA,
     RowParallelLinearWithLoRA,
+    VocabParallelEmbeddingWithLoRA,  # embed_tokens
+    ParallelLMHeadWithLoRA,  # lm_head (a tied lm_head: see _tied_lm_head)
 ]
 
 TargetModules = Sequence[str] | str | None
@@ -169,6 +174,27 @@ def _candidates(model: nnx.Module, lora_config, mapping):
     return [c for c in out if not any(c[0][: len(p)] == p for p in inside_lora)]
 
 
+def _wrapped_names(model: nnx.Module) -> list[str]:
+    """Names (and packed member names) of the model's existing LoRA layers."""
+    return [
+        n
+        for name, layer in lora_layers(model).items()
+        for n in [name, *packed_names(name, layer_packed_modules(name, layer))]
+    ]
+
+
+def _tied_lm_head(model: nnx.Module):
+    """Candidate for a tied lm_head (`model.lm_head is None`, logits from
+    `model.model.embed_tokens`): its LoRA goes to `model.lm_head`, over the shared table."""
+    if getattr(model, "lm_head", True) is not None:
+        return None
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if emb is None:
+        return None
+    emb = getattr(emb, "base_layer", emb)
+    return (("lm_head",), emb, ["lm_head"], TiedLMHeadWithLoRA, "lm_head")
+
+
 def wrap_model(
     model: nnx.Module,
     lora_config: LoRAConfig,
@@ -207,8 +233,12 @@ def wrap_model(
     )
     targets = _normalize_targets(target_modules)
     candidates = _candidates(model, lora_config, mapping)
+    tied = _tied_lm_head(model)
+    if tied is not None:
+        candidates.append(tied)  # last: embed_tokens is wrapped first, the table is shared
+    all_names = [n for c in candidates for n in [c[4], *packed_names(c[4], c[2])]]
+    all_names += _wrapped_names(model)
     if isinstance(targets, tuple):
-        all_names = [n for c in candidates for n in [c[4], *packed_names(c[4], c[2])]]
         missing = [t for t in targets if not _matches((t,), all_names)]
         if missing:
             leaves = sorted({n.rpartition(".")[2] for n in all_names})
@@ -217,13 +247,15 @@ def wrap_model(
                 f"supported module names: {leaves}"
             )
     elif isinstance(targets, str):
-        if not any(_matches(targets, [c[4], *packed_names(c[4], c[2])]) for c in candidates):
+        if not _matches(targets, all_names):
             raise ValueError(
                 f"wrap_model: target_modules regex {targets!r} matches no supported module; "
                 f"e.g. {[c[4] for c in candidates[:4]]}"
             )
     if context is None:
-        context = find_lora_context(model) or LoRAContext(None)
+        context = find_lora_context(model)
+        if context is None:
+            context = LoRAContext(None)
     chosen = [c for c in candidates if _matches(targets, [c[4], *packed_names(c[4], c[2])])]
     for path, node, packed, cls, name in chosen:
         layer = cls(node, lora_config, context, name=name)
@@ -249,7 +281,8 @@ def unwrap_model(model: nnx.Module) -> int:
         except (AttributeError, IndexError, KeyError):
             continue
         if current is layer:
-            _set_child(_resolve(model, path[:-1]), path[-1], layer.base_layer)
+            original = None if getattr(layer, "tied", False) else layer.base_layer
+            _set_child(_resolve(model, path[:-1]), path[-1], original)
             done += 1
     return done
 

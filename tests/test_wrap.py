@@ -1,0 +1,260 @@
+"""wrap_model / unwrap_model / merge_adapter on a tiny HF-named model, with and without meshes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from serving_toy import ToyLM
+
+import lora_jax as lj
+from lora_jax.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from lora_jax.serving.merge import merge_adapter, merged_slot, unmerge_adapter
+from lora_jax.serving.wrap import LORA_LAYER_CLASSES, lora_layers, unwrap_model, wrap_model
+
+CFG = lj.LoRAConfig(max_loras=3, max_lora_rank=8)
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+T = 8
+
+
+def _mesh(tp, dp=1, explicit=True):
+    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+    return jax.make_mesh((dp, tp), ("dp", "tp"), axis_types=(kind, kind))
+
+
+def _x(n, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(T, n)), jnp.float32)
+
+
+def _kinds(model):
+    return {name: type(layer).__name__ for name, layer in lora_layers(model).items()}
+
+
+def test_replace_submodules_all_targets():
+    model = ToyLM()
+    base = {n: getattr(model.model.layers[0].self_attn, n) for n in ("qkv_proj", "o_proj")}
+    ctx = wrap_model(model, CFG, packed_modules_mapping=PACKED)
+    kinds = _kinds(model)
+    assert kinds == {
+        **{
+            f"model.layers.{i}.{m}": c
+            for i in range(2)
+            for m, c in [
+                ("self_attn.qkv_proj", "MergedQKVParallelLinearWithLoRA"),
+                ("self_attn.o_proj", "RowParallelLinearWithLoRA"),
+                ("mlp.gate_up_proj", "MergedColumnParallelLinearWithLoRA"),
+                ("mlp.down_proj", "RowParallelLinearWithLoRA"),
+            ]
+        },
+        "model.proj": "ReplicatedLinearWithLoRA",
+    }
+    layers = lora_layers(model)
+    assert all(layer.lora_context is ctx for layer in layers.values())
+    assert layers["model.layers.0.self_attn.qkv_proj"].packed_modules == (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+    )
+    assert layers["model.layers.0.self_attn.qkv_proj"].base_layer is base["qkv_proj"]
+    assert layers["model.layers.0.self_attn.o_proj"].name == "model.layers.0.self_attn.o_proj"
+    assert lj.find_lora_context(model) is ctx
+
+
+def test_wrapped_model_equals_base_without_adapters():
+    x = _x(32)
+    ref = ToyLM()(x)
+    model = ToyLM()
+    wrap_model(model, CFG, packed_modules_mapping=PACKED)
+    np.testing.assert_array_equal(model(x), ref)  # no mapping: base path
+    lj.set_lora_mapping(model, jnp.full((T,), -1, jnp.int32))
+    np.testing.assert_array_equal(model(x), ref)  # -1 tokens: exactly the base output
+    lj.set_lora_mapping(model, jnp.zeros((T,), jnp.int32))
+    np.testing.assert_array_equal(model(x), ref)  # empty slots: exactly the base output
+
+
+def test_target_modules_list_and_packed():
+    model = ToyLM()
+    wrap_model(model, CFG, target_modules=["k_proj", "down_proj"], packed_modules_mapping=PACKED)
+    assert sorted(_kinds(model)) == [
+        "model.layers.0.mlp.down_proj",
+        "model.layers.0.self_attn.qkv_proj",
+        "model.layers.1.mlp.down_proj",
+        "model.layers.1.self_attn.qkv_proj",
+    ]
+    # Full-path names select one layer only.
+    model = ToyLM()
+    wrap_model(model, CFG, target_modules=["layers.1.mlp.gate_proj"], packed_modules_mapping=PACKED)
+    assert list(_kinds(model)) == ["model.layers.1.mlp.gate_up_proj"]
+
+
+def test_target_modules_regex():
+    model = ToyLM()
+    wrap_model(
+        model,
+        CFG,
+        target_modules=r"model\.layers\.0\..*(o_proj|up_proj)",
+        packed_modules_mapping=PACKED,
+    )
+    assert sorted(_kinds(model)) == [
+        "model.layers.0.mlp.gate_up_proj",
+        "model.layers.0.self_attn.o_proj",
+    ]
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "nonexistent"], r".*\.nothing", ["proj."]])
+def test_unknown_targets_raise_and_change_nothing(targets):
+    model = ToyLM()
+    with pytest.raises(ValueError, match="target_modules"):
+        wrap_model(model, CFG, target_modules=targets, packed_modules_mapping=PACKED)
+    assert lora_layers(model) == {}
+    assert lj.find_lora_context(model) is None
+
+
+def test_without_packed_mapping_layers_are_single_modules():
+    model = ToyLM()
+    wrap_model(model, CFG, packed_modules_mapping={})
+    kinds = _kinds(model)
+    assert kinds["model.layers.0.self_attn.qkv_proj"] == "QKVParallelLinearWithLoRA"
+    assert kinds["model.layers.0.mlp.gate_up_proj"] == "ColumnParallelLinearWithLoRA"
+    assert lora_layers(model)["model.layers.0.self_attn.qkv_proj"].packed_modules == ("qkv_proj",)
+
+
+def test_fully_sharded_picks_sharded_classes():
+    rules = lj.ShardingRules(_mesh(2))
+    model = ToyLM(rules=rules)
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, fully_sharded_loras=True)
+    wrap_model(model, cfg, packed_modules_mapping=PACKED)
+    kinds = _kinds(model)
+    assert kinds["model.layers.0.self_attn.qkv_proj"] == "MergedQKVParallelLinearWithShardedLoRA"
+    assert kinds["model.layers.0.self_attn.o_proj"] == "RowParallelLinearWithShardedLoRA"
+    assert kinds["model.layers.0.mlp.gate_up_proj"] == "MergedColumnParallelLinearWithShardedLoRA"
+    assert kinds["model.proj"] == "ReplicatedLinearWithLoRA"
+
+
+def test_unwrap_restores_base_layers_and_wrap_is_incremental():
+    model = ToyLM()
+    originals = [layer.self_attn.o_proj for layer in model.model.layers]
+    ctx = wrap_model(model, CFG, target_modules=["o_proj"], packed_modules_mapping=PACKED)
+    ctx2 = wrap_model(
+        model, CFG, target_modules=["down_proj", "o_proj"], packed_modules_mapping=PACKED
+    )
+    assert ctx2 is ctx
+    assert len(lora_layers(model)) == 4  # o_proj not wrapped twice
+    assert unwrap_model(model) == 4
+    assert lora_layers(model) == {}
+    assert [layer.self_attn.o_proj for layer in model.model.layers] == originals
+    assert isinstance(model.model.layers[0].mlp.down_proj, RowParallelLinear)
+
+
+def test_registry_is_extensible():
+    class Marker(lj.ReplicatedLinearWithLoRA):
+        @classmethod
+        def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+            return isinstance(source_layer, lj.ReplicatedLinear)
+
+    LORA_LAYER_CLASSES.insert(0, Marker)
+    try:
+        model = ToyLM()
+        wrap_model(model, CFG, target_modules=["proj"], packed_modules_mapping=PACKED)
+        assert _kinds(model) == {"model.proj": "Marker"}
+    finally:
+        LORA_LAYER_CLASSES.remove(Marker)
+
+
+# -- merge ------------------------------------------------------------------------------------
+def _fill(model, seed=1):
+    """Random adapters of mixed ranks into every slot of every LoRA layer."""
+    rng = np.random.default_rng(seed)
+    for layer in lora_layers(model).values():
+        n_in = layer.base_layer.in_features
+        for slot, r in enumerate((8, 4, 2)):
+            a = [rng.normal(size=(r, n_in)).astype(np.float32) / 4 for _ in layer.slice_groups]
+            b = [rng.normal(size=(n, r)).astype(np.float32) / 4 for n in layer.logical_slice_sizes]
+            layer.set_lora(slot, a, b)
+
+
+@nnx.jit
+def _run_layers(model, xs):
+    return {name: layer(xs[name]) for name, layer in lora_layers(model).items()}
+
+
+def _layer_outputs(model):
+    """Every LoRA layer on its own input, in one jitted call."""
+    xs = {
+        name: _x(layer.base_layer.in_features, seed=len(name))
+        for name, layer in lora_layers(model).items()
+    }
+    return jax.tree.map(np.asarray, _run_layers(model, xs))
+
+
+MERGE_CASES = {
+    "nomesh": (None, False, True),
+    "tp4": ((4, 1), False, True),  # 2 kv heads on 4 shards: kv replicas
+    "dp2tp4-auto": ((4, 2), False, False),
+    "tp2-fully-sharded": ((2, 1), True, True),
+    "tp4-fully-sharded": ((4, 2), True, True),
+}
+
+
+@pytest.mark.parametrize("case", list(MERGE_CASES))
+def test_merge_matches_lora_path_and_unmerge_restores(case):
+    mesh_shape, fully, explicit = MERGE_CASES[case]
+    rules = (
+        lj.ShardingRules(_mesh(*mesh_shape, explicit=explicit))
+        if mesh_shape
+        else lj.ShardingRules()
+    )
+    model = ToyLM(n_layers=1, rules=rules)
+    cfg = lj.LoRAConfig(max_loras=3, max_lora_rank=8, fully_sharded_loras=fully)
+    ctx = wrap_model(model, cfg, packed_modules_mapping=PACKED)
+    _fill(model)
+    layers = lora_layers(model)
+    kernels = {n: layer.base_layer.kernel[...] for n, layer in layers.items()}
+    ctx.set_value(None)
+    base_out = _layer_outputs(model)
+    slot = 1
+    lj.set_lora_mapping(model, jnp.full((T,), slot, jnp.int32))
+    lora_out = _layer_outputs(model)
+    assert merge_adapter(model, slot) == len(layers)
+    assert merged_slot(model) == slot and ctx.get_value() is None
+    merged_out = _layer_outputs(model)
+    for name in layers:
+        assert np.abs(lora_out[name] - base_out[name]).max() > 1e-2  # the adapter matters
+        np.testing.assert_allclose(merged_out[name], lora_out[name], rtol=1e-5, atol=1e-5)
+        k = layers[name].base_layer.kernel[...]
+        assert k.sharding.is_equivalent_to(kernels[name].sharding, k.ndim)
+    with pytest.raises(ValueError, match="already merged"):
+        merge_adapter(model, 0)
+    assert unmerge_adapter(model) is True
+    assert unmerge_adapter(model) is False
+    for name, layer in layers.items():
+        np.testing.assert_array_equal(layer.base_layer.kernel[...], kernels[name])
+    for name, y in _layer_outputs(model).items():
+        np.testing.assert_array_equal(y, base_out[name])
+
+
+def test_merge_bad_slot_changes_nothing():
+    model = ToyLM()
+    wrap_model(model, CFG, packed_modules_mapping=PACKED)
+    before = nnx.state(model, nnx.Param)
+    with pytest.raises(ValueError, match="slot"):
+        merge_adapter(model, 3)
+    after = nnx.state(model, nnx.Param)
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+    assert merged_slot(model) is None
+
+
+def test_merge_whole_model_output():
+    """Unsharded whole-model check: merged base path == LoRA path for slot 0."""
+    model = ToyLM()
+    wrap_model(model, CFG, packed_modules_mapping=PACKED)
+    _fill(model, seed=3)
+    x = _x(32, seed=5)
+    lj.set_lora_mapping(model, jnp.zeros((T,), jnp.int32))
+    y_lora = model(x)
+    merge_adapter(model, 0)
+    scale = float(np.abs(y_lora).max())
+    np.testing.assert_allclose(model(x), y_lora, rtol=1e-5, atol=1e-5 * scale)
+    unmerge_adapter(model)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj.base_layer, QKVParallelLinear)
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj.base_layer, MergedColumnParallelLinear)
