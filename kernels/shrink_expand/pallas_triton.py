@@ -139,14 +139,19 @@ def _shrink_kernel(
                     precision=precision,
                 )
 
-            n_iter = jnp.where(live, num_k, 0)
-            acc = jax.lax.fori_loop(0, n_iter, body, jnp.zeros((bm, br), jnp.float32))
-            out = acc * jnp.float32(scale)
-            plgpu.store(
-                o_ref.at[s, rows[:, None], r[None, :]],
-                out,
-                mask=jnp.broadcast_to((r < rank)[None, :], (bm, br)),
-            )
+            r_store = jnp.broadcast_to((r < rank)[None, :], (bm, br))
+            o_at = o_ref.at[s, rows[:, None], r[None, :]]
+
+            # Two branches rather than a loop with a dynamic trip count: Triton's
+            # scf.for rejects the mixed bound types that lowering produces for it.
+            @pl.when(live)
+            def _():
+                acc = jax.lax.fori_loop(0, num_k, body, jnp.zeros((bm, br), jnp.float32))
+                plgpu.store(o_at, acc * jnp.float32(scale), mask=r_store)
+
+            @pl.when(jnp.logical_not(live))
+            def _():
+                plgpu.store(o_at, jnp.zeros((bm, br), jnp.float32), mask=r_store)
 
 
 def shrink(
