@@ -1,0 +1,392 @@
+"""Adapter managers: vLLM's manager / LRU / worker sequences, one-jit slot writes, failures."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from layer_cases import logical_output
+from serving_toy import ToyLM, peft_tensors
+
+import lora_jax as lj
+from lora_jax.serving import manager as manager_mod
+from lora_jax.serving.manager import LoRAModelManager, LRUCacheLoRAModelManager
+from lora_jax.serving.peft import PEFTConfig, adapter_from_tensors
+from lora_jax.serving.wrap import lora_layers, wrap_model
+
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _setup(max_loras=2, max_cpu_loras=3, lru=True, rules=None, n_layers=1):
+    model = ToyLM(n_layers=n_layers, rules=rules)
+    cfg = lj.LoRAConfig(max_loras=max_loras, max_lora_rank=8, max_cpu_loras=max_cpu_loras)
+    wrap_model(model, cfg, packed_modules_mapping=PACKED)
+    cls = LRUCacheLoRAModelManager if lru else LoRAModelManager
+    return model, cls(model, cfg)
+
+
+_ADAPTERS = {}
+
+
+def _adapter(model, aid, targets=("q_proj", "v_proj", "down_proj"), rank=4, n_layers=1):
+    tensors = peft_tensors(targets, rank, n_layers=n_layers, seed=aid)
+    cfg = model.model.layers[0].self_attn.qkv_proj.lora_config
+    return adapter_from_tensors(
+        tensors, PEFTConfig(r=rank, lora_alpha=2 * rank), model, cfg, adapter_id=aid, name=f"a{aid}"
+    )
+
+
+def _adapters(model, n=8):
+    return {i: _adapter(model, i, rank=(4, 8, 2)[i % 3]) for i in range(1, n + 1)}
+
+
+def _slots(mgr):
+    return list(mgr.lora_index_to_id)
+
+
+# -- vLLM sequences ----------------------------------------------------------------------------
+def test_lora_model_manager_sequence():
+    model, mgr = _setup(lru=False)
+    ad = _adapters(model, 3)
+    assert _slots(mgr) == [None, None]
+    assert mgr.add_adapter(ad[1]) and mgr.activate_adapter(1)
+    assert _slots(mgr) == [1, None]
+    assert not mgr.add_adapter(ad[1]) and not mgr.activate_adapter(1)
+    assert mgr.add_adapter(ad[2]) and mgr.activate_adapter(2)
+    assert _slots(mgr) == [1, 2]
+    assert not mgr.add_adapter(ad[2]) and not mgr.activate_adapter(2)
+    assert mgr.add_adapter(ad[3]) and _slots(mgr) == [1, 2]
+    with pytest.raises(ValueError, match="No free lora slots"):
+        mgr.activate_adapter(3)
+    assert _slots(mgr) == [1, 2]
+    assert mgr.remove_adapter(2) and _slots(mgr) == [1, None]
+    assert not mgr.remove_adapter(2)
+    assert mgr.remove_adapter(1) and not mgr.remove_adapter(1)
+    assert mgr.add_adapter(ad[1]) and _slots(mgr) == [None, None]  # adding does not activate
+    mgr.add_adapter(ad[2])
+    assert mgr.activate_adapter(3) and _slots(mgr) == [3, None]  # the first free slot
+    assert mgr.activate_adapter(2) and _slots(mgr) == [3, 2]
+    assert mgr.supported_lora_modules == sorted([*ALL, "proj"])
+    with pytest.raises(RuntimeError, match="No free adapter slots"):
+        mgr.add_adapter(_adapter(model, 4))
+
+
+def test_lru_cache_model_manager_sequence():
+    model, mgr = _setup()
+    ad = _adapters(model, 3)
+    assert mgr.add_adapter(ad[1]) and mgr.activate_adapter(1)
+    assert mgr.add_adapter(ad[2]) and mgr.activate_adapter(2)
+    assert _slots(mgr) == [1, 2]
+    assert mgr.add_adapter(ad[3]) and mgr.activate_adapter(3)
+    assert _slots(mgr) == [3, 2]  # the LRU active adapter (1) was evicted
+    assert mgr.remove_adapter(2) and _slots(mgr) == [3, None]
+    assert not mgr.remove_adapter(2)
+    assert mgr.remove_adapter(1) and not mgr.remove_adapter(1)  # 1 was still cached
+    assert mgr.add_adapter(ad[1]) and mgr.activate_adapter(1)
+    assert _slots(mgr) == [3, 1]
+    mgr.add_adapter(ad[2])
+    assert mgr.deactivate_adapter(3) and _slots(mgr) == [None, 1]
+    assert mgr.activate_adapter(2) and _slots(mgr) == [2, 1]
+    assert mgr.activate_adapter(3) and _slots(mgr) == [2, 3]
+    assert mgr.pin_adapter(2) and _slots(mgr) == [2, 3]
+    assert mgr.activate_adapter(1) and _slots(mgr) == [2, 1]  # unpinned 3 evicted
+    assert mgr.deactivate_adapter(2) and _slots(mgr) == [None, 1]  # pinned can deactivate
+    assert mgr.activate_adapter(3) and _slots(mgr) == [3, 1]
+    assert mgr.pin_adapter(3) and mgr.pin_adapter(1)
+    with pytest.raises(RuntimeError):
+        mgr.pin_adapter(2)
+    assert _slots(mgr) == [3, 1]
+    with pytest.raises(RuntimeError):
+        mgr.activate_adapter(2)
+    assert _slots(mgr) == [3, 1]
+    mgr.deactivate_adapter(3)
+    assert mgr.pin_adapter(2) and _slots(mgr) == [2, 1]  # pinning activates
+    assert mgr.remove_adapter(3)
+    with pytest.raises(ValueError, match="not registered"):
+        mgr.pin_adapter(3)
+
+
+def test_lru_lora_model_manager_sequence():
+    model, mgr = _setup(max_loras=2, max_cpu_loras=2)
+    ad = _adapters(model, 4)
+    for i in (1, 2):
+        assert mgr.add_adapter(ad[i]) and mgr.activate_adapter(i)
+    assert set(mgr.list_adapters()) == {1, 2} and _slots(mgr) == [1, 2]
+    assert mgr.add_adapter(ad[3]) and mgr.add_adapter(ad[4])  # CPU cache evicts 1, 2
+    assert mgr.activate_adapter(3) and mgr.activate_adapter(4)
+    assert set(mgr.list_adapters()) == {3, 4} and _slots(mgr) == [3, 4]
+    assert not mgr.add_adapter(ad[3]) and not mgr.activate_adapter(3)  # touches 3
+    assert mgr.add_adapter(ad[2]) and mgr.activate_adapter(2)
+    assert set(mgr.list_adapters()) == {3, 2} and _slots(mgr) == [3, 2]
+    assert mgr.remove_adapter(3) and not mgr.remove_adapter(3)
+    assert set(mgr.list_adapters()) == {2} and _slots(mgr) == [None, 2]
+    for i in (3, 4):
+        mgr.add_adapter(ad[i])
+        mgr.activate_adapter(i)
+    assert _slots(mgr) == [3, 4]
+    assert mgr.remove_oldest_adapter() and set(mgr.list_adapters()) == {4}
+    assert _slots(mgr) == [None, 4]
+    assert mgr.remove_oldest_adapter() and mgr.list_adapters() == {}
+    assert not mgr.remove_oldest_adapter()
+    for i in (3, 4):
+        mgr.add_adapter(ad[i])
+        mgr.activate_adapter(i)
+    with pytest.raises(ValueError):
+        mgr.pin_adapter(1)
+    assert mgr.pin_adapter(3)
+    assert mgr.remove_adapter(3) and not mgr.remove_adapter(3)  # explicit removal wins
+    assert set(mgr.list_adapters()) == {4}
+    mgr.add_adapter(ad[1])
+    assert mgr.pin_adapter(1) and _slots(mgr) == [1, 4]
+    mgr.add_adapter(ad[2])
+    mgr.activate_adapter(2)
+    assert set(mgr.list_adapters()) == {1, 2} and _slots(mgr) == [1, 2]
+    assert mgr.remove_oldest_adapter() and set(mgr.list_adapters()) == {1}
+    assert _slots(mgr) == [1, None]
+    with pytest.raises(RuntimeError, match="pinned"):
+        mgr.remove_oldest_adapter()
+
+
+def test_lru_cache_worker_sequence():
+    model, mgr = _setup(max_loras=4, max_cpu_loras=4)
+    ad = _adapters(model, 8)
+    req = lambda *ids: mgr.set_active_adapters([ad[i] for i in ids])  # noqa: E731
+    req(1, 2)
+    assert set(mgr.list_adapters()) == {1, 2} and _slots(mgr) == [1, 2, None, None]
+    req(1, 3, 4)
+    assert set(mgr.list_adapters()) == {1, 2, 3, 4} and _slots(mgr) == [1, 2, 3, 4]
+    req(1, 2, 5)
+    assert set(mgr.list_adapters()) == {1, 2, 4, 5} and _slots(mgr) == [1, 2, 5, 4]
+    req(1, 1, 1)
+    assert set(mgr.list_adapters()) == {1, 2, 4, 5} and _slots(mgr) == [1, 2, 5, 4]
+    req(6, 7, 8)
+    assert set(mgr.list_adapters()) == {1, 6, 7, 8} and _slots(mgr) == [1, 7, 8, 6]
+    with pytest.raises(RuntimeError, match="greater than"):
+        req(1, 2, 3, 4, 5)
+    # Ints work for cached adapters; unknown ints cannot be loaded.
+    mgr.set_active_adapters([1, None, 0])
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        mgr.set_active_adapters([2])
+
+
+def test_worker_sequence_removes_unrequested():
+    model, mgr = _setup(max_loras=3, max_cpu_loras=3, lru=False)
+    ad = _adapters(model, 8)
+    req = lambda *ids: mgr.set_active_adapters([ad[i] for i in ids])  # noqa: E731
+    req(1, 2)
+    assert _slots(mgr) == [1, 2, None]
+    req(1, 3, 4)
+    assert set(mgr.list_adapters()) == {1, 3, 4} and _slots(mgr) == [1, 3, 4]
+    req(1, 2, 5)
+    assert set(mgr.list_adapters()) == {1, 2, 5} and _slots(mgr) == [1, 2, 5]
+    req(1, 1, 1)
+    assert set(mgr.list_adapters()) == {1} and _slots(mgr) == [1, None, None]
+    req(6, 7, 8)
+    assert set(mgr.list_adapters()) == {6, 7, 8} and set(_slots(mgr)) == {6, 7, 8}
+    with pytest.raises(RuntimeError):
+        req(1, 2, 3, 4, 5)
+
+
+def test_packed_loras():
+    model, _ = _setup()
+    a = _adapter(model, 1, targets=("gate_proj", "up_proj"), rank=8)
+    name = "model.layers.0.mlp.gate_up_proj"
+    assert a.get_lora("model.layers.0.mlp.gate_proj") is None
+    tensors = peft_tensors(("gate_proj", "up_proj"), 8, n_layers=1, seed=1)
+    key = "base_model.model.model.layers.0.mlp.{}.lora_{}.weight"
+    for i, m in enumerate(("gate_proj", "up_proj")):
+        np.testing.assert_array_equal(a.get_lora(name).lora_a[i], tensors[key.format(m, "A")])
+        np.testing.assert_allclose(a.get_lora(name).lora_b[i], 2 * tensors[key.format(m, "B")])
+    only_up = _adapter(model, 2, targets=("up_proj",), rank=8)
+    assert only_up.get_lora(name).lora_a[0] is None and only_up.get_lora(name).lora_b[0] is None
+    assert only_up.get_lora(name).lora_a[1].shape == (8, 32)
+    assert type(lora_layers(model)[name]).__name__ == "MergedColumnParallelLinearWithLoRA"
+
+
+# -- slot writes -------------------------------------------------------------------------------
+def _lora_arrays(model):
+    state = nnx.state(model, nnx.LoRAParam, lj.LoRASlotRanks)
+    return jax.tree.map(np.asarray, state)
+
+
+@nnx.jit
+def _outputs(model, x, idx):
+    lj.set_lora_mapping(model, idx)
+    return model(x)
+
+
+@nnx.jit
+def _run_layers(model, xs, idx):
+    lj.set_lora_mapping(model, idx)
+    return {name: layer(xs[name]) for name, layer in lora_layers(model).items()}
+
+
+def _layer_outputs(model, idx):
+    """Every LoRA layer on its own input (sharded layers' outputs are physical: compare
+    like with like)."""
+    rng = np.random.default_rng(1)
+    xs = {
+        name: jnp.asarray(
+            rng.normal(size=(idx.shape[0], layer.base_layer.in_features)), jnp.float32
+        )
+        for name, layer in lora_layers(model).items()
+    }
+    return jax.tree.map(np.asarray, _run_layers(model, xs, idx))
+
+
+X = jnp.asarray(np.random.default_rng(0).normal(size=(6, 32)), jnp.float32)
+
+
+def test_one_jitted_write_per_activation(monkeypatch):
+    model, mgr = _setup(n_layers=2)
+    calls = []
+    real = manager_mod._write_slots
+    monkeypatch.setattr(manager_mod, "_write_slots", lambda *a: calls.append(len(a[0])) or real(*a))
+    mgr.add_adapter(_adapter(model, 1, n_layers=2))
+    mgr.activate_adapter(1)
+    n_vars = sum(2 * layer.n_slices + 1 for layer in lora_layers(model).values())
+    assert calls == [n_vars]  # every layer's stacks (and ranks) in one call
+
+
+def test_written_slot_matches_set_lora_and_is_padded():
+    model, mgr = _setup()
+    a = _adapter(model, 1, targets=ALL, rank=4)
+    mgr.add_adapter(a)
+    mgr.activate_adapter(1)
+    mgr.add_adapter(_adapter(model, 2, targets=ALL, rank=8))
+    mgr.activate_adapter(2)  # slot 1
+    ref_model, _ = _setup()
+    for name, layer in lora_layers(ref_model).items():
+        m = a.get_lora(name)
+        if m is not None:
+            layer.set_lora(0, *m.set_lora_args())
+    got, want = _lora_arrays(model), _lora_arrays(ref_model)
+    for path, value in jax.tree_util.tree_leaves_with_path(got):
+        ref = dict(jax.tree_util.tree_leaves_with_path(want))[path]
+        if "slot_ranks" in jax.tree_util.keystr(path):
+            np.testing.assert_array_equal(value[:, 0], ref[:, 0])
+            continue
+        np.testing.assert_array_equal(value[0], ref[0])
+        # rank 4 in max rank 8: zero padding (A rows / B columns 4..8)
+        pad = value[0][4:] if "lora_a" in jax.tree_util.keystr(path) else value[0][:, 4:]
+        assert not pad.any()
+
+
+def test_activation_and_eviction_never_change_other_requests():
+    model, mgr = _setup(max_loras=3, max_cpu_loras=4)
+    ad = {i: _adapter(model, i, targets=ALL, rank=(8, 4, 2, 8)[i - 1]) for i in range(1, 5)}
+    mgr.set_active_adapters([ad[1], ad[2]])
+    ids = [1, 2, None, 1, 2, None]
+    idx = jnp.asarray(mgr.token_mapping(ids))
+    before = np.asarray(_outputs(model, X, idx))
+    mgr.set_active_adapters([ad[3]])  # fills the free slot
+    mgr.deactivate_adapter(3)
+    mgr.set_active_adapters([ad[4]])  # reuses slot 2
+    mgr.set_active_adapters([ad[3]])  # evicts the LRU among active (1)
+    assert _slots(mgr) == [3, 2, 4]
+    mgr.set_active_adapters([ad[1]])  # evicts 2 → slot 1
+    for i in (1, 2):  # a request for adapter i gets the same output wherever it lives
+        mgr.set_active_adapters([ad[i]])
+        new_ids = [aid if aid == i else None for aid in ids]
+        got = np.asarray(_outputs(model, X, jnp.asarray(mgr.token_mapping(new_ids))))
+        rows = [t for t, aid in enumerate(ids) if aid in (i, None)]
+        np.testing.assert_allclose(got[rows], before[rows], rtol=1e-6, atol=1e-6)
+    # Other active slots do not move when one slot is rewritten.
+    mgr.set_active_adapters([ad[1], ad[2], ad[4]])
+    idx = jnp.asarray(mgr.token_mapping([1, 2, 4, None]))
+    ref = np.asarray(_outputs(model, X[:4], idx))
+    slot4 = mgr.slot_of(4)
+    mgr.deactivate_adapter(4)
+    mgr.set_active_adapters([ad[3]])
+    assert mgr.slot_of(3) == slot4
+    got = np.asarray(_outputs(model, X[:4], jnp.asarray(mgr.token_mapping([1, 2, 3, None]))))
+    np.testing.assert_array_equal(got[[0, 1, 3]], ref[[0, 1, 3]])
+    assert np.abs(got[2] - ref[2]).max() > 1e-3
+
+
+def test_bad_adapter_leaves_every_slot_as_it_was():
+    model, mgr = _setup(max_loras=2, max_cpu_loras=4)
+    ad = _adapters(model, 2)
+    mgr.set_active_adapters([ad[1], ad[2]])
+    before = _lora_arrays(model)
+    good = _adapter(model, 3, targets=ALL, rank=4)
+    name = "model.layers.0.mlp.down_proj"
+    m = good.get_lora(name)
+    bad_b = np.zeros((m.lora_b[0].shape[0] + 1, 4), np.float32)  # wrong out size
+    modules = {**good.modules, name: dataclasses.replace(m, lora_b=(bad_b,))}
+    bad = dataclasses.replace(good, modules=modules)
+    mgr.add_adapter(bad)
+    with pytest.raises(ValueError, match="down_proj"):
+        mgr.activate_adapter(3)  # would evict 1 — but validation runs first
+    assert _slots(mgr) == [1, 2]
+    jax.tree.map(np.testing.assert_array_equal, before, _lora_arrays(model))
+    too_big = dataclasses.replace(
+        good, id=4, modules={name: dataclasses.replace(m, lora_a=(np.zeros((16, 48)),))}
+    )
+    mgr.add_adapter(too_big)
+    with pytest.raises(ValueError):
+        mgr.activate_adapter(4)
+    assert _slots(mgr) == [1, 2]
+    jax.tree.map(np.testing.assert_array_equal, before, _lora_arrays(model))
+    foreign = dataclasses.replace(good, id=5, modules={"model.nope": m})
+    with pytest.raises(ValueError, match="not LoRA layers"):
+        mgr.add_adapter(foreign)
+
+
+def test_token_mapping():
+    model, mgr = _setup()
+    mgr.set_active_adapters([_adapter(model, 7)])
+    assert mgr.token_mapping([7, None, 0, -1]).tolist() == [0, -1, -1, -1]
+    assert mgr.token_mapping([7, None], tokens_per_request=[2, 3]).tolist() == [0, 0, -1, -1, -1]
+    assert mgr.token_mapping([None, 7], 2).dtype == np.int32
+    with pytest.raises(ValueError, match="unknown"):
+        mgr.token_mapping([9])
+    mgr.add_adapter(_adapter(model, 8))
+    with pytest.raises(ValueError, match="not active"):
+        mgr.token_mapping([8])
+
+
+def test_sharded_slot_write_keeps_sharding_and_matches_unsharded():
+    mesh = jax.make_mesh((1, 4), ("dp", "tp"))
+    model, mgr = _setup(rules=lj.ShardingRules(mesh))
+    ref_model, ref_mgr = _setup()
+    a = _adapter(model, 1, targets=ALL, rank=8)
+    shardings = jax.tree.map(lambda v: v.sharding, nnx.state(model, nnx.LoRAParam))
+    for m in (mgr, ref_mgr):
+        m.set_active_adapters([a])
+    after = jax.tree.map(lambda v: v.sharding, nnx.state(model, nnx.LoRAParam))
+    jax.tree.map(
+        lambda s, t: s.is_equivalent_to(t, 3) or pytest.fail(f"{s} != {t}"), shardings, after
+    )
+    idx = jnp.asarray(mgr.token_mapping([1, None, 1, 1, None, 1]))
+    got, want = _layer_outputs(model, idx), _layer_outputs(ref_model, idx)
+    layers = lora_layers(model)
+    for name in want:
+        logical = logical_output(layers[name], got[name])  # per-shard packing, kv replicas
+        np.testing.assert_allclose(logical, want[name], rtol=1e-5, atol=1e-5)
+
+
+def test_load_adapters_progress_bar(tmp_path, capsys):
+    import json
+
+    from lora_jax.serving.peft import write_safetensors
+
+    model, mgr = _setup(max_loras=2, max_cpu_loras=3)
+    paths = {}
+    for i in range(3):
+        d = tmp_path / f"ad{i}"
+        d.mkdir()
+        (d / "adapter_config.json").write_text(
+            json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+        )
+        write_safetensors(
+            d / "adapter_model.safetensors", peft_tensors(["q_proj"], 4, n_layers=1, seed=i)
+        )
+        paths[f"ad{i}"] = d
+    loaded = mgr.load_adapters(paths, first_id=10)
+    assert [a.id for a in loaded] == [10, 11, 12] and [a.name for a in loaded] == list(paths)
+    assert set(mgr.list_adapters()) == {10, 11, 12}
+    assert "loading adapters" in capsys.readouterr().err
