@@ -1,0 +1,261 @@
+"""PEFT loader: config rules (scaling, rsLoRA, rank/alpha patterns, targets), packing,
+numerics against a numpy oracle, strict safetensors reading and clean errors."""
+
+import json
+import math
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from serving_toy import SHAPES, ToyLM, peft_tensors
+
+import lora_jax as lj
+from lora_jax.serving.manager import LRUCacheLoRAModelManager
+from lora_jax.serving.peft import (
+    PEFTConfig,
+    load_peft_adapter,
+    read_safetensors,
+    write_safetensors,
+)
+from lora_jax.serving.wrap import lora_layers, wrap_model
+
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CFG = lj.LoRAConfig(max_loras=2, max_lora_rank=16)
+PREFIX = "base_model.model.model.layers"
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = ToyLM(n_layers=2)
+    wrap_model(m, CFG, packed_modules_mapping=PACKED)
+    return m
+
+
+def _dir(tmp_path, config, tensors, name="adapter"):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "bias": "none", **config})
+    )
+    if tensors is not None:
+        write_safetensors(d / "adapter_model.safetensors", tensors)
+    return d
+
+
+def _key(layer, module, ab):
+    parent = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    return f"{PREFIX}.{layer}.{parent}.{module}.lora_{ab}.weight"
+
+
+# -- config semantics ----------------------------------------------------------------------
+def test_scaling_is_folded_into_b(tmp_path, model):
+    tensors = peft_tensors(ALL, 8, seed=1)
+    d = _dir(tmp_path, {"r": 8, "lora_alpha": 32, "target_modules": ALL}, tensors)
+    a = load_peft_adapter(d, model, CFG, adapter_id=3)
+    assert (a.id, a.name, a.rank) == (3, "adapter", 8)
+    qkv = a.get_lora("model.layers.1.self_attn.qkv_proj")
+    for i, m in enumerate(("q_proj", "k_proj", "v_proj")):
+        np.testing.assert_array_equal(qkv.lora_a[i], tensors[_key(1, m, "A")])
+        np.testing.assert_allclose(qkv.lora_b[i], 4.0 * tensors[_key(1, m, "B")], rtol=1e-6)
+    assert sorted(a.modules) == sorted(
+        f"model.layers.{i}.{m}"
+        for i in range(2)
+        for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    )
+
+
+def test_rslora_scaling(tmp_path, model):
+    tensors = peft_tensors(["o_proj"], 16, seed=2)
+    d = _dir(tmp_path, {"r": 16, "lora_alpha": 8, "use_rslora": True}, tensors)
+    a = load_peft_adapter(d, model, CFG)
+    b = a.get_lora("model.layers.0.self_attn.o_proj").lora_b[0]
+    np.testing.assert_allclose(b, 8 / math.sqrt(16) * tensors[_key(0, "o_proj", "B")], rtol=1e-6)
+    assert PEFTConfig(r=16, lora_alpha=8, use_rslora=True).scaling_for("x") == pytest.approx(2.0)
+
+
+def test_rank_and_alpha_patterns(tmp_path, model):
+    config = {
+        "r": 8,
+        "lora_alpha": 16,
+        "target_modules": ["q_proj", "v_proj", "down_proj"],
+        # PEFT matches a key as a suffix after a dot, or as a regex over the name.
+        "rank_pattern": {"q_proj": 4, r"layers\.1\.mlp\.down_proj": 2},
+        "alpha_pattern": {"v_proj": 2, "down_proj": 4},
+    }
+    ranks = {"q_proj": 4, "v_proj": 8}
+    tensors = peft_tensors(["q_proj", "v_proj"], 8, seed=3, ranks=ranks)
+    rng = np.random.default_rng(0)
+    for layer, r in ((0, 8), (1, 2)):
+        tensors[_key(layer, "down_proj", "A")] = rng.normal(size=(r, SHAPES["down_proj"][0]))
+        tensors[_key(layer, "down_proj", "B")] = rng.normal(size=(SHAPES["down_proj"][1], r))
+    tensors = {k: np.asarray(v, np.float32) for k, v in tensors.items()}
+    a = load_peft_adapter(_dir(tmp_path, config, tensors), model, CFG)
+    qkv = a.get_lora("model.layers.0.self_attn.qkv_proj")
+    assert qkv.lora_a[0].shape == (4, 32) and qkv.lora_a[1] is None
+    np.testing.assert_allclose(qkv.lora_b[0], 16 / 4 * tensors[_key(0, "q_proj", "B")], rtol=1e-6)
+    np.testing.assert_allclose(qkv.lora_b[2], 2 / 8 * tensors[_key(0, "v_proj", "B")], rtol=1e-6)
+    for layer, r in ((0, 8), (1, 2)):
+        down = a.get_lora(f"model.layers.{layer}.mlp.down_proj")
+        assert down.rank == r
+        np.testing.assert_allclose(
+            down.lora_b[0], 4 / r * tensors[_key(layer, "down_proj", "B")], rtol=1e-6
+        )
+
+
+def test_target_modules_regex_string(tmp_path, model):
+    tensors = peft_tensors(["o_proj"], 4, seed=4)
+    d = _dir(tmp_path, {"r": 4, "lora_alpha": 4, "target_modules": r".*\.o_proj"}, tensors)
+    assert list(load_peft_adapter(d, model, CFG).modules) == [
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.1.self_attn.o_proj",
+    ]
+
+
+# -- numerics --------------------------------------------------------------------------------
+def test_loaded_adapter_matches_numpy_oracle(tmp_path, model):
+    """Each HF module's output delta equals scale * x @ A.T @ B.T (ranks 8 and 4 mixed)."""
+    ranks = {"q_proj": 4, "gate_proj": 4}
+    tensors = peft_tensors(ALL, 8, seed=5, ranks=ranks)
+    config = {"r": 8, "lora_alpha": 12, "rank_pattern": ranks, "target_modules": ALL}
+    a = load_peft_adapter(_dir(tmp_path, config, tensors), model, CFG, adapter_id=1)
+    mgr = LRUCacheLoRAModelManager(model)
+    mgr.set_active_adapters([a])
+    rng = np.random.default_rng(9)
+    for name, layer in lora_layers(model).items():
+        if name == "model.proj":
+            continue
+        x = jnp.asarray(rng.normal(size=(3, layer.base_layer.in_features)), jnp.float32)
+        lj.set_lora_mapping(layer, jnp.asarray(mgr.token_mapping([1, None, 1])))
+        delta = np.asarray(layer(x)) - np.asarray(layer.base_layer(x))
+        parts = layer.base_layer.split_output(jnp.asarray(delta))
+        members = layer.packed_modules
+        parts = parts if len(parts) == len(members) else [delta]
+        i = int(name.split(".")[2])
+        for m, part in zip(members, parts):
+            A, B = tensors[_key(i, m, "A")], tensors[_key(i, m, "B")]
+            scale = 12 / A.shape[0]
+            want = scale * np.asarray(x, np.float64) @ A.T @ B.T
+            np.testing.assert_allclose(np.asarray(part)[[0, 2]], want[[0, 2]], rtol=1e-4, atol=1e-4)
+            np.testing.assert_array_equal(np.asarray(part)[1], 0.0)  # no adapter: exact base
+    lj.set_lora_mapping(model, jnp.zeros((1,), jnp.int32))
+
+
+# -- errors ------------------------------------------------------------------------------------
+BAD_CONFIGS = {
+    "dora": ({"use_dora": True}, "DoRA"),
+    "modules_to_save": ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    "bias": ({"bias": "all"}, "bias"),
+    "rank_too_big": ({"r": 32, "lora_alpha": 32}, "greater than max_lora_rank"),
+    "rank_pattern_too_big": ({"rank_pattern": {"q_proj": 32}}, "greater than max_lora_rank"),
+    "r0": ({"r": 0}, "positive integer"),
+    "r_neg": ({"r": -8}, "positive integer"),
+    "unknown_target": ({"target_modules": ["q_proj", "qq_proj"]}, "qq_proj"),
+    "unknown_regex": ({"target_modules": r".*\.nothing"}, "matches no model module"),
+    "layers_to_transform": ({"layers_to_transform": [0]}, "layers_to_transform"),
+    "prefix_tuning": ({"peft_type": "PREFIX_TUNING"}, "peft_type"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_bad_config_raises_naming_the_file(tmp_path, model, case):
+    extra, match = BAD_CONFIGS[case]
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], **extra}
+    d = _dir(tmp_path, config, peft_tensors(["q_proj"], 8))
+    with pytest.raises(ValueError, match=match) as e:
+        load_peft_adapter(d, model, CFG)
+    assert "adapter_config.json" in str(e.value)
+
+
+def _bad_tensors(case):
+    t = peft_tensors(["q_proj", "down_proj"], 8)
+    if case == "b_out":
+        t[_key(0, "q_proj", "B")] = np.zeros((31, 8), np.float32)
+    elif case == "a_in":
+        t[_key(1, "down_proj", "A")] = np.zeros((8, 47), np.float32)
+    elif case == "rank_mismatch_ab":
+        t[_key(0, "q_proj", "B")] = np.zeros((32, 4), np.float32)
+    elif case == "rank_vs_config":
+        t[_key(0, "q_proj", "A")] = np.zeros((4, 32), np.float32)
+        t[_key(0, "q_proj", "B")] = np.zeros((32, 4), np.float32)
+    elif case == "unknown_module":
+        t[f"{PREFIX}.0.mlp.w9.lora_A.weight"] = np.zeros((8, 32), np.float32)
+    elif case == "not_lora_key":
+        t[f"{PREFIX}.0.self_attn.q_proj.lora_magnitude_vector"] = np.zeros((32,), np.float32)
+    elif case == "missing_b":
+        del t[_key(1, "down_proj", "B")]
+    elif case == "empty":
+        t = {}
+    return t
+
+
+BAD_TENSORS = {
+    "b_out": "q_proj",
+    "a_in": "down_proj",
+    "rank_mismatch_ab": "same r",
+    "rank_vs_config": "r=8",
+    "unknown_module": "w9",
+    "not_lora_key": "lora_magnitude_vector",
+    "missing_b": "lora_A/lora_B pair",
+    "empty": "no LoRA tensors",
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TENSORS))
+def test_bad_tensors_raise_naming_file_and_tensor(tmp_path, model, case):
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "down_proj"]}
+    d = _dir(tmp_path, config, _bad_tensors(case))
+    with pytest.raises(ValueError, match=BAD_TENSORS[case]) as e:
+        load_peft_adapter(d, model, CFG)
+    assert "adapter_model.safetensors" in str(e.value)
+
+
+def test_pickle_checkpoint_is_refused(tmp_path, model):
+    d = _dir(tmp_path, {"r": 8, "lora_alpha": 8}, None)
+    (d / "adapter_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    with pytest.raises(ValueError, match="pickle"):
+        load_peft_adapter(d, model, CFG)
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        load_peft_adapter(tmp_path, model, CFG)
+
+
+@pytest.mark.parametrize("cut", ["header", "data", "garbage"])
+def test_truncated_or_corrupt_safetensors(tmp_path, model, cut):
+    d = _dir(tmp_path, {"r": 8, "lora_alpha": 8}, peft_tensors(["q_proj"], 8))
+    f = d / "adapter_model.safetensors"
+    raw = f.read_bytes()
+    if cut == "header":
+        raw = raw[:20]
+    elif cut == "data":
+        raw = raw[:-100]
+    else:
+        raw = raw[:8] + b"{" * (len(raw) - 8)
+    f.write_bytes(raw)
+    with pytest.raises(ValueError, match="adapter_model.safetensors.*(truncated|corrupt)"):
+        load_peft_adapter(d, model, CFG)
+
+
+def test_read_safetensors_matches_library_and_reads_bf16(tmp_path):
+    from safetensors.numpy import load_file
+
+    tensors = {
+        "a": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "b": np.ones((2,), np.float16),
+        "c": np.arange(5, dtype=np.int64),
+    }
+    write_safetensors(tmp_path / "x.safetensors", tensors)
+    got, ref = read_safetensors(tmp_path / "x.safetensors"), load_file(tmp_path / "x.safetensors")
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert got[k].dtype == ref[k].dtype
+        np.testing.assert_array_equal(got[k], ref[k])
+    # bf16 by hand (numpy has no bf16 writer): the format is 8-byte length + JSON + data.
+    value = np.array([[1.5, -2.0], [3.25, 0.0]], ml_dtypes.bfloat16)
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]}}).encode()
+    (tmp_path / "bf.safetensors").write_bytes(
+        len(header).to_bytes(8, "little") + header + value.tobytes()
+    )
+    got = read_safetensors(tmp_path / "bf.safetensors")["w"]
+    assert got.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(got.astype(np.float32), value.astype(np.float32))
