@@ -287,3 +287,191 @@ def test_wrong_head_at_call():
         layer(other, jnp.ones((2, D)))
     with pytest.raises(ValueError, match="hidden size 8 != lm_head embedding_dim 16"):
         layer(make_layer(make_rules(None))[1], jnp.ones((2, 8)))
+
+
+# -- in a decoder model: wrap_model targets lm_head and embed_tokens ---------------------
+
+
+def _decoder(rules, tied=False, vocab=120):
+    from lora_jax.models import DecoderConfig, DecoderForCausalLM
+
+    cfg = DecoderConfig.tiny(vocab_size=vocab, tie_word_embeddings=tied)
+    return DecoderForCausalLM(cfg, rules=rules, rngs=nnx.Rngs(0))
+
+
+def _table(emb) -> np.ndarray:
+    return np.asarray(emb.embedding[...])[: emb.num_embeddings]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _model_forward(graphdef, state, ids, slots):
+    model = nnx.merge(graphdef, state)
+    lj.set_lora_mapping(model, slots)
+    S = ids.shape[1]
+    return model(ids, jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), ids.shape))[0]
+
+
+def _logits(model, ids, slots):
+    graphdef, state = nnx.split(model)
+    return np.asarray(_model_forward(graphdef, state, jnp.asarray(ids), jnp.asarray(slots)))
+
+
+def test_decoder_lm_head_and_embedding_lora_match_merged_weights():
+    """Per sequence, the wrapped model equals an unwrapped one whose embedding table and
+    lm_head hold that sequence's adapter merged in (-1: the plain model)."""
+    from lora_jax.serving.wrap import lora_layers, unwrap_model, wrap_model
+
+    model = _decoder(make_rules((1, 4, True)))
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
+    wrap_model(model, cfg, target_modules=["lm_head", "embed_tokens"])
+    layers = lora_layers(model)
+    assert {k: type(v).__name__ for k, v in layers.items()} == {
+        "lm_head": "ParallelLMHeadWithLoRA",
+        "model.embed_tokens": "VocabParallelEmbeddingWithLoRA",
+    }
+    Vm, Dm = model.config.vocab_size, model.config.hidden_size
+    rng = np.random.default_rng(0)
+    adapters = {}
+    for slot, r in ((0, 8), (1, 3)):
+        emb_ab = (rng.normal(size=(r, Vm)), 0.05 * rng.normal(size=(Dm, r)))  # A [r, V], B [D, r]
+        head_ab = (0.2 * rng.normal(size=(r, Dm)), 0.2 * rng.normal(size=(Vm, r)))
+        layers["model.embed_tokens"].set_lora(slot, *emb_ab)
+        layers["lm_head"].set_lora(slot, *head_ab)
+        adapters[slot] = (emb_ab, head_ab)
+    ids = np.random.default_rng(1).integers(0, Vm, size=(3, 6)).astype(np.int32)
+    seq_slots = np.array([1, -1, 0], np.int32)
+    got = _logits(model, ids, np.repeat(seq_slots, 6))
+    for b, slot in enumerate(seq_slots):
+        ref = _decoder(lj.ShardingRules())
+        if slot >= 0:
+            (ea, eb), (ha, hb) = adapters[slot]
+            ref.model.embed_tokens.load_table(_table(ref.model.embed_tokens) + (eb @ ea).T)
+            ref.lm_head.load_table(_table(ref.lm_head) + hb @ ha)
+        want = _logits(ref, ids[b : b + 1], np.full(6, -1, np.int32))[0]
+        np.testing.assert_allclose(got[b], want, rtol=2e-4, atol=2e-4)
+    assert unwrap_model(model) == 2
+    assert isinstance(model.lm_head, ParallelLMHead) and lora_layers(model) == {}
+
+
+def test_tied_decoder_wraps_and_unwraps_lm_head():
+    from lora_jax.serving.wrap import lora_layers, unwrap_model, wrap_model
+
+    model = _decoder(lj.ShardingRules(), tied=True)
+    ids = np.arange(12, dtype=np.int32).reshape(2, 6)
+    base = _logits(model, ids, np.full(12, -1, np.int32))
+    wrap_model(model, lj.LoRAConfig(max_loras=2, max_lora_rank=8))  # every supported module
+    layers = lora_layers(model)
+    assert type(layers["lm_head"]).__name__ == "TiedLMHeadWithLoRA"
+    assert type(layers["model.embed_tokens"]).__name__ == "VocabParallelEmbeddingWithLoRA"
+    # the tied head reads the one shared table
+    assert layers["lm_head"].base_layer is layers["model.embed_tokens"].base_layer
+    np.testing.assert_allclose(_logits(model, ids, np.zeros(12, np.int32)), base, atol=1e-6)
+    a, b = np.ones((2, model.config.hidden_size)), np.ones((model.config.vocab_size, 2))
+    layers["lm_head"].set_lora(1, 0.01 * a, b)
+    got = _logits(model, ids, np.repeat([1, -1], 6).astype(np.int32))
+    np.testing.assert_allclose(got[1], base[1], atol=1e-6)
+    assert np.abs(got[0] - base[0]).min() > 1e-3  # every logit moved by 0.02 * sum(h)
+    assert unwrap_model(model) == 2 + 4 * model.config.num_hidden_layers  # + qkv, o, gate_up, down
+    assert model.lm_head is None and lora_layers(model) == {}
+    np.testing.assert_allclose(_logits(model, ids, np.full(12, -1, np.int32)), base, atol=1e-6)
+
+
+# -- HF transformers + peft oracle -------------------------------------------------------
+
+
+def _hf_llama(tied: bool):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=120,  # padded to 128 here
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(
+                1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p)
+            )
+    return model
+
+
+def _peft_adapters(hf, tmp_path):
+    """Two adapters on lm_head + embed_tokens (+ q_proj), random A and B, saved as PEFT dirs."""
+    torch = pytest.importorskip("torch")
+    peft = pytest.importorskip("peft")
+    specs = {
+        "a": peft.LoraConfig(
+            r=8, lora_alpha=16, target_modules=["lm_head", "embed_tokens", "q_proj"]
+        ),
+        "b": peft.LoraConfig(
+            r=4, lora_alpha=8, use_rslora=True, target_modules=["lm_head", "embed_tokens"]
+        ),
+    }
+    model = None
+    for name, spec in specs.items():
+        if model is None:
+            model = peft.get_peft_model(hf, spec, adapter_name=name)
+        else:
+            model.add_adapter(name, spec)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "lora_" in pname:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(str(tmp_path / "adapters"), safe_serialization=True)
+    return model.eval(), {n: str(tmp_path / "adapters" / n) for n in specs}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _last_token_logits(graphdef, state, ids, token_slots, seq_slots):
+    """Per-sequence logits of the last position: the sampler path (seq mapping)."""
+    model = nnx.merge(graphdef, state)
+    lj.set_lora_mapping(model, token_slots, seq_slots)
+    B, S = ids.shape
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), ids.shape)
+    hidden, _ = model.model(ids, pos)  # [B, S, D]
+    return model.compute_logits(hidden[:, -1])
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_peft_lm_head_and_embedding_mixed_batch_match_hf(tmp_path, tied):
+    torch = pytest.importorskip("torch")
+    from lora_jax.models import load_hf_model
+    from lora_jax.serving.manager import LoRAModelManager
+    from lora_jax.serving.wrap import wrap_model
+
+    hf = _hf_llama(tied)
+    hf.save_pretrained(str(tmp_path / "base"), safe_serialization=True)
+    peft_model, dirs = _peft_adapters(hf, tmp_path)
+    B, S = 4, 7
+    ids = np.random.default_rng(0).integers(0, 120, size=(B, S)).astype(np.int32)
+    names = ["a", "__base__", "b", "a"]
+    with torch.no_grad():
+        ref = peft_model(input_ids=torch.tensor(ids, dtype=torch.long), adapter_names=names)
+        ref = ref.logits.float().numpy()
+        plain = peft_model(
+            input_ids=torch.tensor(ids, dtype=torch.long), adapter_names=["__base__"] * B
+        )
+        plain = plain.logits.float().numpy()
+    assert np.abs(ref[[0, 2, 3]] - plain[[0, 2, 3]]).max() > 0.1  # the adapters matter
+
+    model = load_hf_model(str(tmp_path / "base"), rules=make_rules((1, 2, True)))
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
+    wrap_model(model, cfg, target_modules=["lm_head", "embed_tokens", "q_proj"])
+    mgr = LoRAModelManager(model, cfg)
+    mgr.load_adapters(dirs, activate=True, progress=False)  # ids 1 (a), 2 (b)
+    requests = [1, None, 2, 1]
+    tok = mgr.token_mapping(requests, tokens_per_request=S)
+    got = _logits(model, ids, tok)
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4)
+    graphdef, state = nnx.split(model)
+    last = _last_token_logits(graphdef, state, jnp.asarray(ids), tok, mgr.token_mapping(requests))
+    np.testing.assert_allclose(np.asarray(last), ref[:, -1], rtol=2e-4, atol=2e-4)

@@ -45,6 +45,9 @@ KEY_KINDS: dict[str, str] = {
     ".lora_embedding_A": "a",
     ".lora_embedding_B": "b",
 }
+# PEFT's `save_embedding_layers` also stores the base embedding / lm_head tables; like
+# vLLM (`is_base_embedding_weights`) they are skipped: the model's own tables are served.
+BASE_EMBEDDING_SUFFIXES = (".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight")
 
 _ids = itertools.count(1)
 
@@ -416,6 +419,8 @@ def adapter_from_tensors(
         raise ValueError(f"{source}: adapter_id must be an int >= 1, got {adapter_id!r}")
     pairs: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
     for key, value in tensors.items():
+        if key.endswith(BASE_EMBEDDING_SUFFIXES):
+            continue
         mod, kind = _parse_key(key, source, name_map)
         if mod not in index:
             known = sorted({n.rpartition(".")[2] for n in index})

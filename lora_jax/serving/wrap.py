@@ -260,7 +260,9 @@ def wrap_model(
     for path, node, packed, cls, name in chosen:
         layer = cls(node, lora_config, context, name=name)
         layer.packed_modules = tuple(packed)
-        _set_child(_resolve(model, path[:-1]), path[-1], layer)
+        # A tied model's `lm_head = None` is a static attribute: mark the new module as data.
+        value = nnx.data(layer) if getattr(cls, "tied", False) else layer
+        _set_child(_resolve(model, path[:-1]), path[-1], value)
     return context
 
 
