@@ -1,0 +1,273 @@
+"""Decoder step time: base vs LoRA vs fully sharded LoRA, at tp = 1 and tp = N.
+
+A Llama-3-8B-shaped decoder (random bf16 weights, nothing downloaded), rank-16 LoRA on
+all 7 projections (q, k, v, o, gate, up, down), decode batches with as many distinct
+adapters as requests (capped at max_loras) plus 8-adapter cases, and a prefill case.
+
+Device time, not host dispatch: each timed call runs `--steps` decode steps inside one
+jit (a `fori_loop` feeding back argmax tokens), so the ~50-80 us dispatch of one call is
+spread over the steps. Collective bytes per step are read from the compiled HLO (the
+loop body). Targets (DESIGN.md §5): B=64, 8 adapters: LoRA step <= 1.10 x base; 64
+adapters: LoRA's added time <= 1.3 x the time to read the used adapters once at HBM
+bandwidth (per GPU).
+
+    python benchmarks/tp.py --tp 1,2 --out results.json       # on the GPU machine
+    python benchmarks/tp.py --small --tp 1,2                   # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import lora_jax as lj
+from lora_jax.models import DecoderConfig, DecoderForCausalLM
+from lora_jax.models.kv_cache import KVCache
+from lora_jax.serving.wrap import unwrap_model, wrap_model
+
+HBM_BYTES_PER_S = 4.3e12  # H200 copy ceiling
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_COLL = re.compile(
+    r"=\s*(\(?[^=]*?)\s+(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)"
+    r"(?:-start)?\("
+)
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
+
+
+def collective_bytes(hlo: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m in _COLL.finditer(hlo):
+        n = 0
+        for dt, dims in _SHAPE.findall(m.group(1)):
+            size = _BYTES.get(dt, 4)
+            for d in filter(None, dims.split(",")):
+                size *= int(d)
+            n += size
+        out[m.group(2)] = out.get(m.group(2), 0) + n
+    return out
+
+
+def fill_random_adapters(model, rank: int, seed: int = 0) -> None:
+    """Random adapters in every slot (fast, on device, keeping each stack's sharding)."""
+    state = nnx.state(model, nnx.LoRAParam)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    new = []
+    for k, leaf in zip(keys, leaves):
+        fn = jax.jit(
+            lambda k, shape=leaf.shape, dt=leaf.dtype: (jax.random.normal(k, shape) * 0.02).astype(
+                dt
+            ),
+            out_shardings=leaf.sharding,
+        )
+        new.append(fn(k))
+    nnx.update(model, jax.tree.unflatten(treedef, new))
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, lj.LoRASlotRanks):
+            node.set_value(jnp.full(node.shape, rank, jnp.int32, device=node[...].sharding))
+
+
+def adapter_bytes_per_gpu(model) -> float:
+    """Bytes of one adapter (one slot of every stack) held by one GPU."""
+    total = 0.0
+    for leaf in jax.tree.leaves(nnx.state(model, nnx.LoRAParam)):
+        shard = leaf.addressable_shards[0].data
+        total += shard.nbytes / shard.shape[0]
+    return total
+
+
+def token_slots(batch: int, n_adapters: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    slots = np.arange(batch) % n_adapters
+    rng.shuffle(slots)  # adapters scattered over the batch, as in serving
+    return slots.astype(np.int32)
+
+
+def make_decode(model, steps: int):
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state, cache, ids, pos, idx):
+        m = nnx.merge(graphdef, state)
+        lj.set_lora_mapping(m, idx)
+
+        def body(i, carry):
+            cache, ids = carry
+            logits, cache = m(ids[:, None], (pos + i)[:, None], cache)
+            return cache, jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+
+        return jax.lax.fori_loop(0, steps, body, (cache, ids))
+
+    return run, state
+
+
+def make_prefill(model):
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state, ids, pos, idx):
+        m = nnx.merge(graphdef, state)
+        lj.set_lora_mapping(m, idx)
+        hidden, _ = m.model(ids, pos, None, flat=False)
+        return m.compute_logits(hidden[:, -1])
+
+    return run, state
+
+
+def timeit(fn, *args, reps: int) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    compile_s = time.perf_counter() - t0
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), compile_s
+
+
+def bench_decode(model, cfg, rules, batch, n_adapters, args):
+    run, state = make_decode(model, args.steps)
+    max_len = args.context + args.steps + 1
+    cache = KVCache.init(cfg, batch, max_len, rules=rules, dtype=jnp.bfloat16)
+    ids = jnp.zeros((batch,), jnp.int32)
+    pos = jnp.full((batch,), args.context, jnp.int32)
+    idx = jnp.asarray(
+        token_slots(batch, n_adapters) if n_adapters else np.full(batch, -1, np.int32)
+    )
+    hlo = run.lower(state, cache, ids, pos, idx).compile().as_text()
+    t, c = timeit(run, state, cache, ids, pos, idx, reps=args.reps)
+    return t / args.steps, c, collective_bytes(hlo)
+
+
+def bench_prefill(model, cfg, batch, seq, n_adapters, args):
+    run, state = make_prefill(model)
+    ids = jnp.zeros((batch, seq), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    slots = token_slots(batch, n_adapters) if n_adapters else np.full(batch, -1, np.int32)
+    idx = jnp.asarray(np.repeat(slots, seq))
+    hlo = run.lower(state, ids, pos, idx).compile().as_text()
+    t, c = timeit(run, state, ids, pos, idx, reps=args.reps)
+    return t, c, collective_bytes(hlo)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tp", default="1,2", help="comma list of tensor-parallel sizes")
+    p.add_argument("--batches", default="1,16,64,256")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--max-loras", type=int, default=64)
+    p.add_argument("--context", type=int, default=512, help="KV positions already in cache")
+    p.add_argument("--steps", type=int, default=8, help="decode steps inside one jit call")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--prefill", default="4x512", help="BxS prefill case ('' to skip)")
+    p.add_argument("--no-sharded", action="store_true", help="skip fully sharded LoRA")
+    p.add_argument("--small", action="store_true", help="tiny model for a CPU smoke test")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    if args.small:
+        cfg = DecoderConfig.tiny(num_hidden_layers=2)
+        args.max_loras, args.context, args.steps, args.reps = 8, 16, 2, 1
+        dtype = jnp.float32
+    else:
+        cfg = DecoderConfig.llama3_8b(num_hidden_layers=args.layers)
+        dtype = jnp.bfloat16
+    batches = [int(b) for b in args.batches.split(",") if b]
+    rows = []
+    print(f"devices: {jax.devices()}", flush=True)
+    for tp in [int(t) for t in args.tp.split(",")]:
+        if tp > jax.device_count():
+            print(f"skip tp={tp}: only {jax.device_count()} devices", flush=True)
+            continue
+        mesh = jax.make_mesh((1, tp), ("dp", "tp"), devices=jax.devices()[:tp])
+        rules = lj.ShardingRules(mesh)
+        t0 = time.perf_counter()
+        model = DecoderForCausalLM(
+            cfg, rules=rules, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)
+        )
+        print(f"tp={tp}: model built in {time.perf_counter() - t0:.1f}s", flush=True)
+        variants = [("base", None), ("lora", False)]
+        if tp > 1 and not args.no_sharded:
+            variants.append(("lora_fully_sharded", True))
+        for variant, fully in variants:
+            if fully is not None:
+                lcfg = lj.LoRAConfig(
+                    max_loras=args.max_loras, max_lora_rank=args.rank, fully_sharded_loras=fully
+                )
+                wrap_model(model, lcfg, target_modules=TARGETS)
+                fill_random_adapters(model, args.rank)
+                per_adapter = adapter_bytes_per_gpu(model)
+            cases = []
+            for b in batches:
+                # As many adapters as requests (capped), plus the 8-adapter target case.
+                ns = (
+                    [0]
+                    if fully is None
+                    else sorted({min(b, args.max_loras)} | ({8} if b >= 64 else set()))
+                )
+                cases += [("decode", b, n) for n in ns]
+            if args.prefill:
+                pb, ps = (int(v) for v in args.prefill.split("x"))
+                cases.append(("prefill", pb * ps, 0 if fully is None else pb))
+            for kind, b, n in cases:
+                if kind == "decode":
+                    t, c, coll = bench_decode(model, cfg, rules, b, n, args)
+                else:
+                    t, c, coll = bench_prefill(model, cfg, b // ps, ps, n, args)
+                row = dict(
+                    tp=tp,
+                    variant=variant,
+                    kind=kind,
+                    tokens=b,
+                    adapters=n,
+                    step_ms=t * 1e3,
+                    compile_s=c,
+                    collective_bytes=coll,
+                )
+                if fully is not None:
+                    row["adapter_read_ms"] = n * per_adapter / HBM_BYTES_PER_S * 1e3
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            if fully is not None:
+                unwrap_model(model)
+        del model
+    report(rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=str(jax.devices()[0]), argv=sys.argv, rows=rows), f, indent=1)
+
+
+def report(rows):
+    base = {(r["tp"], r["kind"], r["tokens"]): r["step_ms"] for r in rows if r["variant"] == "base"}
+    hdr = f"{'tp':>3} {'variant':<19} {'kind':<7} {'T':>5} {'n':>3} {'ms':>8} {'x base':>7} {'added/read':>10} {'coll MB':>8}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        b = base.get((r["tp"], r["kind"], r["tokens"]))
+        ratio = r["step_ms"] / b if b else float("nan")
+        added = (
+            (r["step_ms"] - b) / r["adapter_read_ms"]
+            if b and r.get("adapter_read_ms")
+            else float("nan")
+        )
+        r["ratio_vs_base"], r["added_over_read"] = ratio, added
+        coll = sum(r["collective_bytes"].values()) / 1e6
+        print(
+            f"{r['tp']:>3} {r['variant']:<19} {r['kind']:<7} {r['tokens']:>5} {r['adapters']:>3} "
+            f"{r['step_ms']:>8.3f} {ratio:>7.3f} {added:>10.2f} {coll:>8.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
