@@ -250,7 +250,9 @@ def main(argv=None):
 
 def report(rows):
     base = {(r["tp"], r["kind"], r["tokens"]): r["step_ms"] for r in rows if r["variant"] == "base"}
-    hdr = f"{'tp':>3} {'variant':<19} {'kind':<7} {'T':>5} {'n':>3} {'ms':>8} {'x base':>7} {'added/read':>10} {'coll MB':>8}"
+    cols = ("tp", 3), ("variant", -19), ("kind", -7), ("T", 5), ("n", 3), ("ms", 8)
+    cols += ("x base", 7), ("added/read", 10), ("coll MB", 8)
+    hdr = " ".join(f"{c:<{-w}}" if w < 0 else f"{c:>{w}}" for c, w in cols)
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
