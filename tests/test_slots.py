@@ -120,3 +120,46 @@ def test_fully_sharded_rank_must_divide_tp():
     base = lj.ColumnParallelLinear(16, 16, rules=rules, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="divisible"):
         lj.ColumnParallelLinearWithShardedLoRA(base, lj.LoRAConfig(max_lora_rank=1))
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_skip_bias_add_and_return_bias(skip):
+    rules = lj.ShardingRules(make_mesh(1, 2))
+    base = lj.ColumnParallelLinear(
+        16, 8, use_bias=True, skip_bias_add=skip, return_bias=True, rules=rules, rngs=nnx.Rngs(0)
+    )
+    base.load_kernel([np.eye(16, 8, dtype=np.float32)], [np.arange(8, dtype=np.float32)])
+    layer = lj.ColumnParallelLinearWithLoRA(base, lj.LoRAConfig(max_loras=2, max_lora_rank=8))
+    layer.set_lora(0, np.ones((8, 16)), np.ones((8, 8)))
+    x = jnp.ones((4, 16))
+    y, bias = jax.jit(lambda m, x: (lj.set_lora_mapping(m, jnp.zeros(4, jnp.int32)), m(x))[1])(
+        layer, x
+    )
+    lora = 16.0 * 8.0  # x @ A.T = 16 per rank row, times 8 ranks of B=1
+    expected = 1.0 + lora + (0 if skip else np.arange(8))
+    np.testing.assert_allclose(np.asarray(y), np.broadcast_to(expected, (4, 8)), rtol=1e-6)
+    if skip:
+        np.testing.assert_allclose(np.asarray(bias), np.arange(8))
+    else:
+        assert bias is None
+
+
+def test_lora_wrapper_keeps_a_subclassed_base_matmul():
+    """vLLM checks that the wrapper calls the base layer's own forward (DeepSeek's
+    fused_qkv_a_proj); here a subclass overriding `local_matmul` must be honoured."""
+
+    class PlusOne(lj.ReplicatedLinear):
+        def local_matmul(self, x, kernel):
+            return super().local_matmul(x, kernel) + 1.0
+
+    base = PlusOne(16, 8, rngs=nnx.Rngs(0))
+    layer = lj.ReplicatedLinearWithLoRA(base, lj.LoRAConfig(max_loras=1, max_lora_rank=8))
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(8, 16)), rng.normal(size=(8, 8))
+    layer.set_lora(0, a, b)
+    x = jnp.asarray(rng.normal(size=(3, 16)), jnp.float32)
+    lj.set_lora_mapping(layer, jnp.zeros(3, jnp.int32))
+    y = np.asarray(layer(x))
+    w = np.asarray(base.kernel[...])
+    merged = np.asarray(x) @ (w + (b @ a).T) + 1.0
+    np.testing.assert_allclose(y, merged, rtol=1e-4, atol=1e-4)
