@@ -341,12 +341,15 @@ def test_decoder_lm_head_and_embedding_lora_match_merged_weights():
     ids = np.random.default_rng(1).integers(0, Vm, size=(3, 6)).astype(np.int32)
     seq_slots = np.array([1, -1, 0], np.int32)
     got = _logits(model, ids, np.repeat(seq_slots, 6))
+    ref = _decoder(lj.ShardingRules())  # same init as `model`
+    emb0, head0 = _table(ref.model.embed_tokens), _table(ref.lm_head)
     for b, slot in enumerate(seq_slots):
-        ref = _decoder(lj.ShardingRules())
+        emb, head = emb0, head0
         if slot >= 0:
             (ea, eb), (ha, hb) = adapters[slot]
-            ref.model.embed_tokens.load_table(_table(ref.model.embed_tokens) + (eb @ ea).T)
-            ref.lm_head.load_table(_table(ref.lm_head) + hb @ ha)
+            emb, head = emb0 + (eb @ ea).T, head0 + hb @ ha
+        ref.model.embed_tokens.load_table(emb)
+        ref.lm_head.load_table(head)
         want = _logits(ref, ids[b : b + 1], np.full(6, -1, np.int32))[0]
         np.testing.assert_allclose(got[b], want, rtol=2e-4, atol=2e-4)
     assert unwrap_model(model) == 2
