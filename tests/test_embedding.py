@@ -243,3 +243,35 @@ def test_bad_construction_and_calls():
     lj.set_lora_mapping(layer, jnp.zeros(5, jnp.int32))
     with pytest.raises(ValueError, match="mapping has 5 tokens but the input has 6"):
         layer(jnp.arange(6))
+
+
+def test_peft_embedding_tensors_load_and_bad_vocab_is_refused():
+    """PEFT keys `lora_embedding_A [r, V]` / `lora_embedding_B [D, r]` reach the layer with
+    the scaling folded into B; the saved base table is skipped; a wrong vocab is refused."""
+    from lora_jax.models import DecoderConfig, DecoderForCausalLM
+    from lora_jax.serving.peft import PEFTConfig, adapter_from_tensors
+    from lora_jax.serving.wrap import lora_layers, wrap_model
+
+    model = DecoderForCausalLM(DecoderConfig.tiny(vocab_size=V), rngs=nnx.Rngs(0))
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
+    wrap_model(model, cfg, target_modules=["embed_tokens"])
+    layer = lora_layers(model)["model.embed_tokens"]
+    Dm = model.config.hidden_size
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(4, V)).astype(np.float32), rng.normal(size=(Dm, 4)).astype(np.float32)
+    key = "base_model.model.model.embed_tokens"
+    tensors = {
+        f"{key}.lora_embedding_A": a,
+        f"{key}.lora_embedding_B": b,
+        f"{key}.base_layer.weight": np.zeros((V, Dm), np.float32),  # save_embedding_layers
+    }
+    peft_cfg = PEFTConfig(r=4, lora_alpha=8, target_modules=("embed_tokens",))
+    adapter = adapter_from_tensors(tensors, peft_cfg, model, cfg, adapter_id=1)
+    layer.set_lora(1, *adapter.get_lora("model.embed_tokens").set_lora_args())
+    ids = np.arange(0, V, 9, dtype=np.int32)
+    table = np.asarray(layer.base_layer.embedding[...])[:V]
+    want = dense(table, {1: (a, 2.0 * b)}, ids, np.ones_like(ids))  # alpha / r = 2
+    np.testing.assert_allclose(run(layer, ids, np.ones_like(ids)), want, rtol=1e-5, atol=1e-5)
+    tensors[f"{key}.lora_embedding_A"] = rng.normal(size=(4, V + 1)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"lora_embedding_A\) must be \[rank, 100\]"):
+        adapter_from_tensors(tensors, peft_cfg, model, cfg, adapter_id=2)
