@@ -172,6 +172,11 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--prefill", default="4x512", help="BxS prefill case ('' to skip)")
     p.add_argument("--no-sharded", action="store_true", help="skip fully sharded LoRA")
+    p.add_argument(
+        "--xla-batches",
+        default="",
+        help="also time plain LoRA with the XLA ops backend at these decode batches",
+    )
     p.add_argument("--small", action="store_true", help="tiny model for a CPU smoke test")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -220,14 +225,21 @@ def main(argv=None):
             if args.prefill:
                 pb, ps = (int(v) for v in args.prefill.split("x"))
                 cases.append(("prefill", pb * ps, 0 if fully is None else pb))
-            for kind, b, n in cases:
+            if fully is False and args.xla_batches:
+                xb = [int(v) for v in args.xla_batches.split(",")]
+                cases += [(k, b, n, "xla") for k, b, n in cases if k == "decode" and b in xb]
+            for case in cases:
+                kind, b, n = case[:3]
+                backend = case[3] if len(case) > 3 else None
+                lj.ops.set_default_backend(backend)
                 if kind == "decode":
                     t, c, coll = bench_decode(model, cfg, rules, b, n, args)
                 else:
                     t, c, coll = bench_prefill(model, cfg, b // ps, ps, n, args)
+                lj.ops.set_default_backend(None)
                 row = dict(
                     tp=tp,
-                    variant=variant,
+                    variant=variant + ("[xla]" if backend else ""),
                     kind=kind,
                     tokens=b,
                     adapters=n,
