@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from lora_jax.layers import BaseLayerWithLoRA, find_lora_context
+from lora_jax.layers import BaseLayerWithLoRA, LoRASlotRanks, find_lora_context
 from lora_jax.linear import _KERNEL_AXES
 from lora_jax.serving.wrap import lora_layers
 from lora_jax.sharding import shard_map
@@ -71,6 +72,15 @@ def _merged_kernels(layers: list[BaseLayerWithLoRA], slot: int) -> list[jax.Arra
     return run(args, jnp.int32(slot))
 
 
+def _slot_in_use(layer, slot: int) -> bool:
+    """Whether any `LoRASlotRanks` inside `layer` records an adapter in `slot`."""
+    return any(
+        np.asarray(node.get_value())[..., slot].any()
+        for _, node in nnx.iter_graph(layer)
+        if isinstance(node, LoRASlotRanks)
+    )
+
+
 def merge_adapter(model: nnx.Module, slot: int) -> int:
     """Adds slot `slot`'s `B @ A` into every LoRA linear's base kernel; returns the count.
 
@@ -83,20 +93,24 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
         >>> logits = model(ids, positions)  # base matmuls only  # doctest: +SKIP
         >>> unmerge_adapter(model)  # doctest: +SKIP
     """
-    layers = lora_layers(model)
-    if not layers:
+    all_layers = lora_layers(model)
+    if not all_layers:
         raise ValueError("merge_adapter: the model has no LoRA layers")
-    for name, layer in layers.items():
-        if not isinstance(layer, BaseLayerWithLoRA):
-            raise ValueError(
-                f"merge_adapter: layer {name!r} ({type(layer).__name__}) cannot be merged; "
-                "only LoRA linears can"
-            )
+    layers = {}
+    for name, layer in all_layers.items():
+        L = layer.lora_config.max_loras
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < L:
+            raise ValueError(f"merge_adapter: slot {slot!r} outside [0, {L})")
         if getattr(layer, "merged_original", None) is not None:
             raise ValueError(f"merge_adapter: layer {name!r} is already merged; unmerge first")
-        L = layer.lora_config.max_loras
-        if not isinstance(slot, int) or not 0 <= slot < L:
-            raise ValueError(f"merge_adapter: slot {slot!r} outside [0, {L})")
+        if isinstance(layer, BaseLayerWithLoRA):
+            layers[name] = layer
+        elif _slot_in_use(layer, slot):
+            # Embedding / lm_head LoRA: only an empty slot can be skipped.
+            raise ValueError(
+                f"merge_adapter: layer {name!r} ({type(layer).__name__}) holds an adapter in "
+                f"slot {slot} and cannot be merged; only LoRA linears can"
+            )
     new = dict(zip(layers, _merged_kernels(list(layers.values()), slot)))
     for name, layer in layers.items():
         kernel = layer.base_layer.kernel

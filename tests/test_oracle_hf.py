@@ -1,0 +1,229 @@
+"""HF transformers + peft (torch CPU) as the oracle for multi-LoRA serving.
+
+A tiny random Llama / Qwen3 is saved with safetensors, three PEFT adapters of different
+ranks, alphas and targets (one rsLoRA, one with rank/alpha patterns) get random non-zero
+A and B and are saved, and lora_jax loads all of them. A mixed batch (A, B, C, none) must
+match peft's mixed-batch forward (`adapter_names=[...]`) at prefill and over greedy decode.
+Slot churn (activation, LRU eviction), failed loads and merge/unmerge are checked against
+the same oracle.
+"""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import lora_jax as lj  # noqa: E402
+from lora_jax.models import load_hf_model  # noqa: E402
+from lora_jax.serving.manager import LRUCacheLoRAModelManager  # noqa: E402
+from lora_jax.serving.merge import merge_adapter, unmerge_adapter  # noqa: E402
+from lora_jax.serving.wrap import wrap_model  # noqa: E402
+
+pytestmark = pytest.mark.oracle
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+ADAPTERS = {
+    "A": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "B": dict(
+        r=4, lora_alpha=8, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"]
+    ),
+    "C": dict(
+        r=16,
+        lora_alpha=24,
+        target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
+        rank_pattern={"v_proj": 4, "down_proj": 2},
+        alpha_pattern={"down_proj": 6},
+    ),
+}
+MAX_RANK = 16
+B_, S = 4, 7
+TOL = dict(rtol=2e-4, atol=2e-4)
+
+
+def _hf_base(model_type):
+    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[model_type]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**TINY), dtype=torch.float32)
+    with torch.no_grad():  # norms away from 1 so a mis-loaded norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def _make_adapter(base_dir, name, spec, out_dir, seed):
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    cfg = peft.LoraConfig(lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **spec)
+    pm = peft.get_peft_model(model, cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # PEFT inits B to zero: make both factors random and non-zero
+        for pname, p in pm.named_parameters():
+            if "lora_A" in pname or "lora_B" in pname:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    pm.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def hf(request, tmp_path_factory):
+    """(model_type, base dir, {name: adapter dir}, peft model with every adapter)."""
+    root = tmp_path_factory.mktemp(request.param)
+    base = _hf_base(request.param)
+    base_dir = str(root / "base")
+    base.save_pretrained(base_dir, safe_serialization=True)
+    dirs = {
+        n: _make_adapter(base_dir, n, spec, str(root / n), seed=i)
+        for i, (n, spec) in enumerate(ADAPTERS.items())
+    }
+    pm = peft.PeftModel.from_pretrained(base, dirs["A"], adapter_name="A")
+    for n in ("B", "C"):
+        pm.load_adapter(dirs[n], adapter_name=n)
+    pm.eval()
+    return request.param, base_dir, dirs, pm
+
+
+def _ids(seed=0, shape=(B_, S)):
+    return np.random.default_rng(seed).integers(0, TINY["vocab_size"], shape).astype(np.int32)
+
+
+def _hf_logits(pm, ids, names):
+    with torch.no_grad():
+        out = pm(input_ids=torch.tensor(ids, dtype=torch.long), adapter_names=names)
+    return out.logits.float().numpy()
+
+
+def _serve(base_dir, max_loras=4, max_cpu_loras=None):
+    model = load_hf_model(base_dir)
+    cfg = lj.LoRAConfig(max_loras=max_loras, max_lora_rank=MAX_RANK, max_cpu_loras=max_cpu_loras)
+    wrap_model(model, cfg)
+    return model, LRUCacheLoRAModelManager(model, cfg)
+
+
+@nnx.jit
+def _forward(model, ids, token_slots):
+    lj.set_lora_mapping(model, token_slots)
+    B, S_ = ids.shape
+    pos = jnp.broadcast_to(jnp.arange(S_, dtype=jnp.int32), (B, S_))
+    return model(ids, pos)[0]
+
+
+@nnx.jit
+def _forward_no_mapping(model, ids):
+    B, S_ = ids.shape
+    pos = jnp.broadcast_to(jnp.arange(S_, dtype=jnp.int32), (B, S_))
+    return model(ids, pos)[0]
+
+
+def _logits(model, mgr, ids, adapter_ids):
+    slots = mgr.token_mapping(adapter_ids, tokens_per_request=ids.shape[1])
+    return np.asarray(_forward(model, jnp.asarray(ids), jnp.asarray(slots)))
+
+
+def _lora_state(model):
+    return jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam, lj.LoRASlotRanks))
+
+
+# -- tests ------------------------------------------------------------------------------------
+def test_mixed_batch_prefill_matches_peft(hf):
+    _, base_dir, dirs, pm = hf
+    model, mgr = _serve(base_dir)
+    loaded = mgr.load_adapters(dirs, activate=True, progress=False)
+    ids_of = {a.name: a.id for a in loaded}
+    ids = _ids()
+    names = ["A", "B", "C", "__base__"]
+    want = _hf_logits(pm, ids, names)
+    got = _logits(model, mgr, ids, [ids_of.get(n) for n in names])
+    np.testing.assert_allclose(got, want, **TOL)
+    # Each adapter really changes its rows (the oracle can fail).
+    base = _hf_logits(pm, ids, ["__base__"] * B_)
+    for row in range(3):
+        assert np.abs(want[row] - base[row]).max() > 1e-2
+    # Another mix, adapters repeated and reordered, same slots.
+    names = ["C", "C", "__base__", "A"]
+    np.testing.assert_allclose(
+        _logits(model, mgr, ids, [ids_of.get(n) for n in names]),
+        _hf_logits(pm, ids, names),
+        **TOL,
+    )
+
+
+def test_churn_lru_and_failed_loads_never_disturb_other_slots(hf, tmp_path):
+    _, base_dir, dirs, pm = hf
+    model, mgr = _serve(base_dir, max_loras=2, max_cpu_loras=3)
+    a = {x.name: x for x in mgr.load_adapters(dirs, progress=False)}
+    ids = _ids(seed=1, shape=(3, S))
+    want = {n: _hf_logits(pm, ids, [n, "__base__", n]) for n in ("A", "B", "C")}
+    mgr.set_active_adapters([a["A"], a["B"]])
+    assert mgr.lora_index_to_id == [a["A"].id, a["B"].id]
+
+    def check(name):
+        got = _logits(model, mgr, ids, [a[name].id, None, a[name].id])
+        np.testing.assert_allclose(got, want[name], **TOL)
+
+    check("A")
+    check("B")
+    mgr.activate_adapter(a["A"].id)  # touch A: B is now least recently used
+    mgr.activate_adapter(a["C"].id)
+    assert mgr.lora_index_to_id == [a["A"].id, a["C"].id]  # B evicted, A kept its slot
+    check("A")
+    check("C")
+    # A corrupt and a mismatched adapter fail without touching any slot.
+    before = _lora_state(model)
+    bad = tmp_path / "truncated"
+    shutil.copytree(dirs["A"], bad)
+    f = bad / "adapter_model.safetensors"
+    f.write_bytes(f.read_bytes()[:-64])
+    with pytest.raises(ValueError, match="truncated|corrupt"):
+        mgr.load_adapters({"bad": bad}, first_id=90, activate=True, progress=False)
+    # An adapter trained for a model of another width: shape mismatch.
+    small = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**{**TINY, "hidden_size": 32, "head_dim": 8}), dtype=torch.float32
+    )
+    small_dir = str(tmp_path / "small")
+    small.save_pretrained(small_dir, safe_serialization=True)
+    mismatched = _make_adapter(small_dir, "M", ADAPTERS["A"], str(tmp_path / "M"), seed=9)
+    with pytest.raises(ValueError, match="adapter_model.safetensors"):
+        mgr.load_adapters({"M": mismatched}, first_id=91, activate=True, progress=False)
+    assert mgr.lora_index_to_id == [a["A"].id, a["C"].id]
+    jax.tree.map(np.testing.assert_array_equal, before, _lora_state(model))
+    check("A")
+    check("C")
+
+
+def test_merge_matches_lora_path_and_unmerge_restores(hf):
+    _, base_dir, dirs, pm = hf
+    model, mgr = _serve(base_dir, max_loras=2)
+    a = {x.name: x for x in mgr.load_adapters(dirs, progress=False)}
+    mgr.set_active_adapters([a["C"]])
+    ids = _ids(seed=2, shape=(2, S))
+    lora = _logits(model, mgr, ids, [a["C"].id] * 2)
+    np.testing.assert_allclose(lora, _hf_logits(pm, ids, ["C", "C"]), **TOL)
+    params = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    merge_adapter(model, mgr.slot_of(a["C"].id))
+    merged = np.asarray(_forward_no_mapping(model, jnp.asarray(ids)))  # base matmuls only
+    np.testing.assert_allclose(merged, lora, **TOL)
+    unmerge_adapter(model)
+    jax.tree.map(
+        np.testing.assert_array_equal, params, jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    )
+    np.testing.assert_allclose(
+        _logits(model, mgr, ids, [None, None]), _hf_logits(pm, ids, ["__base__"] * 2), **TOL
+    )
