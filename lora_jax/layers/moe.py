@@ -37,7 +37,7 @@ from flax import nnx
 
 from lora_jax import ops
 from lora_jax.config import LoRAConfig
-from lora_jax.layers.base import BaseLayerWithLoRA, LoRAContext, LoRASlotRanks
+from lora_jax.layers.base import BaseLayerWithLoRA, LoRAContext, LoRASlotRanks, PreparedLoRA
 from lora_jax.mapping import LoRAMapping, make_lora_mapping
 from lora_jax.moe import ExpertRoutes, FusedMoE
 
@@ -136,12 +136,6 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
         return isinstance(source_layer, FusedMoE) and len(packed_modules_list) == n
 
     # -- slot writes ----------------------------------------------------------------------
-    def _check_index(self, what: str, index) -> int:
-        L = self.lora_config.max_loras
-        if not isinstance(index, (int, np.integer)) or not 0 <= int(index) < L:
-            raise ValueError(f"{self.name}.{what}: index {index!r} outside [0, {L})")
-        return int(index)
-
     def _pair(self, proj: str, a, b, in_size: int, out_size: int):
         """Validates one projection's `A [E, r, in]`, `B [E, out, r]`; pads to max rank."""
         E, R = self.base_layer.num_experts, self.lora_config.max_lora_rank
@@ -179,7 +173,17 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
         Example:
             >>> layer.set_lora(1, [w1_a, w2_a, w3_a], [w1_b, w2_b, w3_b])  # doctest: +SKIP
         """
-        index = self._check_index("set_lora", index)
+        self.write_lora(index, self.prepare_lora(index, lora_a, lora_b))
+
+    def prepare_lora(self, index: int, lora_a, lora_b) -> PreparedLoRA:
+        """Validates an adapter (lists over `projections`) and lays it out as stored.
+
+        Host-side only; `a`/`b` hold the w13 slices then w2, `[E, R, in]` / `[E, out, R]`.
+
+        Example:
+            >>> prepared = layer.prepare_lora(0, [a13, a2], [b13, b2])  # doctest: +SKIP
+        """
+        self._check_index(index, "set_lora")
         names = self.projections
         a_list = list(lora_a) if isinstance(lora_a, (list, tuple)) else None
         b_list = list(lora_b) if isinstance(lora_b, (list, tuple)) else None
@@ -202,18 +206,36 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
         H, n = base.hidden_size, base.intermediate_size
         sizes = {"w1": (H, n), "w3": (H, n), "w13": (H, base.w13_width), "w2": (n, H)}
         checked = {p: self._pair(p, a, b, *sizes[p]) for p, a, b in zip(names, a_list, b_list)}
-        w13_names = [p for p in names if p != "w2"]
-        for s, p in enumerate(w13_names):
+        order = [p for p in names if p != "w2"] + ["w2"]  # storage order: w13 slices, w2
+        new_a, new_b = [], []
+        for p in order:
             a, b, _ = checked[p]
             if p == "w13" and base.is_act_and_mul:
                 gate, up = base.split_w13(b, axis=1)
                 b = np.asarray(base.pack_w13(gate, up, axis=1))  # per-shard [gate_i | up_i]
-            self._write(self.w13_lora_a[s], index, a)
-            self._write(self.w13_lora_b[s], index, b)
-        a, b, _ = checked["w2"]
-        self._write(self.w2_lora_a, index, a)
-        self._write(self.w2_lora_b, index, b)
-        self._set_ranks(index, [checked[p][2] for p in (*w13_names, "w2")])
+            new_a.append(a)
+            new_b.append(b)
+        return PreparedLoRA(
+            a=tuple(new_a), b=tuple(new_b), ranks=tuple(checked[p][2] for p in order)
+        )
+
+    def _stacks(self) -> tuple[list, list]:
+        return [*self.w13_lora_a, self.w2_lora_a], [*self.w13_lora_b, self.w2_lora_b]
+
+    def write_lora(self, index: int, prepared: PreparedLoRA) -> None:
+        """Stores a `prepare_lora` result into slot `index` (no further checks)."""
+        self._check_index(index, "write_lora")
+        for var, value in zip((*self._stacks()[0], *self._stacks()[1]), (*prepared.a, *prepared.b)):
+            self._write(var, index, value)
+        self._set_ranks(index, prepared.ranks)
+
+    def slot_updates(self, prepared: PreparedLoRA | None):
+        """`(variable, slot axis, new slot content | None = zeros)` for batched writers."""
+        a_vars, b_vars = self._stacks()
+        if prepared is None:
+            return [(v, 0, None) for v in (*a_vars, *b_vars)] + [(self.slot_ranks, 1, None)]
+        ups = [(v, 0, x) for v, x in zip((*a_vars, *b_vars), (*prepared.a, *prepared.b))]
+        return ups + [(self.slot_ranks, 1, np.asarray(prepared.ranks, np.int32))]
 
     def _set_ranks(self, index: int, ranks) -> None:
         # Host-side edit put back with the old sharding: after a jitted step the
@@ -227,8 +249,9 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
 
     def reset_lora(self, index: int) -> None:
         """Zeroes slot `index`: it then gives exactly the base output."""
-        index = self._check_index("reset_lora", index)
-        for var in (*self.w13_lora_a, *self.w13_lora_b, self.w2_lora_a, self.w2_lora_b):
+        self._check_index(index, "reset_lora")
+        a_vars, b_vars = self._stacks()
+        for var in (*a_vars, *b_vars):
             self._write(var, index, np.zeros(var.shape[1:], np.float32))
         self._set_ranks(index, 0)
 

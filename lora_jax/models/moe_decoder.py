@@ -1,0 +1,311 @@
+"""Mixtral / Qwen3-MoE decoders: the dense decoder's attention with a `FusedMoE` MLP.
+
+Module paths follow transformers 5's runtime names (which PEFT's `target_parameters`
+use), for both families:
+
+    model.model.layers[i].self_attn.*          as in `lora_jax.models.decoder`
+    model.model.layers[i].mlp.gate             ReplicatedLinear hidden → num_experts (router)
+    model.model.layers[i].mlp.experts          FusedMoE (w13 = [gate | up], w2 = down)
+    model.model.layers[i].mlp.gate_up_proj ... a dense MLP on Qwen3-MoE `mlp_only_layers`
+
+Checkpoints are read with either expert naming: per expert (what `save_pretrained`
+writes; Mixtral `block_sparse_moe.experts.{j}.w1/w2/w3`, router `block_sparse_moe.gate`;
+Qwen3-MoE `mlp.experts.{j}.gate_proj/up_proj/down_proj`, router `mlp.gate`) or fused
+(`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lora_jax.linear import ReplicatedLinear
+from lora_jax.models.config import DecoderConfig
+from lora_jax.models.decoder import (
+    MLP,
+    Attention,
+    DecoderForCausalLM,
+    DecoderModel,
+    RMSNorm,
+)
+from lora_jax.models.loading import SafetensorsCheckpoint
+from lora_jax.moe import FusedMoE
+from lora_jax.sharding import ShardingRules
+from lora_jax.vocab import ParallelLMHead, VocabParallelEmbedding
+
+MOE_MODEL_TYPES = {"mixtral": "mistral", "qwen3_moe": "qwen3"}  # → attention family
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """The MoE part of a Mixtral / Qwen3-MoE config.
+
+    Example:
+        >>> MoEConfig(model_type="mixtral", num_experts=8, top_k=2, moe_intermediate_size=64).top_k
+        2
+    """
+
+    model_type: str
+    """"mixtral" or "qwen3_moe" (checkpoint names)."""
+    num_experts: int
+    """Routed experts E (`num_local_experts` / `num_experts`)."""
+    top_k: int
+    """Experts per token (`num_experts_per_tok`)."""
+    moe_intermediate_size: int
+    """Per-expert MLP width (Mixtral: `intermediate_size`)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights (always on for Mixtral)."""
+    decoder_sparse_step: int = 1
+    """Qwen3-MoE: layer i is sparse when `(i + 1) % step == 0`."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Qwen3-MoE: layers with a dense MLP instead."""
+
+    def __post_init__(self):
+        if self.model_type not in MOE_MODEL_TYPES:
+            raise ValueError(
+                f"MoEConfig.model_type={self.model_type!r} is not supported; allowed: "
+                f"{tuple(MOE_MODEL_TYPES)}"
+            )
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"MoEConfig: top_k={self.top_k} outside [1, {self.num_experts}]")
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+
+    def is_sparse(self, i: int) -> bool:
+        return i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> tuple[DecoderConfig, MoEConfig]:
+        """`(attention/decoder config, MoE config)` from an HF `config.json` dict."""
+        mt = hf.get("model_type")
+        if mt not in MOE_MODEL_TYPES:
+            raise ValueError(
+                f"config.json model_type={mt!r} is not an MoE model this module reads; "
+                f"allowed: {tuple(MOE_MODEL_TYPES)}"
+            )
+        if hf.get("shared_expert_intermediate_size"):
+            raise ValueError(f"config.json ({mt}): shared experts are not supported")
+        base = DecoderConfig.from_hf({**hf, "model_type": MOE_MODEL_TYPES[mt]})
+        if mt == "mixtral":
+            moe = cls(
+                model_type=mt,
+                num_experts=int(hf["num_local_experts"]),
+                top_k=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["intermediate_size"]),
+            )
+        else:
+            moe = cls(
+                model_type=mt,
+                # transformers 5 writes num_local_experts; Qwen's own configs num_experts
+                num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+                top_k=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            )
+        return base, moe
+
+
+class SparseMoeBlock(nnx.Module):
+    """Router (`gate`) + routed experts: `experts(x, gate(x))`."""
+
+    def __init__(self, config: DecoderConfig, moe: MoEConfig, *, rules, dtype, param_dtype, rngs):
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rules=rules, rngs=rngs)
+        self.gate = ReplicatedLinear(config.hidden_size, moe.num_experts, **kw)
+        self.experts = FusedMoE(
+            moe.num_experts,
+            moe.top_k,
+            config.hidden_size,
+            moe.moe_intermediate_size,
+            renormalize=moe.norm_topk_prob,
+            activation=config.hidden_act,
+            **kw,
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.experts(x, self.gate(x))
+
+
+class MoEDecoderLayer(nnx.Module):
+    """Pre-norm block with attention and a sparse (or, per config, dense) MLP."""
+
+    def __init__(self, config, moe, layer_idx, *, rules, dtype, param_dtype, rngs):
+        c = config
+        norm_kw = dict(dtype=dtype, param_dtype=param_dtype, rules=rules)
+        kw = dict(rules=rules, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **norm_kw)
+        self.self_attn = Attention(c, layer_idx, **kw)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **norm_kw)
+        self.mlp = SparseMoeBlock(c, moe, **kw) if moe.is_sparse(layer_idx) else MLP(c, **kw)
+
+    def __call__(self, x, positions, cache_kv=None, attention_mask=None):
+        a, cache_kv = self.self_attn(self.input_layernorm(x), positions, cache_kv, attention_mask)
+        h = x + a
+        return h + self.mlp(self.post_attention_layernorm(h)), cache_kv
+
+
+class MoEDecoderModel(DecoderModel):
+    """`DecoderModel` with MoE layers (same call: `(ids, positions, cache) → hidden`)."""
+
+    def __init__(self, config, moe, *, rules, dtype, param_dtype, rngs):
+        c = config
+        self.config, self.moe_config, self.rules, self.dtype = c, moe, rules, dtype
+        kw = dict(rules=rules, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, **kw)
+        self.layers = nnx.List(
+            [MoEDecoderLayer(c, moe, i, **kw) for i in range(c.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(
+            c.hidden_size, c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, rules=rules
+        )
+
+
+class MoEDecoderForCausalLM(DecoderForCausalLM):
+    """Mixtral / Qwen3-MoE causal LM (`DecoderForCausalLM`'s call and logits).
+
+    Example:
+        >>> cfg, moe = MoEConfig.from_hf(hf_config_dict)  # doctest: +SKIP
+        >>> model = MoEDecoderForCausalLM(cfg, moe, rngs=nnx.Rngs(0))  # doctest: +SKIP
+        >>> logits, _ = model(ids_bs, positions_bs)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        moe: MoEConfig,
+        *,
+        rules: ShardingRules | None = None,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        rules = rules if rules is not None else ShardingRules()
+        self.config, self.moe_config, self.rules, self.dtype = config, moe, rules, dtype
+        kw = dict(rules=rules, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.model = MoEDecoderModel(config, moe, **kw)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else ParallelLMHead(config.vocab_size, config.hidden_size, **kw)
+        )
+
+
+# -- loading --------------------------------------------------------------------------------
+def read_hf_moe_config(path_or_dir: str) -> tuple[str, DecoderConfig, MoEConfig]:
+    """`(directory, DecoderConfig, MoEConfig)` from a checkpoint directory."""
+    directory = path_or_dir if os.path.isdir(path_or_dir) else os.path.dirname(path_or_dir)
+    cfg_path = os.path.join(directory, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ValueError(f"{directory}: no config.json")
+    with open(cfg_path) as f:
+        return (directory, *MoEConfig.from_hf(json.load(f)))
+
+
+def load_hf_moe_model(
+    path_or_dir: str,
+    *,
+    rules: ShardingRules | None = None,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+) -> MoEDecoderForCausalLM:
+    """Builds an `MoEDecoderForCausalLM` with the weights of an HF safetensors checkpoint.
+
+    Example:
+        >>> model = load_hf_moe_model("/ckpt/Qwen3-30B-A3B", rules=rules)  # doctest: +SKIP
+    """
+    directory, config, moe = read_hf_moe_config(path_or_dir)
+    rules = rules if rules is not None else ShardingRules()
+    ckpt = SafetensorsCheckpoint(directory)
+    model = nnx.eval_shape(
+        lambda: MoEDecoderForCausalLM(
+            config, moe, rules=rules, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)
+        )
+    )
+    load_hf_moe_weights(model, ckpt)
+    return model
+
+
+def _experts(ckpt: SafetensorsCheckpoint, prefix: str, moe: MoEConfig, H: int):
+    """(w1, w3, w2) as Flax `[E, in, out]` from per-expert or fused checkpoint tensors."""
+    E, n = moe.num_experts, moe.moe_intermediate_size
+    fused = f"{prefix}experts.gate_up_proj"
+    if fused in ckpt:
+        gu = ckpt.get(fused, (E, 2 * n, H))  # torch [E, out, in], [gate; up]
+        down = ckpt.get(f"{prefix}experts.down_proj", (E, H, n))
+        return (
+            gu[:, :n].transpose(0, 2, 1),
+            gu[:, n:].transpose(0, 2, 1),
+            down.transpose(0, 2, 1),
+        )
+    names = (
+        ("w1", "w3", "w2") if moe.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    )
+    shapes = ((n, H), (n, H), (H, n))
+    return tuple(
+        np.stack([ckpt.get(f"{prefix}experts.{j}.{nm}.weight", shp).T for j in range(E)])
+        for nm, shp in zip(names, shapes)
+    )
+
+
+def load_hf_moe_weights(model: MoEDecoderForCausalLM, ckpt: SafetensorsCheckpoint) -> None:
+    """Writes every weight of `model` from `ckpt` (HF names); checks for leftovers."""
+    c, moe = model.config, model.moe_config
+    D, hd = c.hidden_size, c.head_dim
+    nq, nkv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    linear = lambda name, n_out, n_in: ckpt.get(name, (n_out, n_in)).T  # noqa: E731 [in, out]
+
+    def norm(mod: RMSNorm, name: str):
+        w = jnp.asarray(ckpt.get(name, (mod.dim,)), mod.param_dtype)
+        mod.weight.set_value(mod.rules.place(w, None))
+
+    model.model.embed_tokens.load_table(ckpt.get("model.embed_tokens.weight", (c.vocab_size, D)))
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        norm(layer.input_layernorm, p + "input_layernorm.weight")
+        norm(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
+        a = p + "self_attn."
+        sizes = {"q": nq, "k": nkv, "v": nkv}
+        kernels = [linear(f"{a}{s}_proj.weight", sizes[s], D) for s in "qkv"]
+        biases = [ckpt.get(f"{a}{s}_proj.bias", (sizes[s],)) for s in "qkv"] if c.qkv_bias else None
+        layer.self_attn.qkv_proj.load_kernel(kernels, biases)
+        o_bias = [ckpt.get(a + "o_proj.bias", (D,))] if c.o_bias else None
+        layer.self_attn.o_proj.load_kernel([linear(a + "o_proj.weight", D, nq)], o_bias)
+        if c.qk_norm:
+            norm(layer.self_attn.q_norm, a + "q_norm.weight")
+            norm(layer.self_attn.k_norm, a + "k_norm.weight")
+        if isinstance(layer.mlp, SparseMoeBlock):
+            m = p + ("block_sparse_moe." if f"{p}block_sparse_moe.gate.weight" in ckpt else "mlp.")
+            layer.mlp.gate.load_kernel([linear(m + "gate.weight", moe.num_experts, D)])
+            w1, w3, w2 = _experts(ckpt, m, moe, D)
+            layer.mlp.experts.load_weights(w1=w1, w3=w3, w2=w2)
+        else:
+            m, inter = p + "mlp.", c.intermediate_size
+            gu = [linear(f"{m}{s}_proj.weight", inter, D) for s in ("gate", "up")]
+            layer.mlp.gate_up_proj.load_kernel(gu)
+            layer.mlp.down_proj.load_kernel([linear(m + "down_proj.weight", D, inter)])
+    norm(model.model.norm, "model.norm.weight")
+    if model.lm_head is not None:
+        model.lm_head.load_table(ckpt.get("lm_head.weight", (c.vocab_size, D)))
+    elif "lm_head.weight" in ckpt:
+        ckpt.used.add("lm_head.weight")
+    unused = sorted(n for n in ckpt.names() if n not in ckpt.used and "rotary_emb" not in n)
+    if unused:
+        more = f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
+        raise ValueError(
+            f"{ckpt.directory}: tensors not used by the {moe.model_type} model: {unused[:5]}{more}"
+        )
+    abstract = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+        if isinstance(leaf, jax.ShapeDtypeStruct)
+    ]
+    if abstract:  # pragma: no cover - an attribute this loader does not know about
+        raise ValueError(f"weights left unloaded: {abstract[:5]}")
