@@ -478,3 +478,19 @@ def test_peft_lm_head_and_embedding_mixed_batch_match_hf(tmp_path, tied):
     graphdef, state = nnx.split(model)
     last = _last_token_logits(graphdef, state, jnp.asarray(ids), tok, mgr.token_mapping(requests))
     np.testing.assert_allclose(np.asarray(last), ref[:, -1], rtol=2e-4, atol=2e-4)
+
+
+def test_tied_decoder_wrapped_in_two_calls():
+    """lm_head first, embed_tokens later: the shared table is still found and wrapped."""
+    from lora_jax.serving.wrap import lora_layers, unwrap_model, wrap_model
+
+    model = _decoder(lj.ShardingRules(), tied=True)
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
+    wrap_model(model, cfg, target_modules=["lm_head"])
+    wrap_model(model, cfg, target_modules=["embed_tokens"])
+    layers = lora_layers(model)
+    assert sorted(layers) == ["lm_head", "model.embed_tokens"]
+    assert layers["lm_head"].base_layer is layers["model.embed_tokens"].base_layer
+    wrap_model(model, cfg, target_modules=["lm_head", "embed_tokens"])  # nothing new
+    assert len(lora_layers(model)) == 2
+    assert unwrap_model(model) == 2 and model.lm_head is None

@@ -183,16 +183,26 @@ def _wrapped_names(model: nnx.Module) -> list[str]:
     ]
 
 
-def _tied_lm_head(model: nnx.Module):
-    """Candidate for a tied lm_head (`model.lm_head is None`, logits from
-    `model.model.embed_tokens`): its LoRA goes to `model.lm_head`, over the shared table."""
-    if getattr(model, "lm_head", True) is not None:
-        return None
+def _tied_candidates(model: nnx.Module, candidates) -> list[tuple]:
+    """Extra candidates of a model with tied embeddings (`lm_head is None`, logits from
+    `model.model.embed_tokens`): the lm_head LoRA goes to `model.lm_head`, over the shared
+    table; once it is there the graph walk meets the table under `lm_head.base_layer`
+    first (and skips it), so `embed_tokens` is offered here too."""
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
     if emb is None:
-        return None
-    emb = getattr(emb, "base_layer", emb)
-    return (("lm_head",), emb, ["lm_head"], TiedLMHeadWithLoRA, "lm_head")
+        return []
+    head = getattr(model, "lm_head", True)
+    if head is None:
+        table = getattr(emb, "base_layer", emb)
+        return [(("lm_head",), table, ["lm_head"], TiedLMHeadWithLoRA, "lm_head")]
+    path = ("model", "embed_tokens")
+    if (
+        isinstance(head, TiedLMHeadWithLoRA)
+        and not is_lora_layer(emb)
+        and not any(c[0] == path for c in candidates)
+    ):
+        return [(path, emb, ["embed_tokens"], VocabParallelEmbeddingWithLoRA, "model.embed_tokens")]
+    return []
 
 
 def wrap_model(
@@ -233,9 +243,8 @@ def wrap_model(
     )
     targets = _normalize_targets(target_modules)
     candidates = _candidates(model, lora_config, mapping)
-    tied = _tied_lm_head(model)
-    if tied is not None:
-        candidates.append(tied)  # last: embed_tokens is wrapped first, the table is shared
+    # last: embed_tokens is wrapped before a tied lm_head takes the shared table
+    candidates += _tied_candidates(model, candidates)
     all_names = [n for c in candidates for n in [c[4], *packed_names(c[4], c[2])]]
     all_names += _wrapped_names(model)
     if isinstance(targets, tuple):
