@@ -11,6 +11,12 @@ adapters actually used + outputs.
     python benchmarks/ops.py --out $OUT            # full grid, prints a table, writes ops.json
     python benchmarks/ops.py --sweep --out $OUT    # also try a few tile configs per case
     python benchmarks/ops.py --interpret --tokens 16 --hiddens 64 --ranks 16  # CPU smoke test
+    python benchmarks/ops.py --model 32 --tokens 16,64,256 --hiddens 4096 --out $OUT
+
+``--model K`` is the model-like mode: K layers (shrink + expand, each with its
+own weights) in one jit sharing ONE mapping, as in a model step, so per-step
+metadata (the work list) is computed once and shared, as XLA's CSE does for
+the layers of a model; it reports µs per layer.
 """
 
 from __future__ import annotations
@@ -239,8 +245,18 @@ def cases(args):
     return list(dict.fromkeys(out))
 
 
+# The decode shrink tiles before split-K (commit 694f20a), for before/after rows.
+OLD_DECODE_SHRINK = BlockSizes(block_m=16, block_r=16, block_k=128, num_warps=4, num_stages=4)
+
 SWEEP = {
     "shrink": [
+        OLD_DECODE_SHRINK,
+        BlockSizes(block_m=16, block_r=64, block_k=64, num_stages=2, split_k=8),
+        BlockSizes(block_m=16, block_r=64, block_k=64, num_stages=2, split_k=16),
+        BlockSizes(block_m=16, block_r=64, block_k=64, num_stages=2, split_k=32),
+        BlockSizes(block_m=16, block_r=64, block_k=128, num_stages=2, split_k=16),
+        BlockSizes(block_m=16, block_r=32, block_k=64, num_stages=3, split_k=16),
+        BlockSizes(block_m=16, block_r=128, block_k=32, num_stages=3, split_k=32),
         BlockSizes(block_m=16, block_r=16, block_k=256, num_stages=2),
         BlockSizes(block_m=16, block_r=32, block_k=128, num_stages=3),
         BlockSizes(block_m=16, block_r=16, block_k=64, num_stages=6),
@@ -252,12 +268,116 @@ SWEEP = {
     ],
     "expand": [
         BlockSizes(block_m=16, block_n=64, num_stages=1),
+        BlockSizes(block_m=16, block_n=64, num_stages=1, num_warps=2),
+        BlockSizes(block_m=16, block_n=256, num_stages=1),
+        BlockSizes(block_m=16, block_n=32, num_stages=1, num_warps=2),
         BlockSizes(block_m=16, block_n=256, num_stages=1, num_warps=8),
         BlockSizes(block_m=32, block_n=128, num_stages=1),
         BlockSizes(block_m=64, block_n=256, num_stages=1, num_warps=8),
         BlockSizes(block_m=128, block_n=128, num_stages=1, num_warps=8),
     ],
 }
+
+
+def model_case(tokens: int, hidden: int, rank: int, adapters: int, layers: int, impl: str):
+    """(fn, args) for ``layers`` shrink+expand pairs in one jit, sharing one mapping.
+
+    Like the LoRA layers of one model step: every layer has its own A [L, R, H] and
+    B [L, H, R] (distinct copies, so weights come from HBM), the same mapping
+    arrays, and its input is the previous layer's output (y feeds the next x).
+    """
+    rng = np.random.default_rng(0)
+    chosen = rng.permutation(MAX_LORAS)[:adapters]
+    meta = metadata(rng.permutation(chosen[np.arange(tokens) % adapters]), MAX_LORAS)
+    k = jax.random.key(1)
+    dt = jnp.bfloat16
+    y = jax.random.normal(k, (tokens, hidden), dt)  # [T, H]
+    a = jax.random.normal(jax.random.fold_in(k, 1), (layers, MAX_LORAS, rank, hidden), dt)
+    b = jax.random.normal(jax.random.fold_in(k, 2), (layers, MAX_LORAS, hidden, rank), dt)
+    a = [v * (hidden**-0.5) for v in a]  # K x [L, R, H]
+    b = [v * (rank**-0.5) for v in b]  # K x [L, H, R]
+    shrink_bs = OLD_DECODE_SHRINK if impl == "old" and tokens <= 256 else None
+
+    def ours_fn(y, a, b, meta):
+        for i in range(layers):
+            h = lora_shrink(y, (a[i],), **meta, block_sizes=shrink_bs, interpret=INTERPRET)
+            y = lora_expand(y, h, (b[i],), offsets=(0,), **meta, interpret=INTERPRET)
+        return y
+
+    def shrink_only(y, a, b, meta):
+        return [
+            lora_shrink(y, (a[i],), **meta, block_sizes=shrink_bs, interpret=INTERPRET)
+            for i in range(layers)
+        ]
+
+    def expand_only(y, a, b, meta):
+        h = jnp.ones((1, tokens, rank), jnp.float32) * 0.01
+        for i in range(layers):
+            y = lora_expand(y, h, (b[i],), offsets=(0,), **meta, interpret=INTERPRET)
+        return y
+
+    def gather_fn(y, a, b, meta):
+        valid, safe = _valid(meta)
+        for i in range(layers):
+            h = jnp.einsum("th,trh->tr", y, a[i][safe], preferred_element_type=jnp.float32)
+            d = jnp.einsum(
+                "tr,tnr->tn", h.astype(dt), b[i][safe], preferred_element_type=jnp.float32
+            )
+            y = jnp.where(valid[:, None], (y.astype(jnp.float32) + d).astype(dt), y)
+        return y
+
+    fn = {
+        "ours": ours_fn,
+        "old": ours_fn,
+        "shrink": shrink_only,
+        "expand": expand_only,
+        "gather": gather_fn,
+    }[impl]
+    return fn, (y, a, b, meta)
+
+
+def model_main(a):
+    """--model K: µs per layer (one shrink + one expand) over K layers sharing a mapping."""
+    impls = ["ours", "shrink", "expand", "old", "gather"]
+    rows, start = [], time.time()
+    for rank in a.ranks:
+        for t in a.tokens:
+            for n in a.adapters:
+                if time.time() - start > a.time_budget:
+                    print(f"time budget spent; skipping T={t} R={rank} n={n}", flush=True)
+                    continue
+                n = min(n, t)
+                c = Case("shrink", t, a.hiddens[0], rank, n)
+                ideal = (ideal_bytes(c) + ideal_bytes(dataclasses.replace(c, op="expand"))) / (
+                    HBM_GBPS * 1e3
+                )
+                res = dict(tokens=t, hidden=c.hidden, rank=rank, adapters=n, ideal_us=ideal)
+                for impl in impls:
+                    if impl == "gather" and t * rank * c.hidden * 2 > 4e9:
+                        continue
+                    fn, args = model_case(t, c.hidden, rank, n, a.model, impl)
+                    compiled, err = compile_with_budget(fn, args, 4 * a.compile_budget)
+                    if err:
+                        res[impl] = err[:60]
+                        continue
+                    res[impl] = time_calls(compiled, args, a.model)
+                    del args
+                rows.append(res)
+                print(res, flush=True)
+                with open(os.path.join(a.out, "ops_model.json"), "w") as f:
+                    json.dump(rows, f, indent=1)
+    head = (
+        "| T | H | R | n | ideal µs (pair) | ours pair µs | shrink µs | expand µs "
+        "| before (old shrink tiles) pair µs | gather+einsum pair µs |\n|" + "---|" * 10
+    )
+    lines = [head]
+    for r in rows:
+        cell = [f"{r[k]:.1f}" if isinstance(r.get(k), float) else str(r.get(k, "–")) for k in impls]
+        lines.append(
+            f"| {r['tokens']} | {r['hidden']} | {r['rank']} | {r['adapters']} "
+            f"| {r['ideal_us']:.1f} | " + " | ".join(cell) + " |"
+        )
+    print("\n" + "\n".join(lines))
 
 
 def main():
@@ -273,6 +393,12 @@ def main():
     p.add_argument("--time-budget", type=float, default=1e9, help="stop starting cases after")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--interpret", action="store_true")
+    p.add_argument(
+        "--model",
+        type=int,
+        default=0,
+        help="K > 0: model-like mode, K shrink+expand layers in one jit sharing one mapping",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     INTERPRET = a.interpret
@@ -283,6 +409,13 @@ def main():
     a.adapters = [int(v) for v in a.adapters.split(",")]
     impls = a.impls.split(",")
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    if a.model:
+        model_main(a)
+        return
+    if a.sweep:
+        for op in a.ops:
+            for i, bs in enumerate(SWEEP[op]):
+                print(f"{op} ours[{i}] = {bs}", flush=True)
     rows, start = [], time.time()
     for c in cases(a):
         if time.time() - start > a.time_budget:

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
+DECODE_MAX_TOKENS = 256
+"""Static token counts up to this use the decode tiles (small token blocks, split-K)."""
+TARGET_PROGRAMS = 264
+"""Decode shrink aims for this many live programs: 2 per SM of an H200 (132 SMs)."""
+
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
@@ -38,6 +43,13 @@ class BlockSizes:
     """Warps per Triton program."""
     num_stages: int = 3
     """Software-pipelining depth of the shrink reduction loop."""
+    split_k: int = 1
+    """Shrink: programs that share the hidden reduction of one (block, rank block).
+
+    Each writes an f32 partial [T, R]; the partials are summed in XLA (deterministic).
+    Decode uses it to fill the GPU: a handful of token blocks x 32 k steps each
+    leaves most SMs idle.
+    """
 
     def __post_init__(self):
         for f in ("block_m", "block_k", "block_r", "block_n"):
@@ -46,6 +58,8 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{f}={v}: Triton tiles must be powers of two >= 16.")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"BlockSizes.num_warps={self.num_warps}: use 1, 2, 4, 8 or 16.")
+        if self.split_k < 1:
+            raise ValueError(f"BlockSizes.split_k={self.split_k}: must be >= 1.")
         if self.num_stages < 1:
             raise ValueError(f"BlockSizes.num_stages={self.num_stages}: must be >= 1.")
 
@@ -56,15 +70,27 @@ class BlockSizes:
         """Tuned defaults for H200 (see benchmarks/RESULTS.md), by op and static shape."""
         rank_p = max(16, next_pow2(rank))
         if op == "shrink":
-            if num_tokens <= 256:
-                # Decode: an adapter serves a handful of tokens; A dominates the
-                # bytes, so split the rank over programs to read it in parallel.
-                return cls(block_m=16, block_r=16, block_k=128, num_warps=4, num_stages=4)
+            if num_tokens <= DECODE_MAX_TOKENS:
+                # Decode: a few token blocks, A dominates the bytes. Split the hidden
+                # reduction over programs (split_k) until ~2 programs per SM carry
+                # work, assuming about max(T / 16, min(T, 8)) live token blocks.
+                block_r = min(rank_p, 64)
+                live = max(-(-num_tokens // 16), min(num_tokens, 8)) * (rank_p // block_r)
+                split_k = next_pow2(max(1, TARGET_PROGRAMS // live))
+                split_k = max(1, min(split_k, hidden // 128))
+                return cls(
+                    block_m=16,
+                    block_r=block_r,
+                    block_k=64,
+                    num_warps=4,
+                    num_stages=2,
+                    split_k=split_k,
+                )
             # Prefill: x dominates; wide rank blocks read each x tile from HBM once
             # (a second rank block finds it in L2).
             return cls(block_m=32, block_r=min(rank_p, 64), block_k=64, num_warps=4, num_stages=3)
         if op == "expand":
-            if num_tokens <= 256:
+            if num_tokens <= DECODE_MAX_TOKENS:
                 return cls(block_m=16, block_n=128, num_warps=4, num_stages=1)
             return cls(block_m=64, block_n=128, num_warps=4, num_stages=1)
         raise ValueError(f"BlockSizes.get_default: op={op!r}; expected 'shrink' or 'expand'.")

@@ -1,6 +1,9 @@
 """Pallas Triton backend for shrink and expand (SGMV style, one launch for all slices).
 
-Grid: (work block, slice, rank block | column block). A work block is up to
+Grid: (work block, slice, k split x rank block | column block). Decode shrink
+splits the hidden reduction over ``split_k`` programs that write f32
+partials [KS, S, T, R], summed in XLA afterwards (deterministic; the buffer is
+small at decode, and ``split_k`` is 1 for prefill). A work block is up to
 ``block_m`` tokens of one adapter slot, taken from ``sorted_token_ids``
 (see work_list.py), so an adapter's weights are read once per token block,
 not once per token. Tokens are gathered by row index.
@@ -102,10 +105,14 @@ def _shrink_kernel(
         ranks_ref, x_ref, *rest = refs  # [S, L], [T, H]
     else:
         ranks_ref, (x_ref, *rest) = None, refs
-    a_refs, o_ref = rest[:num_slices], rest[num_slices]  # S x [L, R, H]; [S, T, R]
-    pid, sid, rb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    a_refs, o_ref = rest[:num_slices], rest[num_slices]  # S x [L, R, H]; [KS, S, T, R]
+    pid, sid, p2 = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm, bk, br = bs.block_m, bs.block_k, bs.block_r
-    num_k = pl.cdiv(hidden, bk)
+    n_rb = max(16, 1 << (rank - 1).bit_length()) // br
+    ks, rb = p2 // n_rb, p2 % n_rb
+    # Program ks reduces hidden columns [ks * chunk, (ks + 1) * chunk).
+    chunk = -(-hidden // (bs.split_k * bk)) * bk
+    num_k = chunk // bk
     precision = _dot_precision(compute_dtype)
 
     for s in range(num_slices):
@@ -115,12 +122,12 @@ def _shrink_kernel(
             slot, _, rows = _block_rows(tab_ref, ids_ref, pid, bm)
             r = rb * br + jnp.arange(br, dtype=jnp.int32)  # [br]
             r_lim = _true_rank(ranks_ref, s, slot, rank)
-            live = (slot >= 0) & (rb * br < r_lim)
+            live = (slot >= 0) & (rb * br < r_lim) & (ks * chunk < hidden)
             r_mask = r < r_lim
             safe_slot = jnp.maximum(slot, 0)
 
             def body(kk, acc):
-                k = kk * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
+                k = ks * chunk + kk * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
                 k_mask = k < hidden
                 xt = plgpu.load(
                     x_ref.at[rows[:, None], k[None, :]],
@@ -140,7 +147,7 @@ def _shrink_kernel(
                 )
 
             r_store = jnp.broadcast_to((r < rank)[None, :], (bm, br))
-            o_at = o_ref.at[s, rows[:, None], r[None, :]]
+            o_at = o_ref.at[ks, s, rows[:, None], r[None, :]]
 
             # Two branches rather than a loop with a dynamic trip count: Triton's
             # scf.for rejects the mixed bound types that lowering produces for it.
@@ -166,7 +173,10 @@ def shrink(
     compute_dtype = jnp.promote_types(x.dtype, lora_a[0].dtype)
     if compute_dtype not in (jnp.bfloat16, jnp.float16):
         compute_dtype = jnp.float32
-    bs = dataclasses.replace(bs, block_r=br)
+    # More splits than k steps would leave programs with nothing to reduce.
+    split_k = max(1, min(bs.split_k, -(-hidden // bs.block_k)))
+    bs = dataclasses.replace(bs, block_r=br, split_k=split_k)
+    bs = fit_shrink_tiles(bs, rank, jnp.dtype(compute_dtype).itemsize)
     has_ranks = slot_ranks is not None
     kernel = functools.partial(
         _shrink_kernel,
@@ -178,16 +188,19 @@ def shrink(
         compute_dtype=compute_dtype,
         bs=bs,
     )
-    grid = (tab.shape[1], num_slices, rank_p // br)
+    split_k = bs.split_k
+    grid = (tab.shape[1], num_slices, split_k * (rank_p // br))
     inputs = [tab, sorted_token_ids] + ([slot_ranks] if has_ranks else []) + [x, *lora_a]
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_slices, num_tokens, rank), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((split_k, num_slices, num_tokens, rank), jnp.float32),
         grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name="lora_shrink",
     )(*inputs)
+    # Every (row, k split) is written (zeros where dead), so a plain sum is exact.
+    return out[0] if split_k == 1 else jnp.sum(out, axis=0)
 
 
 def _expand_kernel(
@@ -266,7 +279,9 @@ def expand(
     compute_dtype = lora_b[0].dtype
     if compute_dtype not in (jnp.bfloat16, jnp.float16) or y.dtype == jnp.float32:
         compute_dtype = jnp.float32
-    bs = dataclasses.replace(bs, block_n=bn)
+    bs = fit_expand_tiles(
+        dataclasses.replace(bs, block_n=bn), rank, jnp.dtype(compute_dtype).itemsize
+    )
     has_ranks = slot_ranks is not None
     kernel = functools.partial(
         _expand_kernel,

@@ -91,6 +91,8 @@ class Case:
 
 
 _PREFILL = BlockSizes(block_m=16, block_k=32, block_r=16, block_n=32)
+_SPLIT3 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=3)
+_SPLIT4 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=4)
 
 # Small grids: interpret mode runs every program through XLA on the CPU.
 CPU_CASES = [
@@ -104,6 +106,9 @@ CPU_CASES = [
     Case(16, 64, 32, (32, 32), jnp.bfloat16, "unsorted", ranked=True),
     Case(1, 64, 16, (16,), jnp.float32, "one"),
     Case(40, 32, 24, (20,), jnp.float32, "sorted", max_loras=2, block_sizes=_PREFILL),
+    # split-K: 5 k steps over 3 programs; and 4 splits of 2 steps, the last past H
+    Case(9, 130, 32, (16,), jnp.float32, "unsorted", block_sizes=_SPLIT3),
+    Case(20, 130, 16, (16, 16), jnp.bfloat16, "unsorted", ranked=True, block_sizes=_SPLIT4),
 ]
 
 
