@@ -98,3 +98,66 @@ def test_config_reading():
     assert base.qk_norm and [moe.is_sparse(i) for i in range(2)] == [False, True]
     with pytest.raises(ValueError, match="not an MoE model"):
         MoEConfig.from_hf(dict(model_type="llama"))
+
+
+# -- PEFT adapters on the experts (target_parameters) -----------------------------------------
+PEFT_SPECS = {
+    1: dict(
+        r=4, lora_alpha=8, target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    ),
+    2: dict(r=8, lora_alpha=4, use_rslora=True, target_parameters=["mlp.experts.down_proj"]),
+}  # fmt: skip
+
+
+def _peft_adapters(base_dir, tmp_path):
+    peft = pytest.importorskip("peft")
+    dirs, models = {}, {}
+    for aid, spec in PEFT_SPECS.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        cfg = peft.LoraConfig(lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **spec)
+        pm = peft.get_peft_model(model, cfg)
+        g = torch.Generator().manual_seed(aid)
+        with torch.no_grad():  # PEFT inits B to zero: make both factors random
+            for name, p in pm.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        dirs[aid] = tmp_path / f"adapter{aid}"
+        pm.save_pretrained(dirs[aid])
+        models[aid] = pm.eval()
+    return dirs, models
+
+
+@pytest.mark.parametrize("make", [_mixtral, _qwen3_moe], ids=["mixtral", "qwen3_moe"])
+def test_peft_expert_adapters_mixed_batch(make, tmp_path):
+    """Two PEFT adapters with `target_parameters` on the fused experts (one also on
+    q_proj), served in one batch with a no-adapter row, equal peft's per-adapter forward."""
+    from lora_jax.config import LoRAConfig
+    from lora_jax.layers.base import set_lora_mapping
+    from lora_jax.serving.peft import load_peft_adapter
+    from lora_jax.serving.wrap import lora_layers, wrap_model
+
+    hf, d = _save(make, tmp_path)
+    dirs, peft_models = _peft_adapters(d, tmp_path)
+    ids = np.random.default_rng(1).integers(0, V, (3, S))
+    rows = [1, 2, -1]  # adapter id per sequence (-1: base)
+    with torch.no_grad():
+        ref = []
+        for r, seq in zip(rows, ids):
+            m = hf if r < 0 else peft_models[r]
+            ref.append(m(torch.as_tensor(seq[None])).logits[0].float().numpy())
+    cfg = LoRAConfig(max_loras=2, max_lora_rank=8)
+    model = load_hf_moe_model(d)
+    wrap_model(model, cfg, target_modules=["q_proj", "experts"])
+    layers = lora_layers(model)
+    for slot, aid in enumerate(PEFT_SPECS):
+        adapter = load_peft_adapter(dirs[aid], model, cfg, adapter_id=aid)
+        assert any(n.endswith("mlp.experts") for n in adapter.modules)
+        for name, mod in adapter.modules.items():
+            layers[name].set_lora(slot, *mod.set_lora_args())
+    slot_of = {1: 0, 2: 1, -1: -1}
+    token_slots = np.repeat([slot_of[r] for r in rows], S).astype(np.int32)
+    set_lora_mapping(model, jnp.asarray(token_slots))
+    pos = jnp.broadcast_to(jnp.arange(S), (3, S))
+    logits, _ = model(jnp.asarray(ids, jnp.int32), pos)
+    np.testing.assert_allclose(np.asarray(logits), np.stack(ref), rtol=2e-4, atol=2e-4)

@@ -47,6 +47,10 @@ KEY_KINDS: dict[str, str] = {
 }
 # PEFT's `save_embedding_layers` also stores the base embedding / lm_head tables; like
 # vLLM (`is_base_embedding_weights`) they are skipped: the model's own tables are served.
+# PEFT `target_parameters` on transformers 5's fused experts (ParamWrapper): A is
+# `[r * E, in]` (expert-major rows), B is `[out, r * E]` (rank-major columns); a second
+# targeted parameter of the same module nests its keys under `.base_layer`.
+EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 BASE_EMBEDDING_SUFFIXES = (".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight")
 
 _ids = itertools.count(1)
@@ -84,6 +88,9 @@ class PEFTConfig:
     """(pattern, alpha) pairs in the config's order; the first match wins."""
     source: str = CONFIG_NAME
     """Where the config came from (for error messages)."""
+    target_parameters: tuple[str, ...] = ()
+    """PEFT `target_parameters`: only fused MoE expert weights (`*experts.gate_up_proj`,
+    `*experts.down_proj`), served by `FusedMoE3DWithLoRA`."""
 
     def __post_init__(self):
         for what, r in [
@@ -114,10 +121,16 @@ class PEFTConfig:
             "layers_to_transform",
             "layers_pattern",
             "trainable_token_indices",
-            "target_parameters",
         ):
             if d.get(key) not in (None, [], {}, ""):
                 raise ValueError(f"{source}: {key}={d[key]!r} is not supported")
+        params = tuple(d.get("target_parameters") or ())
+        bad = [t for t in params if not t.endswith(EXPERT_PARAMS)]
+        if bad:
+            raise ValueError(
+                f"{source}: target_parameters {bad} are not supported; only fused MoE expert "
+                f"weights ending in {EXPERT_PARAMS}"
+            )
         if "r" not in d or "lora_alpha" not in d:
             raise ValueError(f"{source}: needs 'r' and 'lora_alpha'")
         targets = d.get("target_modules")
@@ -133,6 +146,7 @@ class PEFTConfig:
                 (str(k), float(v)) for k, v in (d.get("alpha_pattern") or {}).items()
             ),
             source=source,
+            target_parameters=params,
         )
 
     @classmethod
@@ -270,7 +284,7 @@ class ModuleLoRA:
 
     @property
     def rank(self) -> int:
-        return max(a.shape[0] for a in self.lora_a if a is not None)
+        return max(a.shape[-2] for a in self.lora_a if a is not None)  # [(E,) r, in]
 
     def set_lora_args(self) -> tuple[Any, Any]:
         """`(lora_a, lora_b)` as a layer's `set_lora` takes them."""
@@ -418,10 +432,17 @@ def adapter_from_tensors(
     ):
         raise ValueError(f"{source}: adapter_id must be an int >= 1, got {adapter_id!r}")
     pairs: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
+    expert_keys: dict[str, dict[str, list]] = {}
     for key, value in tensors.items():
         if key.endswith(BASE_EMBEDDING_SUFFIXES):
             continue
         mod, kind = _parse_key(key, source, name_map)
+        owner = mod
+        while owner.endswith(".base_layer"):
+            owner = owner[: -len(".base_layer")]
+        if owner in index and hasattr(layers[index[owner][0]], "fused_w13"):
+            expert_keys.setdefault(index[owner][0], {}).setdefault(mod, {})[kind] = (key, value)
+            continue
         if mod not in index:
             known = sorted({n.rpartition(".")[2] for n in index})
             hint = " (it exists but is not LoRA-wrapped)" if mod in all_names else ""
@@ -434,7 +455,7 @@ def adapter_from_tensors(
                 f"{source}: tensor {key!r}: module {mod!r} has two lora_{kind} tensors"
             )
         pairs[mod][kind] = (key, np.asarray(value))
-    if not pairs:
+    if not pairs and not expert_keys:
         raise ValueError(f"{source}: no LoRA tensors")
     members: dict[str, list] = {}
     for mod, ab in pairs.items():
@@ -470,6 +491,8 @@ def adapter_from_tensors(
         ln: ModuleLoRA(module_name=ln, lora_a=tuple(a), lora_b=tuple(b))
         for ln, (a, b) in members.items()
     }
+    for ln, found in expert_keys.items():
+        modules[ln] = _expert_lora(layers[ln], ln, found, cfg, source)
     for ln, m in modules.items():
         prepare = getattr(layers[ln], "prepare_lora", None)
         if prepare is not None:
@@ -498,3 +521,37 @@ def _check_member_shape(layer, i, n, a, b, ka, kb, source) -> None:
             f"{source}: tensors {ka!r} {list(a.shape)} / {kb!r} {list(b.shape)} do not fit "
             f"module {layer.name!r}: expected [r, {base.in_features}] / [{out}, r]"
         )
+
+
+def _expert_lora(layer, name: str, found: Mapping[str, Mapping], cfg, source) -> ModuleLoRA:
+    """PEFT ParamWrapper tensors of one fused-experts module → `[w13, w2]` 3D LoRA.
+
+    Which parameter a pair belongs to follows from its shapes (w13: in = hidden,
+    out = w13 width; w2: in = inter, out = hidden), not from the nesting order.
+    """
+    base = layer.base_layer
+    E, H, n = base.num_experts, base.hidden_size, base.intermediate_size
+    if not getattr(layer, "fused_w13", False):
+        raise ValueError(f"{source}: module {name!r} must be wrapped as FusedMoE3DWithLoRA")
+    shapes = {(H, base.w13_width): 0, (n, H): 1}  # (in, out) → w13 / w2
+    out_a: list = [None, None]
+    out_b: list = [None, None]
+    r = cfg.rank_for(name)
+    scale = np.float32(cfg.scaling_for(name))
+    for mod, ab in found.items():
+        if set(ab) != {"a", "b"}:
+            raise ValueError(f"{source}: module {mod!r} lacks its lora_A/lora_B pair")
+        (ka, a), (kb, b) = ab["a"], ab["b"]
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        which = shapes.get((a.shape[-1], b.shape[0])) if a.ndim == b.ndim == 2 else None
+        if which is None or a.shape[0] != r * E or b.shape[1] != r * E:
+            raise ValueError(
+                f"{source}: tensors {ka!r} {list(a.shape)} / {kb!r} {list(b.shape)} do not fit "
+                f"the experts of {name!r}: expected [r*E, in] / [out, r*E] with r={r}, E={E}, "
+                f"(in, out) in {sorted(shapes)}"
+            )
+        if out_a[which] is not None:
+            raise ValueError(f"{source}: module {name!r} has two LoRAs for one expert weight")
+        out_a[which] = a.reshape(E, r, -1)  # [E, r, in]
+        out_b[which] = b.reshape(b.shape[0], r, E).transpose(2, 0, 1) * scale  # [E, out, r]
+    return ModuleLoRA(module_name=name, lora_a=tuple(out_a), lora_b=tuple(out_b))
