@@ -1,0 +1,315 @@
+"""`DecoderConfig`: the static shape of a Llama / Qwen2 / Qwen3 / Mistral decoder.
+
+Built from a Hugging Face `config.json` dict with `DecoderConfig.from_hf`, or from a
+named preset (`tiny()`, `llama3_8b()`) for random-weight benchmarks. Frozen and made of
+hashable fields only, so it can live in an NNX graphdef that is a `jax.jit` static arg.
+
+Both HF config layouts are read: transformers 5 (`rope_parameters` holding `rope_theta`
+and the scaling) and transformers 4 (`rope_theta` + `rope_scaling` at the top level).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """RoPE frequency scaling (HF `rope_parameters` / `rope_scaling`).
+
+    Example:
+        >>> RopeScaling(rope_type="linear", factor=2.0).factor
+        2.0
+    """
+
+    rope_type: str
+    """"linear" (positions divided by `factor`) or "llama3" (Llama 3.1 band-wise)."""
+    factor: float = 1.0
+    """Context-extension factor."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths beyond `original_max / low_freq_factor` are divided by `factor`."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths below `original_max / high_freq_factor` are kept."""
+    original_max_position_embeddings: int = 8192
+    """llama3: context length of pretraining."""
+
+    def __post_init__(self):
+        if self.rope_type not in ("linear", "llama3"):
+            raise ValueError(
+                f"RopeScaling.rope_type={self.rope_type!r} is not supported; allowed: "
+                f"{SUPPORTED_ROPE_TYPES} (or no scaling)"
+            )
+        if self.factor <= 0:
+            raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"RopeScaling: high_freq_factor ({self.high_freq_factor}) must be > "
+                f"low_freq_factor ({self.low_freq_factor})"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """Shapes and options of a decoder-only causal LM.
+
+    Example:
+        >>> cfg = DecoderConfig.tiny()
+        >>> cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads
+        (64, 2)
+    """
+
+    model_type: str = "llama"
+    """One of `SUPPORTED_MODEL_TYPES`; decides the HF defaults (e.g. Qwen2's qkv bias)."""
+    vocab_size: int
+    """Vocabulary size V (unpadded)."""
+    hidden_size: int
+    """Model width D."""
+    intermediate_size: int
+    """MLP width (gate and up each)."""
+    num_hidden_layers: int
+    """Number of decoder layers."""
+    num_attention_heads: int
+    """Query heads H."""
+    num_key_value_heads: int
+    """Key/value heads (GQA); must divide H."""
+    head_dim: int
+    """Per-head width hd (Qwen3 sets it explicitly; else D // H)."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE frequency scaling, or None."""
+    qkv_bias: bool = False
+    """Bias on q, k, v (Qwen2 always; Llama/Qwen3 when `attention_bias`)."""
+    o_bias: bool = False
+    """Bias on o_proj (Llama/Qwen3 when `attention_bias`; never Qwen2)."""
+    mlp_bias: bool = False
+    """Bias on gate, up, down (Llama `mlp_bias`)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    tie_word_embeddings: bool = False
+    """lm_head reuses the embedding table."""
+    hidden_act: str = "silu"
+    """MLP activation; only "silu" is supported."""
+    max_position_embeddings: int = 4096
+    """Informational; the KV cache length is chosen by the caller."""
+    sliding_window: int | None = None
+    """Attention window W: a query at position p sees keys in (p - W, p]; None = full."""
+    layer_types: tuple[str, ...] | None = None
+    """Per layer "full_attention" or "sliding_attention"; None = every layer uses
+    `sliding_window` (Mistral)."""
+
+    def __post_init__(self):
+        if isinstance(self.layer_types, list):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"DecoderConfig.model_type={self.model_type!r} is not supported; allowed: "
+                f"{SUPPORTED_MODEL_TYPES}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"DecoderConfig.{name} must be an int >= 1, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"DecoderConfig: num_attention_heads={self.num_attention_heads} is not a multiple "
+                f"of num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"DecoderConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"DecoderConfig.hidden_act={self.hidden_act!r} is not supported; allowed: "
+                f"{SUPPORTED_ACTIVATIONS}"
+            )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"DecoderConfig.layer_types has {len(self.layer_types)} entries, expected "
+                    f"num_hidden_layers={self.num_hidden_layers}"
+                )
+            bad = set(self.layer_types) - {"full_attention", "sliding_attention"}
+            if bad:
+                raise ValueError(
+                    f"DecoderConfig.layer_types: unknown {sorted(bad)}; allowed: "
+                    "'full_attention', 'sliding_attention'"
+                )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(
+                f"DecoderConfig.sliding_window must be >= 1, got {self.sliding_window}"
+            )
+
+    def layer_window(self, i: int) -> int | None:
+        """The attention window of layer i (None = full causal attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[i] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    # -- constructors ---------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> DecoderConfig:
+        """From a Hugging Face `config.json` dict (transformers 4 or 5 layout).
+
+        Example:
+            >>> DecoderConfig.from_hf({"model_type": "qwen2", "vocab_size": 64,
+            ...     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+            ...     "num_attention_heads": 4, "num_key_value_heads": 2}).qkv_bias
+            True
+        """
+        mt = hf.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"config.json model_type={mt!r} is not supported; allowed: {SUPPORTED_MODEL_TYPES}"
+            )
+        missing = [
+            k
+            for k in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+            )
+            if hf.get(k) is None
+        ]
+        if missing:
+            raise ValueError(f"config.json ({mt}) lacks required fields {missing}")
+        heads = int(hf["num_attention_heads"])
+        head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // heads
+        if hf.get("partial_rotary_factor", 1.0) not in (None, 1.0):
+            raise ValueError(
+                f"config.json partial_rotary_factor={hf['partial_rotary_factor']} is not "
+                "supported (only 1.0)"
+            )
+        theta, scaling = _read_rope(hf)
+        attention_bias = bool(hf.get("attention_bias", False))
+        if mt == "qwen2":
+            qkv_bias, o_bias = True, False
+        elif mt == "mistral":
+            qkv_bias = o_bias = False
+        else:
+            qkv_bias = o_bias = attention_bias
+        window = hf.get("sliding_window")
+        layer_types = hf.get("layer_types")
+        if mt in ("qwen2", "qwen3"):
+            if not hf.get("use_sliding_window", False):
+                window, layer_types = None, None
+            elif layer_types is None:
+                first = int(hf.get("max_window_layers", 0))
+                n = int(hf["num_hidden_layers"])
+                layer_types = [
+                    "sliding_attention" if i >= first else "full_attention" for i in range(n)
+                ]
+        elif mt == "llama":
+            window, layer_types = None, None
+        return cls(
+            model_type=mt,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)) if mt == "llama" else False,
+            qk_norm=mt == "qwen3",
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            hidden_act=hf.get("hidden_act", "silu"),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            sliding_window=None if window is None else int(window),
+            layer_types=None if layer_types is None else tuple(layer_types),
+        )
+
+    @classmethod
+    def tiny(cls, **overrides) -> DecoderConfig:
+        """A 2-layer GQA Llama for tests (V=256, D=64, H=4, kv=2, hd=16)."""
+        kw = dict(
+            model_type="llama",
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            rms_norm_eps=1e-5,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    @classmethod
+    def llama3_8b(cls, **overrides) -> DecoderConfig:
+        """Llama-3.1-8B shapes (for random-weight benchmarks)."""
+        kw = dict(
+            model_type="llama",
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            max_position_embeddings=131072,
+            rope_scaling=RopeScaling(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+
+def _read_rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    params = hf.get("rope_parameters") or {}
+    if params and not isinstance(params, Mapping):
+        raise ValueError(f"config.json rope_parameters must be a dict, got {type(params).__name__}")
+    if params and any(isinstance(v, Mapping) for v in params.values()):
+        raise ValueError("config.json: per-layer-type rope_parameters are not supported")
+    legacy = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    src = params if params.get("rope_type", params.get("type", "default")) != "default" else legacy
+    rope_type = src.get("rope_type", src.get("type", "default")) if src else "default"
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"config.json rope scaling type {rope_type!r} is not supported; allowed: "
+            f"{SUPPORTED_ROPE_TYPES} (or no scaling)"
+        )
+    kw: dict[str, Any] = dict(rope_type=rope_type, factor=float(src.get("factor", 1.0)))
+    if rope_type == "llama3":
+        orig = src.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        kw.update(
+            low_freq_factor=float(src.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(src.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(orig),
+        )
+    return float(theta), RopeScaling(**kw)

@@ -1,0 +1,74 @@
+"""The decoder's KV cache: one `[B, max_len, kv_phys, hd]` key and value array per layer.
+
+A registered pytree dataclass, so it passes through `jax.jit` (and can be donated).
+`kv_phys = max(num_kv_heads, tp)`: under tensor parallelism with fewer kv heads than
+shards each shard keeps its own replica of its kv head, as `QKVParallelLinear` does.
+Sharded on heads over "tensor" and on batch over "batch" (when B divides evenly).
+
+Slot `j` of a row holds the key/value of position `j`. The decoder writes the tokens of
+a step at their positions and attends to every slot `<= ` the query position, so the
+rows must be filled contiguously from position 0 (right padding is fine: pad slots are
+overwritten by later tokens before any query can see them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from lora_jax.models.config import DecoderConfig
+from lora_jax.sharding import ShardingRules
+
+
+def cache_batch_axis(rules: ShardingRules, batch: int) -> str | None:
+    """Logical batch axis of a `[B, ...]` array: "batch" when B divides evenly."""
+    return "batch" if batch % rules.size("batch") == 0 else None
+
+
+def physical_kv_heads(config: DecoderConfig, rules: ShardingRules) -> int:
+    """kv heads as stored: replicated up to the tensor axis size when it is larger."""
+    return max(config.num_key_value_heads, rules.size("tensor"))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer key and value caches.
+
+    Example:
+        >>> cache = KVCache.init(DecoderConfig.tiny(), batch=2, max_len=16)
+        >>> len(cache.k), cache.k[0].shape
+        (2, (2, 16, 2, 16))
+    """
+
+    k: tuple[jax.Array, ...]  # per layer [B, max_len, kv_phys, hd]
+    v: tuple[jax.Array, ...]  # per layer [B, max_len, kv_phys, hd]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    @classmethod
+    def init(
+        cls,
+        config: DecoderConfig,
+        batch: int,
+        max_len: int,
+        *,
+        rules: ShardingRules | None = None,
+        dtype=jnp.float32,
+    ) -> KVCache:
+        """Zeros, placed on the mesh (eager) with heads on "tensor", batch on "batch"."""
+        rules = rules if rules is not None else ShardingRules()
+        shape = (batch, max_len, physical_kv_heads(config, rules), config.head_dim)
+        b = cache_batch_axis(rules, batch)
+        sharding = rules.named(b, None, "tensor", None)
+        zeros = lambda: jnp.zeros(shape, dtype, device=sharding)  # noqa: E731
+        n = config.num_hidden_layers
+        return cls(k=tuple(zeros() for _ in range(n)), v=tuple(zeros() for _ in range(n)))

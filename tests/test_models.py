@@ -1,0 +1,447 @@
+"""Decoder models: HF transformers logits as the oracle, mesh runs vs the unsharded run,
+KV-cache decode vs a full forward, and the checkpoint loader's errors."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lora_jax.models import (
+    PACKED_MODULES_MAPPING,
+    DecoderConfig,
+    DecoderForCausalLM,
+    KVCache,
+    RopeScaling,
+    load_hf_model,
+)
+from lora_jax.models.rope import rope_inv_freq
+from lora_jax.sharding import ShardingRules
+
+TINY = dict(
+    vocab_size=120,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+)
+
+
+# -- HF oracle helpers ----------------------------------------------------------------------
+def _hf_model(model_type, **overrides):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cls_cfg = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }[model_type]
+    kw = dict(TINY)
+    kw.update(overrides)
+    cfg = cls_cfg(**kw)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
+    # HF inits biases to 0 and norms to 1: randomize everything so a mis-loaded bias or
+    # norm weight changes the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn_like(p) * (0.1 if "norm" in name else 0.08)
+            p.copy_(1.0 + noise if "norm" in name else noise)
+    return model
+
+
+def _save(model, path, **kw):
+    model.save_pretrained(str(path), safe_serialization=True, **kw)
+    return str(path)
+
+
+def _hf_logits(model, ids, mask=None):
+    import torch
+
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(np.asarray(ids), dtype=torch.long),
+            attention_mask=None if mask is None else torch.tensor(np.asarray(mask)),
+        )
+    return out.logits.float().numpy()
+
+
+@nnx.jit
+def _fwd(model, ids, pos, mask=None):
+    """Jitted full forward (eager op-by-op dispatch is far slower on CPU)."""
+    return model(ids, pos, attention_mask=mask)[0]
+
+
+def _positions(B, S):
+    return jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+
+
+def _ids(B, S, V, seed=0):
+    return jax.random.randint(jax.random.key(seed), (B, S), 0, V, dtype=jnp.int32)
+
+
+def _compare_with_hf(hf, path, *, B=3, S=10, mask=None):
+    model = load_hf_model(path)
+    ids = _ids(B, S, TINY["vocab_size"])
+    ours = _fwd(model, ids, _positions(B, S), mask)
+    ref = _hf_logits(hf, ids, mask)
+    ours = np.asarray(ours)
+    if mask is not None:  # pad positions are garbage in both; compare real tokens
+        keep = np.asarray(mask).astype(bool)
+        ours, ref = ours[keep], ref[keep]
+    np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=2e-4)
+    return model
+
+
+# -- HF oracle tests ------------------------------------------------------------------------
+@pytest.mark.oracle
+@pytest.mark.parametrize(
+    "model_type,overrides",
+    [
+        ("llama", {}),
+        ("llama", dict(attention_bias=True, mlp_bias=True)),
+        ("qwen2", {}),  # qkv bias, no o bias
+        ("qwen3", dict(head_dim=24)),  # q/k norm, head_dim != D / H
+        ("mistral", dict(sliding_window=4)),  # window shorter than the sequence
+    ],
+    ids=["llama", "llama-bias", "qwen2", "qwen3", "mistral-window"],
+)
+def test_logits_match_hf(tmp_path, model_type, overrides):
+    hf = _hf_model(model_type, **overrides)
+    model = _compare_with_hf(hf, _save(hf, tmp_path))
+    c = model.config
+    assert c.model_type == model_type
+    assert c.qkv_bias == (model_type == "qwen2" or bool(overrides.get("attention_bias")))
+    assert c.qk_norm == (model_type == "qwen3")
+
+
+@pytest.mark.oracle
+def test_right_padded_batch_matches_hf(tmp_path):
+    hf = _hf_model("llama")
+    mask = jnp.array([[1] * 10, [1] * 6 + [0] * 4, [1] * 3 + [0] * 7], jnp.int32)
+    _compare_with_hf(hf, _save(hf, tmp_path), mask=mask)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize(
+    "rope",
+    [
+        dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
+        dict(rope_type="linear", factor=3.0),
+    ],
+    ids=["llama3", "linear"],
+)
+def test_rope_scaling_matches_hf(tmp_path, rope):
+    hf = _hf_model("llama", rope_parameters=dict(rope, rope_theta=10000.0))
+    model = _compare_with_hf(hf, _save(hf, tmp_path), S=24)
+    assert model.config.rope_scaling.rope_type == rope["rope_type"]
+
+
+@pytest.mark.oracle
+def test_sharded_checkpoint_matches_hf(tmp_path):
+    hf = _hf_model("qwen2")
+    path = _save(hf, tmp_path, max_shard_size="40KB")
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 2
+    _compare_with_hf(hf, path)
+
+
+@pytest.mark.oracle
+def test_tied_lm_head_matches_hf(tmp_path):
+    hf = _hf_model("llama", tie_word_embeddings=True)
+    model = _compare_with_hf(hf, _save(hf, tmp_path))
+    assert model.lm_head is None
+
+
+@pytest.mark.oracle
+def test_hf_model_on_mesh_matches_hf(tmp_path):
+    hf = _hf_model("qwen3", head_dim=16, num_key_value_heads=1)  # kv heads replicated
+    path = _save(hf, tmp_path)
+    rules = ShardingRules(jax.make_mesh((2, 4), ("dp", "tp")))
+    model = load_hf_model(path, rules=rules)
+    ids = _ids(4, 8, TINY["vocab_size"])
+    ours = _fwd(model, ids, _positions(4, 8))
+    np.testing.assert_allclose(np.asarray(ours), _hf_logits(hf, ids), atol=2e-4, rtol=2e-4)
+
+
+# -- config ---------------------------------------------------------------------------------
+def _hf_dict(**kw):
+    d = dict(TINY, model_type="llama")
+    d.update(kw)
+    return d
+
+
+def test_from_hf_reads_both_rope_layouts():
+    v5 = DecoderConfig.from_hf(
+        _hf_dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=5e5))
+    )
+    v4 = DecoderConfig.from_hf(
+        _hf_dict(rope_theta=5e5, rope_scaling=dict(type="linear", factor=2.0))
+    )
+    assert v5 == v4
+    assert v5.rope_theta == 5e5 and v5.rope_scaling == RopeScaling(rope_type="linear", factor=2.0)
+    plain = DecoderConfig.from_hf(
+        _hf_dict(rope_parameters=dict(rope_type="default", rope_theta=7.0))
+    )
+    assert plain.rope_scaling is None and plain.rope_theta == 7.0
+    assert plain.head_dim == 16
+    hash(v5)  # lives in jit static args via the NNX graphdef
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(model_type="gpt2"), "model_type"),
+        (dict(rope_parameters=dict(rope_type="yarn", factor=4.0)), "yarn"),
+        (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "dynamic"),
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(vocab_size=None), "vocab_size"),
+    ],
+)
+def test_from_hf_rejects_bad_configs(bad, match):
+    with pytest.raises(ValueError, match=match):
+        DecoderConfig.from_hf(_hf_dict(**bad))
+
+
+def test_qwen2_sliding_layers_follow_max_window_layers():
+    cfg = DecoderConfig.from_hf(
+        _hf_dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    )
+    assert [cfg.layer_window(i) for i in range(2)] == [None, 8]
+    off = DecoderConfig.from_hf(_hf_dict(model_type="qwen2", sliding_window=8))
+    assert off.layer_window(1) is None
+
+
+def test_presets_and_packed_mapping():
+    big = DecoderConfig.llama3_8b()
+    assert (big.hidden_size, big.num_key_value_heads, big.vocab_size) == (4096, 8, 128256)
+    assert big.rope_scaling.rope_type == "llama3"
+    assert PACKED_MODULES_MAPPING["qkv_proj"] == ["q_proj", "k_proj", "v_proj"]
+    assert PACKED_MODULES_MAPPING["gate_up_proj"] == ["gate_proj", "up_proj"]
+
+
+def test_llama3_rope_keeps_high_and_scales_low_frequencies():
+    scaling = RopeScaling(rope_type="llama3", factor=8.0, original_max_position_embeddings=64)
+    base, scaled = rope_inv_freq(16, 1e4), rope_inv_freq(16, 1e4, scaling)
+    wavelen = 2 * np.pi / base
+    np.testing.assert_array_equal(scaled[wavelen < 16], base[wavelen < 16])
+    np.testing.assert_allclose(scaled[wavelen > 64], base[wavelen > 64] / 8.0, rtol=1e-6)
+
+
+# -- model structure, cache, mesh (no torch) -------------------------------------------------
+def test_module_paths_mirror_hf_names():
+    cfg = DecoderConfig.tiny(qk_norm=True, model_type="qwen3")
+    model = DecoderForCausalLM(cfg, rngs=nnx.Rngs(0))
+    paths = {".".join(map(str, p)) for p, _ in nnx.iter_graph(model) if p}
+    for name in (
+        "model.embed_tokens",
+        "model.layers.1.self_attn.qkv_proj",
+        "model.layers.1.self_attn.o_proj",
+        "model.layers.0.self_attn.q_norm",
+        "model.layers.0.self_attn.k_norm",
+        "model.layers.0.mlp.gate_up_proj",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.0.input_layernorm",
+        "model.layers.0.post_attention_layernorm",
+        "model.norm",
+        "lm_head",
+    ):
+        assert name in paths, name
+
+
+def _random_model(cfg, rules=None, seed=0, dtype=jnp.float32):
+    model = DecoderForCausalLM(cfg, rules=rules, dtype=dtype, rngs=nnx.Rngs(seed))
+    # Non-trivial norm weights and biases, identical for every mesh (drawn logically).
+    key = jax.random.key(seed + 1)
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param) and path[-1] == "weight":
+            key, k = jax.random.split(key)
+            w = 1.0 + 0.1 * jax.random.normal(k, var.shape)
+            var.set_value(jax.device_put(w, var[...].sharding))
+    return model
+
+
+TP_CFG = DecoderConfig.tiny(
+    qkv_bias=True, sliding_window=3, layer_types=("full_attention", "sliding_attention")
+)
+
+
+KV1_CFG = DecoderConfig.tiny(
+    num_key_value_heads=1, tie_word_embeddings=True, model_type="qwen3", qk_norm=True
+)
+
+
+@pytest.mark.parametrize(
+    "cfg,mesh_shape",
+    [(TP_CFG, (1, 2)), (TP_CFG, (2, 4)), (KV1_CFG, (1, 4)), (KV1_CFG, (2, 2))],
+    ids=["gqa2-window-tp2", "gqa2-window-dp2tp4", "kv1-tied-qknorm-tp4", "kv1-tied-qknorm-dp2tp2"],
+)
+def test_mesh_matches_unsharded(cfg, mesh_shape):
+    B, S = 4, 7
+    ids, pos = _ids(B, S, cfg.vocab_size, seed=3), _positions(B, S)
+    ref = _fwd(_random_model(cfg), ids, pos)
+    rules = ShardingRules(jax.make_mesh(mesh_shape, ("dp", "tp")))
+    model = _random_model(cfg, rules)
+    out = _fwd(model, ids, pos)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+    hidden = nnx.jit(lambda m, i, p: m.model(i, p)[0])(model, ids, pos)  # [B, S, D] path
+    assert hidden.shape == (B, S, cfg.hidden_size)
+
+
+def _decode_by_steps(model, ids, prompt_len, cache):
+    """Prefill `ids[:, :prompt_len]` then feed the rest one token at a time."""
+    B, S = ids.shape
+    step = nnx.jit(lambda m, i, p, c: m(i, p, c))
+    pos = _positions(B, S)
+    logits, cache = step(model, ids[:, :prompt_len], pos[:, :prompt_len], cache)
+    outs = [logits]
+    for t in range(prompt_len, S):
+        logits, cache = step(model, ids[:, t : t + 1], pos[:, t : t + 1], cache)
+        outs.append(logits)
+    return jnp.concatenate(outs, axis=1)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 4)])
+def test_kv_cache_decode_matches_full_forward(mesh_shape):
+    cfg = TP_CFG
+    rules = ShardingRules(jax.make_mesh(mesh_shape, ("dp", "tp"))) if mesh_shape else None
+    model = _random_model(cfg, rules)
+    B, S = 2, 9
+    ids = _ids(B, S, cfg.vocab_size, seed=5)
+    full = _fwd(model, ids, _positions(B, S))
+    cache = KVCache.init(cfg, B, 16, rules=rules)
+    stepped = _decode_by_steps(model, ids, 4, cache)
+    np.testing.assert_allclose(np.asarray(stepped), np.asarray(full), atol=2e-5, rtol=2e-5)
+
+
+def test_right_padded_prefill_then_decode_matches_unpadded():
+    """A pad token written at a slot is overwritten before any query can see it."""
+    cfg = TP_CFG
+    model = _random_model(cfg)
+    ids = _ids(1, 8, cfg.vocab_size, seed=6)
+    full = _fwd(model, ids, _positions(1, 8))
+    padded = jnp.concatenate([ids[:, :5], jnp.zeros((1, 3), jnp.int32)], axis=1)
+    cache = KVCache.init(cfg, 1, 8)
+    step = nnx.jit(lambda m, i, p, c: m(i, p, c))
+    _, cache = step(model, padded, _positions(1, 8), cache)
+    for t in range(5, 8):
+        logits, cache = step(model, ids[:, t : t + 1], jnp.full((1, 1), t, jnp.int32), cache)
+        np.testing.assert_allclose(np.asarray(logits[:, 0]), np.asarray(full[:, t]), atol=2e-5)
+
+
+def test_bf16_model_close_to_f32():
+    cfg = DecoderConfig.tiny()
+    ids, pos = _ids(2, 6, cfg.vocab_size), _positions(2, 6)
+    ref = _fwd(_random_model(cfg), ids, pos)
+    out = _fwd(_random_model(cfg, dtype=jnp.bfloat16), ids, pos)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=0.1)
+
+
+# -- loader without torch: a numpy-written HF-layout checkpoint -----------------------------
+def _export_hf(model, path):
+    """Writes `model` (unsharded) as an HF-named safetensors checkpoint (test helper)."""
+    from safetensors.numpy import save_file
+
+    c = model.config
+    hd = c.head_dim
+    sizes = [c.num_attention_heads * hd, c.num_key_value_heads * hd, c.num_key_value_heads * hd]
+    t = {"model.embed_tokens.weight": model.model.embed_tokens.embedding[...][: c.vocab_size]}
+    t["model.norm.weight"] = model.model.norm.weight[...]
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = layer.input_layernorm.weight[...]
+        t[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight[...]
+        qkv = layer.self_attn.qkv_proj
+        cuts = np.cumsum(sizes)[:-1]
+        for s, w in zip("qkv", np.split(np.asarray(qkv.kernel[...]), cuts, axis=1)):
+            t[f"{p}self_attn.{s}_proj.weight"] = w.T
+        if qkv.bias is not None:
+            for s, b in zip("qkv", np.split(np.asarray(qkv.bias[...]), cuts)):
+                t[f"{p}self_attn.{s}_proj.bias"] = b
+        t[p + "self_attn.o_proj.weight"] = layer.self_attn.o_proj.kernel[...].T
+        gate, up = np.split(np.asarray(layer.mlp.gate_up_proj.kernel[...]), 2, axis=1)
+        t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"] = gate.T, up.T
+        t[p + "mlp.down_proj.weight"] = layer.mlp.down_proj.kernel[...].T
+    if model.lm_head is not None:
+        t["lm_head.weight"] = model.lm_head.embedding[...][: c.vocab_size]
+    t = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in t.items()}
+    os.makedirs(path, exist_ok=True)
+    save_file(t, os.path.join(path, "model.safetensors"))
+    hf_cfg = dict(
+        model_type=c.model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=hd, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )  # fmt: skip
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_cfg, f)
+    return t
+
+
+@pytest.fixture
+def exported(tmp_path):
+    cfg = DecoderConfig.tiny(model_type="qwen2", qkv_bias=True)
+    model = _random_model(cfg)
+    tensors = _export_hf(model, tmp_path)
+    return model, tensors, str(tmp_path)
+
+
+def test_loader_roundtrip_on_mesh(exported):
+    model, _, path = exported
+    ids, pos = _ids(2, 5, model.config.vocab_size), _positions(2, 5)
+    ref = _fwd(model, ids, pos)
+    rules = ShardingRules(jax.make_mesh((1, 4), ("dp", "tp")))
+    loaded = load_hf_model(path, rules=rules)
+    out = _fwd(loaded, ids, pos)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+def _rewrite(path, tensors):
+    from safetensors.numpy import save_file
+
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+
+
+def test_loader_names_missing_tensor(exported):
+    _, tensors, path = exported
+    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    _rewrite(path, tensors)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias.*missing"):
+        load_hf_model(path)
+
+
+def test_loader_names_mismatched_tensor(exported):
+    _, tensors, path = exported
+    tensors["model.layers.0.mlp.up_proj.weight"] = np.zeros((7, 64), np.float32)
+    _rewrite(path, tensors)
+    with pytest.raises(ValueError, match=r"model\.safetensors.*up_proj\.weight.*\(7, 64\)"):
+        load_hf_model(path)
+
+
+def test_loader_rejects_unused_tensor_and_missing_files(exported, tmp_path_factory):
+    _, tensors, path = exported
+    tensors["model.layers.0.self_attn.extra.weight"] = np.zeros((2,), np.float32)
+    _rewrite(path, tensors)
+    with pytest.raises(ValueError, match="extra.weight"):
+        load_hf_model(path)
+    os.remove(os.path.join(path, "model.safetensors"))
+    with pytest.raises(ValueError, match="safetensors"):
+        load_hf_model(path)
+    with pytest.raises(ValueError, match="config.json"):
+        load_hf_model(str(tmp_path_factory.mktemp("empty")))
