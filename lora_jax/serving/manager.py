@@ -116,12 +116,11 @@ def _slot_sharding(stack: jax.Array, axis: int):
 def _write_slots(stacks, index, values, axes):
     out = []
     for stack, value, axis in zip(stacks, values, axes):
-        if value is None:
-            # Zeros shaped (and sharded) like one slot of the stack.
-            update = jnp.zeros_like(jax.lax.slice_in_dim(stack, 0, 1, axis=axis))
-        else:
-            update = jnp.expand_dims(value.astype(stack.dtype), axis)
-        out.append(jax.lax.dynamic_update_slice_in_dim(stack, update, index, axis=axis))
+        at = (slice(None),) * axis + (index,)
+        # A scatter (not a dynamic_update_slice): it accepts an update whose sharding is
+        # the stack's minus the slot dim on Explicit meshes too.
+        update = 0 if value is None else value.astype(stack.dtype)
+        out.append(stack.at[at].set(update))
     return tuple(out)
 
 
