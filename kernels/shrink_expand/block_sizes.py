@@ -81,7 +81,7 @@ class BlockSizes:
                 return cls(
                     block_m=16,
                     block_r=block_r,
-                    block_k=64,
+                    block_k=128,
                     num_warps=4,
                     num_stages=2,
                     split_k=split_k,

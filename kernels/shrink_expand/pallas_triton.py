@@ -282,6 +282,7 @@ def expand(
     bs = fit_expand_tiles(
         dataclasses.replace(bs, block_n=bn), rank, jnp.dtype(compute_dtype).itemsize
     )
+    bn = bs.block_n  # the grid below must use the fitted width
     has_ranks = slot_ranks is not None
     kernel = functools.partial(
         _expand_kernel,
