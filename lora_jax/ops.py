@@ -76,6 +76,12 @@ def _check_stacks(name: str, stacks: Sequence[jax.Array], mapping: LoRAMapping) 
             )
 
 
+def _use_one_hot(num_tokens: int, num_slots: int) -> bool:
+    """XLA path choice: a per-token gather copies one adapter per token, which beats
+    touching every slot only when tokens are fewer than slots."""
+    return num_tokens > num_slots
+
+
 def _gather_slot(stack: jax.Array, idx: jax.Array) -> jax.Array:
     # Clamp -1 to slot 0 for the gather; the caller masks those rows out.
     return jnp.take(stack, jnp.maximum(idx, 0), axis=0)
@@ -108,8 +114,16 @@ def lora_shrink(
     keep = (idx >= 0)[:, None]
     outs = []
     for a in lora_a:
-        a_t = _gather_slot(a, idx)  # [T, R, H]
-        h = jnp.einsum("th,trh->tr", x, a_t, preferred_element_type=jnp.float32)
+        if _use_one_hot(idx.shape[0], a.shape[0]):
+            # Many tokens per slot: one matmul against every slot, then pick the token's
+            # slot (reads each adapter once, no [T, R, H] gather).
+            L, R, H = a.shape
+            h_all = jnp.dot(x, a.reshape(L * R, H).T, preferred_element_type=jnp.float32)
+            h_all = h_all.reshape(-1, L, R)  # [T, L, R]
+            h = jnp.take_along_axis(h_all, jnp.maximum(idx, 0)[:, None, None], axis=1)[:, 0]
+        else:
+            a_t = _gather_slot(a, idx)  # [T, R, H]
+            h = jnp.einsum("th,trh->tr", x, a_t, preferred_element_type=jnp.float32)
         outs.append(jnp.where(keep, h * scale, 0.0))
     return jnp.stack(outs).astype(jnp.float32)  # [S, T, R]
 
@@ -153,10 +167,17 @@ def lora_expand(
     idx = mapping.token_lora_indices
     keep = (idx >= 0)[:, None]
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
-        b_t = _gather_slot(b, idx)  # [T, n_s, R]
-        delta = jnp.einsum(
-            "tr,tnr->tn", h[s].astype(jnp.float32), b_t, preferred_element_type=jnp.float32
-        )
+        hs = h[s].astype(jnp.float32)  # [T, R]
+        if _use_one_hot(idx.shape[0], b.shape[0]):
+            L, n, R = b.shape
+            one_hot = jax.nn.one_hot(jnp.maximum(idx, 0), L, dtype=jnp.float32)  # [T, L]
+            h_slot = (one_hot[:, :, None] * hs[:, None, :]).reshape(-1, L * R)  # [T, L*R]
+            b_flat = jnp.moveaxis(b, 1, 2).reshape(L * R, n)  # [L*R, n]
+            # h is rounded to B's dtype for the dot, as the GPU kernels do.
+            delta = jnp.dot(h_slot.astype(b.dtype), b_flat, preferred_element_type=jnp.float32)
+        else:
+            b_t = _gather_slot(b, idx)  # [T, n_s, R]
+            delta = jnp.einsum("tr,tnr->tn", hs, b_t, preferred_element_type=jnp.float32)
         cols = y[:, off : off + b.shape[1]]
         new = (cols.astype(jnp.float32) + delta).astype(y.dtype)
         y = y.at[:, off : off + b.shape[1]].set(jnp.where(keep, new, cols))

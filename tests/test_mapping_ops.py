@@ -39,10 +39,11 @@ def _oracle(x, a_slices, b_slices, idx, scale, y, offsets):
     return y
 
 
+@pytest.mark.parametrize("L", [3, 16], ids=["one_hot_path", "gather_path"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_add_lora_linear_xla_matches_loop(dtype):
+def test_add_lora_linear_xla_matches_loop(dtype, L):
     rng = np.random.default_rng(0)
-    T, H, R, L = 9, 24, 8, 3
+    T, H, R = 9, 24, 8
     sizes = [16, 8, 8]
     offsets = [4, 20, 28]  # not contiguous from 0: vLLM's offset_start
     a = [jnp.asarray(rng.normal(size=(L, R, H)), dtype) for _ in sizes]
