@@ -109,6 +109,8 @@ CPU_CASES = [
     # split-K: 5 k steps over 3 programs; and 4 splits of 2 steps, the last past H
     Case(9, 130, 32, (16,), jnp.float32, "unsorted", block_sizes=_SPLIT3),
     Case(20, 130, 16, (16, 16), jnp.bfloat16, "unsorted", ranked=True, block_sizes=_SPLIT4),
+    # rank 256: expand tiles shrink to fit shared memory (block_n 128 -> 64), grid follows
+    Case(4, 32, 256, (200,), jnp.float16, "unsorted", max_loras=2),
 ]
 
 
