@@ -1,0 +1,264 @@
+"""Jitted multi-adapter generation: prefill + KV-cache decode, every request its own adapter.
+
+`generate(model, prompts, adapter_slots, max_new_tokens=...)` pads the batch and the
+prompts to power-of-two buckets, runs one jitted prefill (all prompt tokens, right
+padded) and one jitted decode loop (`lax.while_loop`, one token per request per step,
+stopping early when every request hit `eos_token_id`). Each token's adapter slot is its
+request's; the step sets it with `set_lora_mapping(model, token_slots[B*S],
+seq_lora_indices=slots[B])` inside the jit, so a new adapter, a new mix of adapters or new
+prompts in the same buckets never recompile: compiles happen once per
+(batch bucket, prompt bucket, new-token bucket, sampling mode).
+
+The model is split once per call (`nnx.split`) and the jitted functions are pure over
+`(graphdef, state)`; the KV cache is donated from prefill to decode. `TRACE_COUNTS`
+counts traces of each step, which is what the no-recompile tests assert on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lora_jax.layers.base import _context_max_loras, find_lora_context, set_lora_mapping
+from lora_jax.models.kv_cache import KVCache, cache_batch_axis
+from lora_jax.serving.sampling import SamplingParams, row_keys, sample_tokens
+from lora_jax.sharding import ShardingRules, shard_map
+
+# Traces of the jitted steps ("prefill", "decode"); a trace is a (re)compile.
+TRACE_COUNTS: collections.Counter[str] = collections.Counter()
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """Per-request generated token ids (the eos token included when it stopped one).
+
+    Example:
+        >>> out = generate(model, [[1, 2, 3]], [-1], max_new_tokens=4)  # doctest: +SKIP
+        >>> out.tokens[0], out.finish_reasons[0]  # doctest: +SKIP
+        ([17, 5, 5, 9], 'length')
+    """
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]  # "eos" or "length"
+    batch_bucket: int  # padded batch size B
+    prompt_bucket: int  # padded prompt length S
+    new_tokens_bucket: int  # padded decode length N (cache length is S + N)
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum).
+
+    Example:
+        >>> bucket(5), bucket(5, minimum=16), bucket(16)
+        (8, 16, 16)
+    """
+    n = max(int(n), int(minimum), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def _last_hidden(rules: ShardingRules, hidden: jax.Array, lengths: jax.Array, S: int):
+    """`hidden [B*S, D]` → `[B, D]` at each row's last prompt token (`lengths - 1`)."""
+
+    def pick(h, n):
+        h = h.reshape(n.shape[0], S, h.shape[-1])
+        return jnp.take_along_axis(h, (n - 1)[:, None, None], axis=1)[:, 0]
+
+    if rules.mesh is None:
+        return pick(hidden, lengths)
+    b = cache_batch_axis(rules, lengths.shape[0])
+    return shard_map(rules, pick, ((b, None), (b,)), (b, None))(hidden, lengths)
+
+
+def _set_mapping(model, token_slots, seq_slots):
+    # The mapping's sort over tokens needs them unsharded (Explicit meshes refuse a sort
+    # over a sharded dim); LoRA layers re-split tokens over "batch" themselves.
+    rules = model.rules
+    set_lora_mapping(model, rules.constrain(token_slots, None), rules.constrain(seq_slots, None))
+
+
+def _prefill_fn(
+    graphdef, state, cache, ids, lengths, slots, row_ids, seed_key, temperature, top_p, *, mode
+):
+    TRACE_COUNTS["prefill"] += 1
+    model = nnx.merge(graphdef, state)
+    B, S = ids.shape
+    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    _set_mapping(model, jnp.repeat(slots, S), slots)  # row-major: row b's tokens use slot[b]
+    mask = positions < lengths[:, None]
+    hidden, cache = model.model(ids, positions, cache, attention_mask=mask, flat=True)
+    logits = model.compute_logits(_last_hidden(model.rules, hidden, lengths, S))  # [B, V]
+    keys = row_keys(seed_key, row_ids, 0)
+    return sample_tokens(logits, keys, temperature, top_p, mode=mode), cache
+
+
+def _decode_fn(
+    graphdef,
+    state,
+    cache,
+    first,
+    lengths,
+    slots,
+    row_ids,
+    seed_key,
+    temperature,
+    top_p,
+    active,
+    max_new,
+    eos,
+    *,
+    mode,
+    new_bucket,
+):
+    TRACE_COUNTS["decode"] += 1
+    model = nnx.merge(graphdef, state)
+    B = first.shape[0]
+    _set_mapping(model, slots, slots)  # one token per request
+    # Fixed shardings for the loop carry (Explicit meshes want them equal on every trip).
+    b = cache_batch_axis(model.rules, B)
+    rows = lambda x: model.rules.constrain(x, b)  # noqa: E731
+    out = jnp.full((B, new_bucket), -1, jnp.int32).at[:, 0].set(first)  # [B, N]
+    out = model.rules.constrain(out, b, None)
+    done = rows((first == eos) | (max_new <= 1) | ~active)  # pad rows never hold the loop
+
+    def cond(carry):
+        t, _, _, _, done = carry
+        return (t < max_new) & ~jnp.all(done)
+
+    def body(carry):
+        t, tok, cache, out, done = carry
+        # `tok` (generated token t-1) sits at position len + t - 1.
+        pos = (lengths + t - 1)[:, None]
+        hidden, cache = model.model(tok[:, None], pos, cache, flat=True)  # [B, D]
+        logits = model.compute_logits(hidden)
+        new = sample_tokens(logits, row_keys(seed_key, row_ids, t), temperature, top_p, mode=mode)
+        new = rows(jnp.where(done, -1, new))
+        out = jax.lax.dynamic_update_slice(out, new[:, None], (0, t))
+        done = done | (new == eos)
+        # Finished rows keep stepping (static shapes) on a harmless token.
+        return t + 1, rows(jnp.where(done, 0, new)), cache, out, done
+
+    carry = (jnp.int32(1), rows(jnp.where(done, 0, first)), cache, out, done)
+    _, _, cache, out, _ = jax.lax.while_loop(cond, body, carry)
+    return out, cache
+
+
+_prefill = jax.jit(_prefill_fn, static_argnames=("graphdef", "mode"), donate_argnames=("cache",))
+_decode = jax.jit(
+    _decode_fn, static_argnames=("graphdef", "mode", "new_bucket"), donate_argnames=("cache",)
+)
+
+
+def _check_inputs(model, prompts, adapter_slots, max_new_tokens, eos_token_id):
+    vocab = model.config.vocab_size
+    if len(prompts) == 0:
+        raise ValueError("generate: prompts is empty")
+    clean = []
+    for i, p in enumerate(prompts):
+        arr = np.asarray(p)
+        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"generate: prompt {i} must be a non-empty sequence of token ids")
+        if arr.min() < 0 or arr.max() >= vocab:
+            raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab})")
+        clean.append(arr.astype(np.int32))
+    slots = [-1] * len(prompts) if adapter_slots is None else [int(s) for s in adapter_slots]
+    if len(slots) != len(prompts):
+        raise ValueError(f"generate: {len(prompts)} prompts but {len(slots)} adapter_slots")
+    has_lora = find_lora_context(model) is not None
+    max_loras = _context_max_loras(model) if has_lora else 0
+    bad = [s for s in slots if not -1 <= s < max_loras]
+    if bad:
+        allowed = f"[-1, {max_loras})" if has_lora else "-1 (the model has no LoRA layers)"
+        raise ValueError(f"generate: adapter slots {bad} outside {allowed}")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if eos_token_id is not None and not 0 <= int(eos_token_id) < vocab:
+        raise ValueError(f"generate: eos_token_id {eos_token_id} outside [0, {vocab})")
+    return clean, slots
+
+
+def generate(
+    model: nnx.Module,
+    prompts: Sequence[Sequence[int]],
+    adapter_slots: Sequence[int] | None = None,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingParams | None = None,
+    eos_token_id: int | None = None,
+    min_batch_bucket: int = 1,
+    min_prompt_bucket: int = 16,
+    cache_dtype=None,
+) -> GenerationResult:
+    """Generates up to `max_new_tokens` per prompt, request i with adapter slot
+    `adapter_slots[i]` (-1 = base model).
+
+    Args:
+      model: a `DecoderForCausalLM` (LoRA-wrapped or not).
+      prompts: token ids per request.
+      adapter_slots: device slot per request, -1 for none; `None` = all -1.
+      max_new_tokens: tokens to generate per request (fewer when eos stops it).
+      sampling: `SamplingParams` (greedy by default).
+      eos_token_id: stops a request once generated (it is included in the result).
+      min_batch_bucket / min_prompt_bucket: lower bounds of the power-of-two buckets.
+      cache_dtype: KV cache dtype; defaults to the model's compute dtype.
+
+    Example:
+        >>> out = generate(model, [[1, 2], [3]], [0, -1], max_new_tokens=8)  # doctest: +SKIP
+        >>> len(out.tokens[1])  # doctest: +SKIP
+        8
+    """
+    sampling = sampling if sampling is not None else SamplingParams()
+    if isinstance(sampling, dict):
+        sampling = SamplingParams(**sampling)
+    clean, slots = _check_inputs(model, prompts, adapter_slots, max_new_tokens, eos_token_id)
+    rules: ShardingRules = model.rules
+    n = len(clean)
+    B = bucket(n, max(min_batch_bucket, rules.size("batch")))
+    S = bucket(max(len(p) for p in clean), min_prompt_bucket)
+    N = bucket(max_new_tokens)
+    ids = np.zeros((B, S), np.int32)
+    lengths = np.ones((B,), np.int32)  # pad rows: one dummy token
+    for i, p in enumerate(clean):
+        ids[i, : len(p)] = p
+        lengths[i] = len(p)
+    slot_arr = np.full((B,), -1, np.int32)
+    slot_arr[:n] = slots
+    row_ids = np.arange(B, dtype=np.int32)
+    b = cache_batch_axis(rules, B)
+    put = lambda x, *ax: rules.place(jnp.asarray(x), *ax)  # noqa: E731
+    ids, lengths, slot_arr, row_ids = (
+        put(ids, b, None),
+        put(lengths, b),
+        put(slot_arr, b),
+        put(row_ids, b),
+    )
+    dtype = cache_dtype or getattr(model, "dtype", None) or jnp.float32
+    cache = KVCache.init(model.config, B, S + N, rules=rules, dtype=dtype)
+    graphdef, state = nnx.split(model)
+    seed_key = jax.random.key(sampling.seed)
+    temperature = jnp.float32(sampling.temperature)
+    top_p = jnp.float32(sampling.top_p)
+    common = (lengths, slot_arr, row_ids, seed_key, temperature, top_p)
+    first, cache = _prefill(graphdef, state, cache, ids, *common, mode=sampling.mode)
+    if max_new_tokens == 1:
+        out = first[:, None]
+    else:
+        eos = jnp.int32(-2 if eos_token_id is None else eos_token_id)
+        active = put(np.arange(B) < n, b)
+        out, _ = _decode(
+            graphdef, state, cache, first, *common, active, jnp.int32(max_new_tokens), eos,
+            mode=sampling.mode, new_bucket=N,
+        )  # fmt: skip
+    out = np.asarray(jax.device_get(out))[:n, :max_new_tokens]
+    tokens, reasons = [], []
+    for row in out:
+        row = row[row >= 0]
+        hit = eos_token_id is not None and row.size and row[-1] == eos_token_id
+        tokens.append([int(t) for t in row])
+        reasons.append("eos" if hit else "length")
+    return GenerationResult(tokens, reasons, B, S, N)

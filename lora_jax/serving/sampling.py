@@ -1,0 +1,103 @@
+"""Token sampling: greedy, temperature and nucleus (top-p), with per-row PRNG keys.
+
+Every row draws from its own key, `fold_in(fold_in(key(seed), request_index), step)`, so a
+request's samples depend on the seed, its index and the step only — not on which other
+requests share the batch or how the batch was padded. Temperature and top-p are traced
+scalars (changing them never recompiles); only the `mode` ("greedy", "sample", "top_p")
+is static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+SAMPLING_MODES = ("greedy", "sample", "top_p")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How the next token is chosen.
+
+    Example:
+        >>> SamplingParams(temperature=0.7, top_p=0.9, seed=3).mode
+        'top_p'
+        >>> SamplingParams().mode
+        'greedy'
+    """
+
+    temperature: float = 0.0
+    """0 = greedy (argmax); > 0 divides the logits before sampling."""
+    top_p: float = 1.0
+    """Nucleus: sample from the smallest set of tokens whose probability is >= top_p."""
+    seed: int = 0
+    """PRNG seed; the same seed, prompts and params give the same tokens."""
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"SamplingParams.seed must be an int, got {self.seed!r}")
+
+    @property
+    def mode(self) -> str:
+        """The static sampling branch: "greedy", "sample" or "top_p"."""
+        if self.temperature == 0:
+            return "greedy"
+        return "top_p" if self.top_p < 1 else "sample"
+
+
+def row_keys(seed_key: jax.Array, row_ids: jax.Array, step: jax.Array) -> jax.Array:
+    """One key per row: `fold_in(fold_in(seed_key, row_id), step)`; `row_ids i32[B]`."""
+    per_row = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(seed_key, row_ids)
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(per_row, step)
+
+
+def top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Sets logits outside each row's nucleus to -inf; `logits f32[B, V]`.
+
+    The nucleus is the smallest prefix of the tokens sorted by probability whose mass
+    reaches `top_p` (the most likely token is always kept; ties at the edge are kept).
+
+    Example:
+        >>> top_p_filter(jnp.log(jnp.array([[0.5, 0.3, 0.2]])), 0.7)[0, 2]
+        Array(-inf, dtype=float32)
+    """
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # [B, V] descending
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < top_p) | (top_p >= 1.0)  # f32 cumsum may reach 1 early
+    # The smallest kept logit of each row is its threshold.
+    threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def sample_tokens(
+    logits: jax.Array,
+    keys: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    *,
+    mode: str,
+) -> jax.Array:
+    """Next tokens `i32[B]` from `logits f32[B, V]` and per-row `keys [B]`.
+
+    Example:
+        >>> keys = row_keys(jax.random.key(0), jnp.arange(2), 0)
+        >>> sample_tokens(jnp.eye(2, 4), keys, 0.0, 1.0, mode="greedy").tolist()
+        [0, 1]
+    """
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
+    logits = logits.astype(jnp.float32)
+    if mode == "greedy":
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.asarray(temperature, jnp.float32)
+    if mode == "top_p":
+        scaled = top_p_filter(scaled, jnp.asarray(top_p, jnp.float32))
+    draw = jax.vmap(lambda k, row: jax.random.categorical(k, row))
+    return draw(keys, scaled).astype(jnp.int32)

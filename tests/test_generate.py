@@ -1,0 +1,289 @@
+"""Generation: greedy vs a cache-free argmax loop, multi-adapter batches vs single requests
+and vs adapters merged into dense weights, no recompiles inside a bucket, sampling, mesh."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import lora_jax
+from lora_jax.models import DecoderConfig, DecoderForCausalLM
+from lora_jax.serving.generate import TRACE_COUNTS, bucket, generate
+from lora_jax.serving.sampling import SamplingParams, row_keys, sample_tokens, top_p_filter
+from lora_jax.sharding import ShardingRules
+
+CFG = DecoderConfig.tiny(qkv_bias=True)
+LORA_CFG = lora_jax.LoRAConfig(max_loras=3, max_lora_rank=8)
+PROMPTS = [
+    [5, 17, 3, 99, 4, 8, 1],
+    [250, 2],
+    [7, 7, 7, 30, 31],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+    [42],
+]
+SLOTS = [0, 1, -1, 2, 1]
+NEW = 6
+B8 = dict(min_batch_bucket=8)  # one batch bucket for every call: identical programs
+
+
+def _model(rules=None):
+    return DecoderForCausalLM(CFG, rules=rules, rngs=nnx.Rngs(0))
+
+
+@nnx.jit
+def _fwd(model, ids, pos):
+    return model(ids, pos)[0]
+
+
+def _greedy_reference(model, prompt, n, eos=None):
+    """Argmax loop over full forwards (no cache, no padding, no jit of the loop)."""
+    seq = list(prompt)
+    for _ in range(n):
+        ids = jnp.array([seq], jnp.int32)
+        logits = _fwd(model, ids, jnp.arange(len(seq))[None])  # [1, S, V]
+        seq.append(int(jnp.argmax(logits[0, -1])))
+        if eos is not None and seq[-1] == eos:
+            break
+    return seq[len(prompt) :]
+
+
+# -- adapters ---------------------------------------------------------------------------------
+def _adapters(seed, rank=8):
+    """Per layer, per module: list of (A [r, in], B [out, r]) slices (scale folded in)."""
+    rng = np.random.default_rng(seed)
+    c = CFG
+    q, kv, inter = (
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+        c.intermediate_size,
+    )
+    mods = {
+        "qkv_proj": (c.hidden_size, [q, kv, kv]),
+        "o_proj": (q, [c.hidden_size]),
+        "gate_up_proj": (c.hidden_size, [inter, inter]),
+        "down_proj": (inter, [c.hidden_size]),
+    }
+    out = []
+    for _ in range(c.num_hidden_layers):
+        layer = {}
+        for name, (n_in, outs) in mods.items():
+            layer[name] = [
+                (
+                    rng.normal(0, 1 / np.sqrt(n_in), (rank, n_in)).astype(np.float32),
+                    rng.normal(0, 0.6 / np.sqrt(rank), (n_out, rank)).astype(np.float32),
+                )
+                for n_out in outs
+            ]
+        out.append(layer)
+    return out
+
+
+def _modules(layer):
+    return {
+        "qkv_proj": (layer.self_attn, "qkv_proj"),
+        "o_proj": (layer.self_attn, "o_proj"),
+        "gate_up_proj": (layer.mlp, "gate_up_proj"),
+        "down_proj": (layer.mlp, "down_proj"),
+    }
+
+
+def _wrap(model):
+    """LoRA-wraps the 4 packed/row projections of every layer by hand, one shared context."""
+    ctx = lora_jax.LoRAContext(None)
+    classes = {
+        "qkv_proj": lora_jax.MergedQKVParallelLinearWithLoRA,
+        "o_proj": lora_jax.RowParallelLinearWithLoRA,
+        "gate_up_proj": lora_jax.MergedColumnParallelLinearWithLoRA,
+        "down_proj": lora_jax.RowParallelLinearWithLoRA,
+    }
+    for layer in model.model.layers:
+        for name, (parent, attr) in _modules(layer).items():
+            setattr(parent, attr, classes[name](getattr(parent, attr), LORA_CFG, ctx))
+    return model
+
+
+def _set(model, slot, adapter):
+    for layer, weights in zip(model.model.layers, adapter):
+        for name, (parent, attr) in _modules(layer).items():
+            a, b = zip(*weights[name])
+            getattr(parent, attr).set_lora(slot, list(a), list(b))
+
+
+def _merged(adapter):
+    """The base model with `adapter` added into its (unsharded) kernels: the dense oracle."""
+    model = _model()
+    for layer, weights in zip(model.model.layers, adapter):
+        for name, (parent, attr) in _modules(layer).items():
+            lin = getattr(parent, attr)
+            cuts = np.cumsum(lin.output_sizes)[:-1]
+            kernels = np.split(np.asarray(lin.kernel[...]), cuts, axis=1)  # logical [in, n_s]
+            lin.load_kernel([k + a.T @ b.T for k, (a, b) in zip(kernels, weights[name])])
+    return model
+
+
+ADAPTERS = [_adapters(seed) for seed in (1, 2, 3)]
+
+
+@pytest.fixture(scope="module")
+def lora_model():
+    model = _wrap(_model())
+    for slot, adapter in enumerate(ADAPTERS):
+        _set(model, slot, adapter)
+    return model
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    return _model()
+
+
+@pytest.fixture(scope="module")
+def mixed(lora_model):
+    return generate(lora_model, PROMPTS, SLOTS, max_new_tokens=NEW, **B8)
+
+
+# -- base model -------------------------------------------------------------------------------
+def test_greedy_matches_cache_free_reference(base_model):
+    out = generate(base_model, PROMPTS[:3], max_new_tokens=NEW)
+    assert (out.batch_bucket, out.prompt_bucket, out.new_tokens_bucket) == (4, 16, 8)
+    for prompt, toks in zip(PROMPTS[:3], out.tokens):
+        assert toks == _greedy_reference(base_model, prompt, NEW)
+    assert out.finish_reasons == ["length"] * 3
+
+
+def test_eos_stops_each_request(base_model):
+    free = generate(base_model, PROMPTS, max_new_tokens=NEW, **B8).tokens
+    eos = free[0][2]
+    out = generate(base_model, PROMPTS, max_new_tokens=NEW, eos_token_id=eos, **B8)
+    for toks, full, reason in zip(out.tokens, free, out.finish_reasons):
+        expect = full[: full.index(eos) + 1] if eos in full else full
+        assert toks == expect
+        assert reason == ("eos" if eos in full else "length")
+    assert out.tokens[0] == free[0][:3]
+
+
+# -- multi-adapter ----------------------------------------------------------------------------
+def test_mixed_batch_equals_single_requests(lora_model, mixed):
+    for prompt, slot, toks in zip(PROMPTS, SLOTS, mixed.tokens):
+        alone = generate(lora_model, [prompt], [slot], max_new_tokens=NEW, **B8)
+        assert alone.tokens[0] == toks
+
+
+def test_mixed_batch_equals_merged_dense_models(base_model, mixed):
+    base = generate(base_model, PROMPTS, max_new_tokens=NEW, **B8).tokens
+    merged = [_merged(a) for a in ADAPTERS]
+    for i, (prompt, slot, toks) in enumerate(zip(PROMPTS, SLOTS, mixed.tokens)):
+        if slot < 0:
+            assert toks == base[i]
+        else:
+            ref = generate(merged[slot], [prompt], max_new_tokens=NEW, **B8).tokens[0]
+            assert toks == ref
+            assert toks != base[i], "the adapter should change this request's tokens"
+
+
+def test_no_recompile_within_buckets(lora_model, mixed):
+    # Warm every program used below once (mixed already compiled the 8 x 16 x 8 bucket).
+    before = TRACE_COUNTS.copy()
+    other_prompts = [[9] * 12, [3, 1], [200, 201, 202]]
+    a = generate(lora_model, other_prompts, [2, 2, 0], max_new_tokens=5, **B8)
+    b = generate(lora_model, other_prompts[:2], [-1, 1], max_new_tokens=8, **B8)
+    # A brand-new adapter written into slot 2 changes slot-2 outputs, without a recompile.
+    _set(lora_model, 2, _adapters(7))
+    try:
+        c = generate(lora_model, other_prompts, [2, 2, 0], max_new_tokens=5, **B8)
+    finally:
+        _set(lora_model, 2, ADAPTERS[2])
+    assert TRACE_COUNTS == before, (before, TRACE_COUNTS)
+    assert c.tokens[:2] != a.tokens[:2] and c.tokens[2] == a.tokens[2]
+    assert len(b.tokens[1]) == 8
+    # A new bucket compiles once, then is cached.
+    generate(lora_model, [[1] * 17], [0], max_new_tokens=2, **B8)
+    generate(lora_model, [[2] * 20], [1], max_new_tokens=2, **B8)
+    assert TRACE_COUNTS["prefill"] == before["prefill"] + 1
+    assert TRACE_COUNTS["decode"] == before["decode"] + 1
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4)])  # (1, 4): kv heads replicated
+def test_sharded_lora_generation_matches_unsharded(mixed, mesh_shape):
+    rules = ShardingRules(jax.make_mesh(mesh_shape, ("dp", "tp")))
+    model = _wrap(_model(rules))
+    for slot, adapter in enumerate(ADAPTERS):
+        _set(model, slot, adapter)
+    out = generate(model, PROMPTS, SLOTS, max_new_tokens=NEW, **B8)
+    assert out.tokens == mixed.tokens
+
+
+# -- sampling ---------------------------------------------------------------------------------
+def test_sampled_generation_is_seeded_and_top_p_tiny_is_greedy(base_model):
+    greedy = generate(base_model, PROMPTS, max_new_tokens=NEW, **B8).tokens
+    params = lambda seed, p: SamplingParams(temperature=1.5, top_p=p, seed=seed)  # noqa: E731
+    s1 = generate(base_model, PROMPTS, max_new_tokens=NEW, sampling=params(1, 0.95), **B8)
+    s1b = generate(base_model, PROMPTS, max_new_tokens=NEW, sampling=params(1, 0.95), **B8)
+    s2 = generate(base_model, PROMPTS, max_new_tokens=NEW, sampling=params(2, 0.95), **B8)
+    assert s1.tokens == s1b.tokens
+    assert s1.tokens != s2.tokens
+    assert s1.tokens != greedy
+    tiny = generate(base_model, PROMPTS, max_new_tokens=NEW, sampling=params(3, 1e-6), **B8)
+    assert tiny.tokens == greedy
+
+
+def test_top_p_filter_matches_numpy():
+    logits = jax.random.normal(jax.random.key(0), (6, 50)) * 3
+    for p in (0.1, 0.5, 0.9, 1.0):
+        got = np.asarray(top_p_filter(logits, jnp.float32(p)))
+        for row, g in zip(np.asarray(logits, np.float64), got):
+            order = np.argsort(-row)
+            probs = np.exp(row[order] - row.max())
+            probs /= probs.sum()
+            before = np.cumsum(probs) - probs  # mass of the more likely tokens
+            if np.any(np.abs(before - p) < 1e-5) and p < 1:
+                continue  # f32 rounding may legitimately go either way at the edge
+            kept = set(order[before < p].tolist())
+            assert set(np.flatnonzero(np.isfinite(g)).tolist()) == kept, p
+
+
+def test_sampling_follows_the_softmax():
+    logits = jnp.log(jnp.array([0.6, 0.3, 0.1, 0.0]))[None].repeat(4000, 0)
+    keys = row_keys(jax.random.key(0), jnp.arange(4000), 0)
+    toks = np.asarray(sample_tokens(logits, keys, 1.0, 1.0, mode="sample"))
+    freq = np.bincount(toks, minlength=4) / toks.size
+    np.testing.assert_allclose(freq, [0.6, 0.3, 0.1, 0.0], atol=0.03)
+    nucleus = np.asarray(sample_tokens(logits, keys, 1.0, 0.8, mode="top_p"))
+    assert set(np.unique(nucleus)) == {0, 1}
+    np.testing.assert_array_equal(
+        sample_tokens(logits[:3], keys[:3], 0.0, 1.0, mode="greedy"), [0, 0, 0]
+    )
+
+
+# -- input checks -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(prompts=[]), "empty"),
+        (dict(prompts=[[1], []]), "prompt 1"),
+        (dict(prompts=[[1, 256]]), "outside"),
+        (dict(adapter_slots=[0]), "no LoRA layers"),
+        (dict(adapter_slots=[-1, -1]), "adapter_slots"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(eos_token_id=999), "eos_token_id"),
+    ],
+)
+def test_bad_inputs(base_model, kwargs, match):
+    args = dict(prompts=[[1, 2]], adapter_slots=None, max_new_tokens=2) | kwargs
+    with pytest.raises(ValueError, match=match):
+        generate(base_model, args.pop("prompts"), args.pop("adapter_slots"), **args)
+
+
+def test_bad_lora_slot_and_sampling_params(lora_model):
+    with pytest.raises(ValueError, match=r"\[-1, 3\)"):
+        generate(lora_model, [[1]], [3], max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+
+
+def test_bucket():
+    assert [bucket(n) for n in (1, 2, 3, 8, 9)] == [1, 2, 4, 8, 16]
+    assert bucket(3, minimum=16) == 16
