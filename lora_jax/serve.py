@@ -240,6 +240,14 @@ def _max_rank(adapter_dirs: dict[str, str]) -> int:
     return fits[0]
 
 
+def _cpu_devices_for(tp: int) -> None:
+    """Lets `--tp N` run on a CPU-only machine: N host devices, if the backend has not
+    started yet (XLA reads the flag when the first device is created; GPUs ignore it)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if tp > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={tp}".strip()
+
+
 def _rules(tp: int):
     import jax
 
@@ -262,6 +270,7 @@ def run(argv: Sequence[str] | None = None) -> list[RequestResult]:
         ['sql', 'chat', 'poet', None]
     """
     args = parse_args(argv)
+    _cpu_devices_for(args.tp)
     with tempfile.TemporaryDirectory(prefix="lora_jax_serve_") as tmp:
         if args.model is None:
             model_dir, adapter_dirs = write_default(tmp, seed=args.seed)
@@ -309,25 +318,23 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
 
 
 def _sampling(args):
-    from lora_jax.serving import generate as gen
+    from lora_jax.serving.sampling import SamplingParams
 
-    make = getattr(gen, "SamplingParams", None)
-    if make is None:
-        return dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    return make(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
 
 
 def _token_lists(out) -> list[list[int]]:
-    tokens = getattr(out, "tokens", out)
-    return [list(np.asarray(t).reshape(-1)) for t in tokens]
+    return [list(np.asarray(t).reshape(-1)) for t in out.tokens]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point: prints one block per request."""
     try:
         results = run(argv)
-    except ValueError as e:
-        print(f"lora-jax-serve: error: {e}", file=sys.stderr)
+    except ValueError as e:  # bad input: the loaders' messages name the file and tensor
+        if os.environ.get("LORA_JAX_TRACEBACK"):
+            raise
+        print(f"lora-jax-serve: error: {e} (LORA_JAX_TRACEBACK=1 shows where)", file=sys.stderr)
         return 2
     for i, r in enumerate(results):
         print(f"[{i}] adapter={r.adapter or '<base>'}")

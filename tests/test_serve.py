@@ -1,0 +1,62 @@
+"""The main job (`lora_jax.serve`): the embedded default end to end, its CLI, and --tp."""
+
+import pytest
+
+from lora_jax import serve
+
+
+@pytest.fixture(scope="module")
+def default_results():
+    return serve.run([])
+
+
+def test_default_serves_a_mixed_batch(default_results):
+    results = default_results
+    assert [r.adapter for r in results] == [*serve.DEFAULT_ADAPTERS, None]
+    assert [r.prompt for r in results] == list(serve.DEFAULT_PROMPTS)
+    for r in results:
+        assert len(r.tokens) == 12 and all(0 <= t < 256 for t in r.tokens)
+        assert r.text == serve.ByteTokenizer().decode(r.tokens)
+
+
+def test_adapters_change_generation_and_tp_matches(default_results):
+    # One prompt for every request: the adapted rows must differ from the base row.
+    args = ["--prompt", "Hello, how are", "--max-new-tokens", "6"]
+    one = serve.run(args)
+    base = one[-1].tokens
+    assert sum(r.tokens != base for r in one[:-1]) >= 2
+    # Same request on a 2-way tensor-parallel mesh: the same greedy tokens.
+    assert [r.tokens for r in serve.run([*args, "--tp", "2"])] == [r.tokens for r in one]
+    # The default run is the same batch with other prompts: row 1 (chat) matches its prefix.
+    assert one[1].tokens == default_results[1].tokens[:6]
+
+
+def test_sampling_is_seeded():
+    args = ["--temperature", "1.0", "--top-p", "0.9", "--max-new-tokens", "5", "--prompt", "x"]
+    a, b = serve.run([*args, "--seed", "1"]), serve.run([*args, "--seed", "1"])
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    c = serve.run([*args, "--seed", "2"])
+    assert [r.tokens for r in a] != [r.tokens for r in c]
+
+
+def test_main_prints_each_request(capsys):
+    assert serve.main(["--max-new-tokens", "3", "--prompt", "hi"]) == 0
+    out = capsys.readouterr().out
+    for name in [*serve.DEFAULT_ADAPTERS, "<base>"]:
+        assert f"adapter={name}" in out
+    assert out.count("tokens: [") == 4
+
+
+def test_cli_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--adapter", "x=/nowhere"])  # --adapter needs --model
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--model", "m", "--adapter", "nodir"])
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--top-p", "0"])
+    model_dir, adapters = serve.write_default(str(tmp_path))
+    bad = tmp_path / "sql" / "adapter_model.safetensors"
+    bad.write_bytes(bad.read_bytes()[:100])
+    argv = ["--model", model_dir, "--adapter", f"sql={adapters['sql']}", "--max-new-tokens", "2"]
+    assert serve.main(argv) == 2
+    assert "adapter_model.safetensors" in capsys.readouterr().err
