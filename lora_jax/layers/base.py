@@ -73,6 +73,14 @@ class BaseLayerWithLoRA(nnx.Module):
 
     Subclasses set `fully_sharded` and implement `_lora_local`, and may override
     `_slice_groups` and `_split_single`.
+
+    Example:
+        >>> base = ReplicatedLinear(16, 32, rngs=nnx.Rngs(0))
+        >>> layer = ReplicatedLinearWithLoRA(base, LoRAConfig(max_loras=2, max_lora_rank=8))
+        >>> layer.set_lora(1, np.ones((4, 16)), np.ones((32, 4)))  # rank 4 <= 8
+        >>> _ = set_lora_mapping(layer, jnp.array([1, -1], jnp.int32))  # token -> slot
+        >>> y = layer(jnp.ones((2, 16)))  # row 0: base + B @ A x, row 1: base only
+        >>> layer.reset_lora(1)
     """
 
     fully_sharded: bool = False
@@ -336,6 +344,10 @@ def find_lora_context(model: nnx.Module) -> LoRAContext | None:
     """The `LoRAContext` shared by the LoRA layers of `model` (None if not wrapped).
 
     Raises if the model's LoRA layers hold more than one context: one step has one mapping.
+
+    Example:
+        >>> find_lora_context(model) is None  # before wrap_model  # doctest: +SKIP
+        True
     """
     found = {}
     for _, node in nnx.iter_graph(model):

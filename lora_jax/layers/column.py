@@ -61,7 +61,15 @@ class ReplicatedLinearWithLoRA(_ColumnLoRA):
 
 
 class ColumnParallelLinearWithLoRA(_ColumnLoRA):
-    """One LoRA over a column-parallel layer; B split with the base kernel's out dim."""
+    """One LoRA over a column-parallel layer; B split with the base kernel's out dim.
+
+    Example:
+        >>> base = ColumnParallelLinear(16, 32, rngs=nnx.Rngs(0))
+        >>> layer = ColumnParallelLinearWithLoRA(base, LoRAConfig(max_loras=2, max_lora_rank=8))
+        >>> layer.set_lora(0, np.ones((4, 16)), np.ones((32, 4)))  # A [r, in], B [out, r]
+        >>> layer.lora_b[0].shape  # [max_loras, out, max_rank]
+        (2, 32, 8)
+    """
 
     def _check_base(self, base):
         if not isinstance(
@@ -82,7 +90,16 @@ class ColumnParallelLinearWithLoRA(_ColumnLoRA):
 
 
 class MergedColumnParallelLinearWithLoRA(_ColumnLoRA):
-    """gate_up-style layer: 2 slices, each its own A and B."""
+    """gate_up-style layer: 2 slices, each its own A and B.
+
+    Example:
+        >>> base = MergedColumnParallelLinear(16, [32, 32], rngs=nnx.Rngs(0))
+        >>> layer = MergedColumnParallelLinearWithLoRA(base, LoRAConfig(max_lora_rank=8))
+        >>> a, b = np.ones((4, 16)), np.ones((32, 4))
+        >>> layer.set_lora(0, [a, a], [b, b])  # per slice: gate, up
+        >>> len(layer.lora_a), layer.lora_a[0].shape
+        (2, (1, 8, 16))
+    """
 
     n_required: int | None = 2
 
@@ -114,7 +131,14 @@ class MergedColumnParallelLinearWithLoRA(_ColumnLoRA):
 
 class MergedColumnParallelLinearVariableSliceWithLoRA(MergedColumnParallelLinearWithLoRA):
     """3+ slices of any sizes; a single-tensor checkpoint (one A, one B) is split by
-    `output_sizes`."""
+    `output_sizes`.
+
+    Example:
+        >>> base = MergedColumnParallelLinear(16, [8, 8, 16], rngs=nnx.Rngs(0))
+        >>> cfg = LoRAConfig(max_lora_rank=8)
+        >>> MergedColumnParallelLinearVariableSliceWithLoRA(base, cfg).slice_widths
+        (8, 8, 16)
+    """
 
     n_required = None
 
@@ -135,7 +159,13 @@ class MergedColumnParallelLinearVariableSliceWithLoRA(MergedColumnParallelLinear
 
 class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
     """One LoRA over packed qkv: B's q, k, v parts are laid out per shard like the base
-    kernel's, with kv heads replicated when tp > num_kv_heads."""
+    kernel's, with kv heads replicated when tp > num_kv_heads.
+
+    Example:
+        >>> base = QKVParallelLinear(16, 4, 4, 2, rngs=nnx.Rngs(0))  # q 16, k 8, v 8
+        >>> layer = QKVParallelLinearWithLoRA(base, LoRAConfig(max_lora_rank=8))
+        >>> layer.set_lora(0, np.ones((4, 16)), np.ones((32, 4)))  # B [q+k+v, r]
+    """
 
     def _check_base(self, base):
         if not isinstance(base, QKVParallelLinear):
@@ -149,7 +179,16 @@ class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
 
 
 class MergedQKVParallelLinearWithLoRA(MergedColumnParallelLinearWithLoRA):
-    """q, k, v as 3 slices (q may be wider than k/v under GQA)."""
+    """q, k, v as 3 slices (q may be wider than k/v under GQA).
+
+    Example:
+        >>> base = QKVParallelLinear(16, 4, 4, 2, rngs=nnx.Rngs(0))
+        >>> layer = MergedQKVParallelLinearWithLoRA(base, LoRAConfig(max_lora_rank=8))
+        >>> a = np.ones((4, 16))
+        >>> layer.set_lora(0, [a, a, a], [np.ones((16, 4)), np.ones((8, 4)), np.ones((8, 4))])
+        >>> layer.logical_slice_sizes
+        (16, 8, 8)
+    """
 
     n_required = 3
 
@@ -165,24 +204,70 @@ class MergedQKVParallelLinearWithLoRA(MergedColumnParallelLinearWithLoRA):
 
 
 class ColumnParallelLinearWithShardedLoRA(ColumnParallelLinearWithLoRA):
-    """S-LoRA column: A split on rank, one (T, rank) all-gather."""
+    """S-LoRA column: A split on rank, one (T, rank) all-gather.
+
+    `wrap_model` picks it (and the other `*WithShardedLoRA` classes) when
+    `LoRAConfig(fully_sharded_loras=True)`.
+
+    Example:
+        >>> cfg = LoRAConfig(max_lora_rank=8, fully_sharded_loras=True)
+        >>> base = ColumnParallelLinear(16, 32, rngs=nnx.Rngs(0))
+        >>> ColumnParallelLinearWithShardedLoRA.can_replace_layer(base, cfg)
+        True
+    """
 
     fully_sharded = True
 
 
 class MergedColumnParallelLinearWithShardedLoRA(MergedColumnParallelLinearWithLoRA):
+    """S-LoRA gate_up: each slice's A split on rank, one (T, rank) all-gather.
+
+    Example:
+        >>> base = MergedColumnParallelLinear(16, [32, 32], rngs=nnx.Rngs(0))
+        >>> cfg = LoRAConfig(max_lora_rank=8, fully_sharded_loras=True)
+        >>> MergedColumnParallelLinearWithShardedLoRA(base, cfg).fully_sharded
+        True
+    """
+
     fully_sharded = True
 
 
 class MergedColumnParallelLinearVariableSliceWithShardedLoRA(
     MergedColumnParallelLinearVariableSliceWithLoRA
 ):
+    """S-LoRA variant of `MergedColumnParallelLinearVariableSliceWithLoRA` (A split on rank).
+
+    Example:
+        >>> base = MergedColumnParallelLinear(16, [8, 8, 16], rngs=nnx.Rngs(0))
+        >>> cfg = LoRAConfig(max_lora_rank=8, fully_sharded_loras=True)
+        >>> len(MergedColumnParallelLinearVariableSliceWithShardedLoRA(base, cfg).lora_a)
+        3
+    """
+
     fully_sharded = True
 
 
 class QKVParallelLinearWithShardedLoRA(QKVParallelLinearWithLoRA):
+    """S-LoRA variant of `QKVParallelLinearWithLoRA` (A split on rank).
+
+    Example:
+        >>> base = QKVParallelLinear(16, 4, 4, 2, rngs=nnx.Rngs(0))
+        >>> cfg = LoRAConfig(max_lora_rank=8, fully_sharded_loras=True)
+        >>> QKVParallelLinearWithShardedLoRA(base, cfg).lora_a[0].shape
+        (1, 8, 16)
+    """
+
     fully_sharded = True
 
 
 class MergedQKVParallelLinearWithShardedLoRA(MergedQKVParallelLinearWithLoRA):
+    """S-LoRA variant of `MergedQKVParallelLinearWithLoRA` (each slice's A split on rank).
+
+    Example:
+        >>> base = QKVParallelLinear(16, 4, 4, 2, rngs=nnx.Rngs(0))
+        >>> cfg = LoRAConfig(max_lora_rank=8, fully_sharded_loras=True)
+        >>> len(MergedQKVParallelLinearWithShardedLoRA(base, cfg).lora_b)
+        3
+    """
+
     fully_sharded = True

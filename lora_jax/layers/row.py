@@ -48,7 +48,14 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
 
 
 class RowParallelLinearWithShardedLoRA(RowParallelLinearWithLoRA):
-    """S-LoRA row layer: only (T, rank)-sized collectives for the LoRA part."""
+    """S-LoRA row layer: only (T, rank)-sized collectives for the LoRA part.
+
+    Example:
+        >>> base = RowParallelLinear(32, 16, rngs=nnx.Rngs(0))
+        >>> cfg = LoRAConfig(max_lora_rank=8, fully_sharded_loras=True)
+        >>> RowParallelLinearWithShardedLoRA(base, cfg).lora_b[0].shape  # [L, out, R]
+        (1, 16, 8)
+    """
 
     fully_sharded = True
 
