@@ -354,14 +354,15 @@ def test_sharded_slot_write_keeps_sharding_and_matches_unsharded():
     model, mgr = _setup(rules=lj.ShardingRules(mesh))
     ref_model, ref_mgr = _setup()
     a = _adapter(model, 1, targets=ALL, rank=8)
+    b = _adapter(model, 2, targets=["q_proj"], rank=4)  # zero writes into sharded stacks
     shardings = jax.tree.map(lambda v: v.sharding, nnx.state(model, nnx.LoRAParam))
     for m in (mgr, ref_mgr):
-        m.set_active_adapters([a])
+        m.set_active_adapters([a, b])
     after = jax.tree.map(lambda v: v.sharding, nnx.state(model, nnx.LoRAParam))
     jax.tree.map(
         lambda s, t: s.is_equivalent_to(t, 3) or pytest.fail(f"{s} != {t}"), shardings, after
     )
-    idx = jnp.asarray(mgr.token_mapping([1, None, 1, 1, None, 1]))
+    idx = jnp.asarray(mgr.token_mapping([1, None, 2, 1, None, 2]))
     got, want = _layer_outputs(model, idx), _layer_outputs(ref_model, idx)
     layers = lora_layers(model)
     for name in want:

@@ -119,7 +119,10 @@ def _write_slots(stacks, index, values, axes):
         at = (slice(None),) * axis + (index,)
         # A scatter (not a dynamic_update_slice): it accepts an update whose sharding is
         # the stack's minus the slot dim on Explicit meshes too.
-        update = 0 if value is None else value.astype(stack.dtype)
+        if value is None:  # zeros typed (and sharded) like one slot of the stack
+            update = jnp.zeros_like(jax.lax.index_in_dim(stack, 0, axis, keepdims=False))
+        else:
+            update = value.astype(stack.dtype)
         out.append(stack.at[at].set(update))
     return tuple(out)
 
