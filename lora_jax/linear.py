@@ -34,7 +34,13 @@ _Y_AXES = {"replicated": None, "column": "tensor", "row": None}
 
 
 class LinearBase(nnx.Module):
-    """Common machinery of the base linears; use the concrete subclasses."""
+    """Common machinery of the base linears; use the concrete subclasses.
+
+    Example:
+        >>> layer = ColumnParallelLinear(16, 32, rngs=nnx.Rngs(0))
+        >>> isinstance(layer, LinearBase), layer.kernel.shape  # kernel [in, out]
+        (True, (16, 32))
+    """
 
     parallel: str = "replicated"
 
@@ -225,7 +231,13 @@ class ReplicatedLinear(LinearBase):
 
 
 class ColumnParallelLinear(LinearBase):
-    """Out dim split over the "tensor" axis; the output stays sharded (no gather)."""
+    """Out dim split over the "tensor" axis; the output stays sharded (no gather).
+
+    Example:
+        >>> layer = ColumnParallelLinear(16, 32, rngs=nnx.Rngs(0))
+        >>> layer(jnp.ones((3, 16))).shape
+        (3, 32)
+    """
 
     parallel = "column"
 
@@ -253,6 +265,11 @@ class QKVParallelLinear(LinearBase):
     has more shards than kv heads (`num_kv_head_replicas`), as in vLLM.
 
     `split_output` gives q `[..., heads*hd]`, k and v `[..., max(kv, tp)*hd]`.
+
+    Example:
+        >>> qkv = QKVParallelLinear(16, 4, 4, 2, rngs=nnx.Rngs(0))  # D, head_dim, heads, kv
+        >>> [t.shape for t in qkv.split_output(qkv(jnp.ones((3, 16))))]
+        [(3, 16), (3, 8), (3, 8)]
     """
 
     parallel = "column"
@@ -301,7 +318,13 @@ class QKVParallelLinear(LinearBase):
 
 class RowParallelLinear(LinearBase):
     """In dim split over the "tensor" axis; one all-reduce of the partial sums; the bias
-    is added after the reduction."""
+    is added after the reduction.
+
+    Example:
+        >>> layer = RowParallelLinear(32, 16, rngs=nnx.Rngs(0))
+        >>> layer(jnp.ones((3, 32))).shape
+        (3, 16)
+    """
 
     parallel = "row"
 

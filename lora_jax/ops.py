@@ -52,7 +52,12 @@ def _kernels():
 
 
 def resolve_backend(backend: str | None = None) -> str:
-    """The backend an op will use: explicit > global default > GPU-or-not."""
+    """The backend an op will use: explicit > global default > GPU-or-not.
+
+    Example:
+        >>> resolve_backend("xla")
+        'xla'
+    """
     choice = backend or _default_backend
     if choice is None:
         choice = "pallas" if jax.default_backend() == "gpu" and _kernels() else "xla"
@@ -141,6 +146,13 @@ def lora_expand(
     """Adds each slice's `h[s] @ B_s[idx].T` into `y [T, N]` at column `offsets[s]`.
 
     `offsets` defaults to the slices laid side by side from column 0.
+
+    Example:
+        >>> b = jnp.ones((2, 8, 4))  # [max_loras, N, R]
+        >>> m = make_lora_mapping(jnp.array([1, -1], jnp.int32), 2)
+        >>> y = lora_expand(jnp.zeros((2, 8)), jnp.ones((1, 2, 4)), [b], m)  # h [S, T, R]
+        >>> y[:, 0].tolist()  # token 0 uses slot 1; token 1 has no adapter
+        [4.0, 0.0]
     """
     lora_b = tuple(lora_b)
     _check_stacks("lora_b", lora_b, mapping)

@@ -24,7 +24,12 @@ DEFAULT_VOCAB_PADDING_SIZE = 64
 
 
 def pad_vocab_size(vocab_size: int, pad_to: int, shards: int = 1) -> int:
-    """Smallest multiple of `lcm(pad_to, shards)` that is >= `vocab_size`."""
+    """Smallest multiple of `lcm(pad_to, shards)` that is >= `vocab_size`.
+
+    Example:
+        >>> pad_vocab_size(1000, 64), pad_vocab_size(1000, 64, shards=3)
+        (1024, 1152)
+    """
     m = math.lcm(pad_to, shards)
     return -(-vocab_size // m) * m
 

@@ -372,7 +372,15 @@ class ParallelLMHeadWithLoRA(nnx.Module):
 
 class TiedLMHeadWithLoRA(ParallelLMHeadWithLoRA):
     """The lm_head LoRA of a model with tied embeddings (`model.lm_head is None`): it sits
-    at `model.lm_head` over the shared embedding table; `unwrap_model` puts None back."""
+    at `model.lm_head` over the shared embedding table; `unwrap_model` puts None back.
+
+    Example:
+        >>> cfg = DecoderConfig.tiny(tie_word_embeddings=True)  # doctest: +SKIP
+        >>> model = DecoderForCausalLM(cfg, rngs=nnx.Rngs(0))  # doctest: +SKIP
+        >>> _ = wrap_model(model, LoRAConfig(max_lora_rank=8))  # doctest: +SKIP
+        >>> type(model.lm_head).__name__  # doctest: +SKIP
+        'TiedLMHeadWithLoRA'
+    """
 
     tied = True
 

@@ -23,7 +23,12 @@ from lora_jax.sharding import shard_map
 
 
 class MergedKernel(nnx.Variable):
-    """A base kernel as it was before `merge_adapter` (restored by `unmerge_adapter`)."""
+    """A base kernel as it was before `merge_adapter` (restored by `unmerge_adapter`).
+
+    Example:
+        >>> layer.merged_original.get_value().shape  # while merged  # doctest: +SKIP
+        (64, 128)
+    """
 
 
 def _merge_fn(layer: BaseLayerWithLoRA):
@@ -143,7 +148,13 @@ def unmerge_adapter(model: nnx.Module) -> bool:
 
 
 def merged_slot(model: nnx.Module) -> int | None:
-    """The slot currently merged into `model`'s kernels, or None."""
+    """The slot currently merged into `model`'s kernels, or None.
+
+    Example:
+        >>> merge_adapter(model, 2)  # doctest: +SKIP
+        >>> merged_slot(model)  # doctest: +SKIP
+        2
+    """
     for layer in lora_layers(model).values():
         if getattr(layer, "merged_original", None) is not None:
             return layer.merged_slot

@@ -264,7 +264,13 @@ def read_safetensors(file: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def write_safetensors(file: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
-    """Writes numpy arrays as a `.safetensors` file (for tests and generated adapters)."""
+    """Writes numpy arrays as a `.safetensors` file (for tests and generated adapters).
+
+    Example:
+        >>> write_safetensors("/tmp/a.safetensors", {"w": np.ones((2, 3), np.float32)})
+        >>> read_safetensors("/tmp/a.safetensors")["w"].shape
+        (2, 3)
+    """
     from safetensors.numpy import save_file
 
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.fspath(file))
@@ -276,6 +282,11 @@ class ModuleLoRA:
     """One LoRA layer's share of an adapter, per packed member (`None` = absent).
 
     `lora_a[i]` is `[r_i, in]`, `lora_b[i]` is `[out_i, r_i]` with the scaling folded in.
+
+    Example:
+        >>> m = ModuleLoRA("x.o_proj", (np.ones((4, 16)),), (np.ones((8, 4)),))
+        >>> m.rank, [a.shape for a in m.set_lora_args()]
+        (4, [(4, 16), (8, 4)])
     """
 
     module_name: str
@@ -419,7 +430,16 @@ def adapter_from_tensors(
     source: str = WEIGHTS_NAME,
     name_map: Callable[[str], str] | None = None,
 ) -> LoRAAdapter:
-    """Builds a `LoRAAdapter` from PEFT-keyed tensors (the body of `load_peft_adapter`)."""
+    """Builds a `LoRAAdapter` from PEFT-keyed tensors (the body of `load_peft_adapter`).
+
+    Example:
+        >>> key = "base_model.model.model.layers.0.self_attn.q_proj"  # doctest: +SKIP
+        >>> tensors = {f"{key}.lora_A.weight": a_rk, f"{key}.lora_B.weight": b_nr}  # doctest: +SKIP
+        >>> adapter = adapter_from_tensors(  # doctest: +SKIP
+        ...     tensors, PEFTConfig(r=8, lora_alpha=16), model, lora_config, adapter_id=1)
+        >>> manager.add_adapter(adapter)  # doctest: +SKIP
+        True
+    """
     cfg.validate(lora_config)
     index, layers, all_names = _module_index(model)
     _check_targets(cfg, all_names)
