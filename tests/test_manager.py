@@ -12,7 +12,7 @@ from serving_toy import ToyLM, peft_tensors
 
 import lora_jax as lj
 from lora_jax.serving import manager as manager_mod
-from lora_jax.serving.manager import LoRAModelManager, LRUCacheLoRAModelManager
+from lora_jax.serving.manager import LoRAModelManager, LoRARequest, LRUCacheLoRAModelManager
 from lora_jax.serving.peft import PEFTConfig, adapter_from_tensors
 from lora_jax.serving.wrap import lora_layers, wrap_model
 
@@ -391,3 +391,8 @@ def test_load_adapters_progress_bar(tmp_path, capsys):
     assert [a.id for a in loaded] == [10, 11, 12] and [a.name for a in loaded] == list(paths)
     assert set(mgr.list_adapters()) == {10, 11, 12}
     assert "loading adapters" in capsys.readouterr().err
+    # Worker-style requests load from their path when the adapter is not cached.
+    mgr.set_active_adapters([10, LoRARequest("from_path", 20, str(paths["ad1"]))])
+    assert set(mgr.list_adapters()) == {10, 12, 20}  # 11 was least recently used
+    assert mgr.slot_of(20) is not None and mgr.slot_of(10) is not None
+    assert mgr.get_adapter(20).name == "from_path"

@@ -55,6 +55,9 @@ def test_scaling_is_folded_into_b(tmp_path, model):
     d = _dir(tmp_path, {"r": 8, "lora_alpha": 32, "target_modules": ALL}, tensors)
     a = load_peft_adapter(d, model, CFG, adapter_id=3)
     assert (a.id, a.name, a.rank) == (3, "adapter", 8)
+    for key, m in a.modules.items():
+        assert m.module_name == key and m.rank == 8
+        assert all(x.shape[0] == y.shape[1] == 8 for x, y in zip(m.lora_a, m.lora_b))
     qkv = a.get_lora("model.layers.1.self_attn.qkv_proj")
     for i, m in enumerate(("q_proj", "k_proj", "v_proj")):
         np.testing.assert_array_equal(qkv.lora_a[i], tensors[_key(1, m, "A")])
