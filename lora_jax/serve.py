@@ -183,6 +183,12 @@ def write_default(directory: str, seed: int = 0) -> tuple[str, dict[str, str]]:
 
 # -- the job ----------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line of `lora-jax-serve` (exits with a usage message on bad input).
+
+    Example:
+        >>> parse_args(["--max-new-tokens", "4", "--tp", "2"]).tp
+        2
+    """
     p = argparse.ArgumentParser(
         prog="lora-jax-serve",
         description="Generate for a mixed batch in which every request uses its own LoRA adapter.",

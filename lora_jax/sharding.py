@@ -38,7 +38,7 @@ class ShardingRules:
     Example:
         >>> mesh = jax.make_mesh((1, 2), ("dp", "tp"))  # doctest: +SKIP
         >>> ShardingRules(mesh).spec("batch", "tensor")  # doctest: +SKIP
-        PartitionSpec('dp', 'tp')
+        P('dp', 'tp')
     """
 
     mesh: Mesh | None = None
@@ -104,6 +104,13 @@ def shard_map(rules: ShardingRules, fn, in_specs, out_specs):
     Explicit-axis meshes refuse inputs whose sharding differs from the specs, so every
     input is resharded (a no-op when it already matches). `in_specs` / `out_specs` are
     pytrees of logical-name tuples, converted through the rules table.
+
+    Example:
+        >>> rules = ShardingRules(jax.make_mesh((1, 2), ("dp", "tp")))  # doctest: +SKIP
+        >>> spec = ("batch", "tensor")  # logical names, per input / output  # doctest: +SKIP
+        >>> f = shard_map(rules, lambda x: x * 2, (spec,), spec)  # doctest: +SKIP
+        >>> f(jnp.ones((4, 8))).sharding.spec  # doctest: +SKIP
+        P('dp', 'tp')
     """
     mesh = rules.mesh
     to_p = lambda names: rules.spec(*names)  # noqa: E731
