@@ -112,8 +112,8 @@ class BaseLayerWithLoRA(nnx.Module):
         a_axes, b_axes = self.lora_axes()
         self.lora_a = nnx.List(
             [
-                nnx.LoRAParam(rules.place(jnp.zeros((L, R, base_layer.in_features), dtype), *a_axes))
-                for _ in self.slice_groups
+                nnx.LoRAParam(rules.place(jnp.zeros((L, R, n_in), dtype), *a_axes))
+                for n_in in [base_layer.in_features] * len(self.slice_groups)
             ]
         )  # per slice [max_loras, max_rank, in]
         self.lora_b = nnx.List(
@@ -164,8 +164,9 @@ class BaseLayerWithLoRA(nnx.Module):
             b = np.asarray(lora_b)
             if b.ndim != 2 or b.shape[0] != sum(self.logical_slice_sizes):
                 raise ValueError(
-                    f"{self.name}.set_lora: a single lora_b must be [{sum(self.logical_slice_sizes)}, "
-                    f"rank] (sum of output sizes {self.logical_slice_sizes}), got {b.shape}"
+                    f"{self.name}.set_lora: a single lora_b must be "
+                    f"[{sum(self.logical_slice_sizes)}, rank] (sum of output sizes "
+                    f"{self.logical_slice_sizes}), got {b.shape}"
                 )
             cuts = np.cumsum(self.logical_slice_sizes)[:-1]
             return [lora_a] * n, list(np.split(b, cuts, axis=0))
