@@ -287,3 +287,42 @@ def test_bad_lora_slot_and_sampling_params(lora_model):
 def test_bucket():
     assert [bucket(n) for n in (1, 2, 3, 8, 9)] == [1, 2, 4, 8, 16]
     assert bucket(3, minimum=16) == 16
+
+
+# -- HF oracle --------------------------------------------------------------------------------
+@pytest.mark.oracle
+def test_greedy_generation_matches_hf_generate(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from lora_jax.models import load_hf_model
+
+    hf_cfg = transformers.Qwen2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn_like(p) * 0.15)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    hf.generation_config.eos_token_id = None
+    model = load_hf_model(str(tmp_path))
+    prompts = [[3, 14, 15, 92, 65], [2, 71]]
+    ours = generate(model, prompts, max_new_tokens=NEW)
+    for prompt, toks in zip(prompts, ours.tokens):
+        with torch.no_grad():
+            res = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                output_scores=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        ref = res.sequences[0, len(prompt) :].tolist()
+        # Compare up to the first step whose top-2 logits are too close to call.
+        n = NEW
+        for t, s in enumerate(res.scores):
+            top2 = torch.topk(s[0], 2).values
+            if float(top2[0] - top2[1]) < 1e-3:
+                n = t
+                break
+        assert n >= 2, "degenerate test model: near-tie in the first steps"
+        assert toks[:n] == ref[:n]
