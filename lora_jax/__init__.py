@@ -15,6 +15,7 @@ from lora_jax.linear import ReplicatedLinear as ReplicatedLinear
 from lora_jax.linear import RowParallelLinear as RowParallelLinear
 from lora_jax.mapping import LoRAMapping as LoRAMapping
 from lora_jax.mapping import make_lora_mapping as make_lora_mapping
+from lora_jax.moe import FusedMoE as FusedMoE
 from lora_jax.sharding import DEFAULT_RULES as DEFAULT_RULES
 from lora_jax.sharding import ShardingRules as ShardingRules
 

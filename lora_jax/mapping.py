@@ -13,6 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from lora_jax.sharding import unshard
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +87,7 @@ def make_lora_mapping(
         raise ValueError(f"token_lora_indices must be 1-D [T], got shape {idx.shape}")
     if not jnp.issubdtype(idx.dtype, jnp.integer):
         raise ValueError(f"token_lora_indices must be integers, got {idx.dtype}")
-    idx = idx.astype(jnp.int32)
+    idx = unshard(idx).astype(jnp.int32)  # the sort below needs it replicated
     idx = jnp.where((idx >= 0) & (idx < max_loras), idx, -1)
     # -1 sorts after every slot; argsort is stable so tokens keep their order per slot.
     key = jnp.where(idx < 0, max_loras, idx)

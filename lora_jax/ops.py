@@ -8,10 +8,13 @@ Layouts follow vLLM with its singleton dim dropped: per slice `lora_a[max_loras,
 `lora_b[max_loras, out, R]`. Tokens whose slot is -1 are untouched (shrink rows are 0,
 expand leaves `y` bit-identical).
 
-Backends: "pallas" (the GPU kernels in `lora_jax.kernels`) and "xla" (a gather einsum that
-runs anywhere). The default is "pallas" on GPU and "xla" elsewhere; force one per call
-with `backend=`, globally with `set_default_backend`, or with the environment variable
-`LORA_JAX_OPS_BACKEND`.
+Backends: "pallas" (the GPU kernels in `lora_jax.kernels`) and "xla" (a gather einsum, or
+one matmul over all slots when tokens outnumber slots; runs anywhere). The default is
+"pallas" on GPU for batches of at least `PALLAS_MIN_TOKENS` tokens and "xla" otherwise:
+on an H200, in a Llama-3-8B decode step at 64 tokens, XLA was as fast as the kernels with
+8 adapters and faster with 64 (benchmarks/RESULTS.md, "model"), while the kernels win
+from 256 tokens up. Force one per call with `backend=`, globally with
+`set_default_backend`, or with the environment variable `LORA_JAX_OPS_BACKEND`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ import jax.numpy as jnp
 from lora_jax.mapping import LoRAMapping
 
 BACKENDS = ("xla", "pallas")
+# Below this many tokens (per shard) the GPU default is XLA: the kernels' fixed cost per
+# call (~10-20 us on an H200) exceeds what they save at decode (benchmarks/RESULTS.md).
+PALLAS_MIN_TOKENS = 128
 _default_backend: str | None = os.environ.get("LORA_JAX_OPS_BACKEND") or None
 
 
@@ -51,8 +57,8 @@ def _kernels():
     return kernels if hasattr(kernels, "lora_shrink") else None
 
 
-def resolve_backend(backend: str | None = None) -> str:
-    """The backend an op will use: explicit > global default > GPU-or-not.
+def resolve_backend(backend: str | None = None, num_tokens: int | None = None) -> str:
+    """The backend an op will use: explicit > global default > GPU and batch size.
 
     Example:
         >>> resolve_backend("xla")
@@ -60,7 +66,9 @@ def resolve_backend(backend: str | None = None) -> str:
     """
     choice = backend or _default_backend
     if choice is None:
-        choice = "pallas" if jax.default_backend() == "gpu" and _kernels() else "xla"
+        gpu = jax.default_backend() == "gpu" and _kernels() is not None
+        big = num_tokens is None or num_tokens >= PALLAS_MIN_TOKENS
+        choice = "pallas" if gpu and big else "xla"
     if choice not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
     if choice == "pallas" and _kernels() is None:
@@ -111,7 +119,7 @@ def lora_shrink(
     """
     lora_a = tuple(lora_a)
     _check_stacks("lora_a", lora_a, mapping)
-    if resolve_backend(backend) == "pallas":
+    if resolve_backend(backend, x.shape[0]) == "pallas":
         return _kernels().lora_shrink(
             x, lora_a, scale=scale, slot_ranks=slot_ranks, **mapping.kernel_kwargs()
         )
@@ -172,7 +180,7 @@ def lora_expand(
             raise ValueError(
                 f"lora_expand: slice {s} [{off}, {off + b.shape[1]}) exceeds y width {y.shape[-1]}"
             )
-    if resolve_backend(backend) == "pallas":
+    if resolve_backend(backend, y.shape[0]) == "pallas":
         return _kernels().lora_expand(
             y, h, lora_b, offsets=offsets, slot_ranks=slot_ranks, **mapping.kernel_kwargs()
         )

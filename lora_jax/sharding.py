@@ -131,3 +131,23 @@ def shard_map(rules: ShardingRules, fn, in_specs, out_specs):
         return jax.shard_map(fn, mesh=mesh, in_specs=pin, out_specs=pout, check_vma=False)(*args)
 
     return wrapped
+
+
+def unshard(x: jax.Array) -> jax.Array:
+    """Replicates a traced value that carries an Explicit-axis sharding in its type.
+
+    Sorting and per-row vmaps refuse sharded operands on Explicit meshes ("Arguments to
+    sort must be unsharded"); small host-decided arrays (token→slot indices, sampling
+    keys) are cheap to replicate. A no-op for unsharded values and Auto meshes.
+
+    Example:
+        >>> unshard(jnp.arange(4)).shape  # doctest: +SKIP
+        (4,)
+    """
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or all(s is None for s in sharding.spec):
+        return x
+    if not any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return x
+    return jax.reshard(x, NamedSharding(mesh, P()))

@@ -39,5 +39,7 @@ from lora_jax.layers.logits import LogitsProcessor as LogitsProcessor
 from lora_jax.layers.logits import LogitsProcessorWithLoRA as LogitsProcessorWithLoRA
 from lora_jax.layers.logits import ParallelLMHeadWithLoRA as ParallelLMHeadWithLoRA
 from lora_jax.layers.logits import TiedLMHeadWithLoRA as TiedLMHeadWithLoRA
+from lora_jax.layers.moe import FusedMoE3DWithLoRA as FusedMoE3DWithLoRA
+from lora_jax.layers.moe import FusedMoEWithLoRA as FusedMoEWithLoRA
 from lora_jax.layers.row import RowParallelLinearWithLoRA as RowParallelLinearWithLoRA
 from lora_jax.layers.row import RowParallelLinearWithShardedLoRA as RowParallelLinearWithShardedLoRA

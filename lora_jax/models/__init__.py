@@ -17,6 +17,9 @@ from lora_jax.models.kv_cache import KVCache as KVCache
 from lora_jax.models.loading import SafetensorsCheckpoint as SafetensorsCheckpoint
 from lora_jax.models.loading import load_hf_model as load_hf_model
 from lora_jax.models.loading import read_hf_config as read_hf_config
+from lora_jax.models.moe_decoder import MoEConfig as MoEConfig
+from lora_jax.models.moe_decoder import MoEDecoderForCausalLM as MoEDecoderForCausalLM
+from lora_jax.models.moe_decoder import load_hf_moe_model as load_hf_moe_model
 
 # HF module names packed into one lora_jax module (vLLM's `packed_modules_mapping`).
 PACKED_MODULES_MAPPING: dict[str, list[str]] = {

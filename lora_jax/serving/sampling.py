@@ -14,6 +14,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from lora_jax.sharding import unshard
+
 SAMPLING_MODES = ("greedy", "sample", "top_p")
 
 
@@ -100,4 +102,5 @@ def sample_tokens(
     if mode == "top_p":
         scaled = top_p_filter(scaled, jnp.asarray(top_p, jnp.float32))
     draw = jax.vmap(lambda k, row: jax.random.categorical(k, row))
-    return draw(keys, scaled).astype(jnp.int32)
+    # Per-row keys are replicated; batch-sharded logits (Explicit meshes) must match.
+    return draw(unshard(keys), unshard(scaled)).astype(jnp.int32)
