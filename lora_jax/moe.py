@@ -26,10 +26,14 @@ Parallelism (one `shard_map`, logical axes from `ShardingRules`):
 Tokens split over "batch" when T divides evenly.
 
 Two implementations of the expert math (`impl`):
-* "grouped" (default): the `T * k` (token, expert) pairs are sorted by expert and both
+* "grouped": the `T * k` (token, expert) pairs are sorted by expert and both
   matmuls are `jax.lax.ragged_dot` grouped matmuls.
 * "dense": a loop over the local experts that runs every expert on every token and
   weights the result (0 for tokens not routed there). The readable reference.
+* "auto" (default): "grouped", except on GPU when experts get at least
+  `DENSE_MIN_PAIRS_PER_EXPERT` pairs on average: XLA's GPU `ragged_dot` was slower than
+  running every expert densely at prefill on an H200 (benchmarks/RESULTS.md, "moe":
+  Qwen3-30B-A3B and Mixtral at 4096 tokens), while "grouped" wins at decode.
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ from lora_jax.sharding import ShardingRules, shard_map
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")
 GATE_UP_LAYOUTS = ("concat", "interleaved")
-IMPLS = ("grouped", "dense")
+IMPLS = ("auto", "grouped", "dense")
+# "auto" runs every expert densely on GPU from this many (token, expert) pairs per expert.
+DENSE_MIN_PAIRS_PER_EXPERT = 128
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 # Fan-in per expert: [E, in, out] with the expert dim as a batch dim.
@@ -160,7 +166,7 @@ class FusedMoE(nnx.Module):
         activation: str = "silu",
         is_act_and_mul: bool = True,
         gate_up_layout: str = "concat",
-        impl: str = "grouped",
+        impl: str = "auto",
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         rules: ShardingRules | None = None,
@@ -304,6 +310,14 @@ class FusedMoE(nnx.Module):
             gate, up = jnp.split(g, 2, axis=-1)
         return (act(gate) * up).astype(dtype)
 
+    def resolve_impl(self, num_tokens: int) -> str:
+        """The expert-math implementation used for `num_tokens` tokens (see `impl`)."""
+        if self.impl != "auto":
+            return self.impl
+        pairs_per_expert = num_tokens * self.top_k / self.num_experts
+        on_gpu = jax.default_backend() == "gpu"
+        return "dense" if on_gpu and pairs_per_expert >= DENSE_MIN_PAIRS_PER_EXPERT else "grouped"
+
     def experts_local(self, x, topk_weights, topk_ids, w13, w2, lora=None) -> jax.Array:
         """Per shard: the partial (over tensor/expert shards) MoE output, f32 `[T, H]`.
 
@@ -316,7 +330,7 @@ class FusedMoE(nnx.Module):
         num_local = w13.shape[0]
         axis = self.rules.mesh_axis("expert")
         first = 0 if axis is None else jax.lax.axis_index(axis) * num_local
-        if self.impl == "grouped":
+        if self.resolve_impl(x.shape[0]) == "grouped":
             routes = make_routes(topk_weights, topk_ids, first, num_local)
             rows = None if lora is None else lora.rows(routes=routes)
             xs = x[routes.pair_token]  # [P, H]

@@ -430,3 +430,15 @@ def test_hlo_fully_sharded_rank_sized_collectives():
         ("all-reduce", (1, T * K, R)),
         ("all-reduce", (T, H)),
     ], found
+
+
+def test_auto_impl_is_grouped_off_gpu_and_explicit_impls_are_kept():
+    from lora_jax.moe import FusedMoE
+
+    moe = FusedMoE(4, 2, 16, 8, rngs=nnx.Rngs(0))
+    assert moe.impl == "auto"
+    if jax.default_backend() != "gpu":
+        assert moe.resolve_impl(1 << 16) == "grouped"
+    assert FusedMoE(4, 2, 16, 8, impl="dense", rngs=nnx.Rngs(0)).resolve_impl(1) == "dense"
+    with pytest.raises(ValueError, match="impl"):
+        FusedMoE(4, 2, 16, 8, impl="fast", rngs=nnx.Rngs(0))
