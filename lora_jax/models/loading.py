@@ -13,6 +13,7 @@ otherwise a `ValueError` names the tensor and the file.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable
@@ -128,12 +129,33 @@ def load_hf_model(
     return model
 
 
-def load_hf_weights(model: DecoderForCausalLM, ckpt: SafetensorsCheckpoint) -> None:
-    """Writes every weight of `model` from `ckpt` (HF names); checks for leftovers."""
+def hf_linear(ckpt: SafetensorsCheckpoint, name: str, n_out: int, n_in: int):
+    """A torch `[out, in]` weight as a Flax kernel `[in, out]`."""
+    return ckpt.get(name, (n_out, n_in)).T
+
+
+def load_dense_mlp(mlp, m: str, c, ckpt: SafetensorsCheckpoint) -> None:
+    """SwiGLU MLP at prefix `m` ("model.layers.{i}.mlp.") into packed gate_up + down."""
+    D, inter = c.hidden_size, c.intermediate_size
+    gu = [hf_linear(ckpt, f"{m}{s}_proj.weight", inter, D) for s in ("gate", "up")]
+    gu_bias = (
+        [ckpt.get(f"{m}{s}_proj.bias", (inter,)) for s in ("gate", "up")] if c.mlp_bias else None
+    )
+    mlp.gate_up_proj.load_kernel(gu, gu_bias)
+    d_bias = [ckpt.get(m + "down_proj.bias", (D,))] if c.mlp_bias else None
+    mlp.down_proj.load_kernel([hf_linear(ckpt, m + "down_proj.weight", D, inter)], d_bias)
+
+
+def load_hf_weights(model: DecoderForCausalLM, ckpt: SafetensorsCheckpoint, load_mlp=None) -> None:
+    """Writes every weight of `model` from `ckpt` (HF names); checks for leftovers.
+
+    `load_mlp(mlp, prefix, config, ckpt)` loads one layer's MLP (default: the dense
+    SwiGLU); the MoE decoder passes its own for sparse layers.
+    """
     c = model.config
     D, hd = c.hidden_size, c.head_dim
     nq, nkv = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    linear = lambda name, n_out, n_in: ckpt.get(name, (n_out, n_in)).T  # noqa: E731 [in, out]
+    linear = functools.partial(hf_linear, ckpt)  # (name, n_out, n_in) -> [in, out]
 
     def norm(mod: RMSNorm, name: str):
         w = jnp.asarray(ckpt.get(name, (mod.dim,)), mod.param_dtype)
@@ -154,16 +176,7 @@ def load_hf_weights(model: DecoderForCausalLM, ckpt: SafetensorsCheckpoint) -> N
         if c.qk_norm:
             norm(layer.self_attn.q_norm, a + "q_norm.weight")
             norm(layer.self_attn.k_norm, a + "k_norm.weight")
-        m, inter = p + "mlp.", c.intermediate_size
-        gu = [linear(f"{m}{s}_proj.weight", inter, D) for s in ("gate", "up")]
-        gu_bias = (
-            [ckpt.get(f"{m}{s}_proj.bias", (inter,)) for s in ("gate", "up")]
-            if c.mlp_bias
-            else None
-        )
-        layer.mlp.gate_up_proj.load_kernel(gu, gu_bias)
-        d_bias = [ckpt.get(m + "down_proj.bias", (D,))] if c.mlp_bias else None
-        layer.mlp.down_proj.load_kernel([linear(m + "down_proj.weight", D, inter)], d_bias)
+        (load_mlp or load_dense_mlp)(layer.mlp, p + "mlp.", c, ckpt)
     norm(model.model.norm, "model.norm.weight")
     if model.lm_head is not None:
         model.lm_head.load_table(ckpt.get("lm_head.weight", (c.vocab_size, D)))

@@ -36,7 +36,12 @@ from lora_jax.models.decoder import (
     DecoderModel,
     RMSNorm,
 )
-from lora_jax.models.loading import SafetensorsCheckpoint
+from lora_jax.models.loading import (
+    SafetensorsCheckpoint,
+    hf_linear,
+    load_dense_mlp,
+    load_hf_weights,
+)
 from lora_jax.moe import FusedMoE
 from lora_jax.sharding import ShardingRules
 from lora_jax.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -256,56 +261,21 @@ def _experts(ckpt: SafetensorsCheckpoint, prefix: str, moe: MoEConfig, H: int):
 
 
 def load_hf_moe_weights(model: MoEDecoderForCausalLM, ckpt: SafetensorsCheckpoint) -> None:
-    """Writes every weight of `model` from `ckpt` (HF names); checks for leftovers."""
-    c, moe = model.config, model.moe_config
-    D, hd = c.hidden_size, c.head_dim
-    nq, nkv = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    linear = lambda name, n_out, n_in: ckpt.get(name, (n_out, n_in)).T  # noqa: E731 [in, out]
+    """Writes every weight of `model` from `ckpt` (HF names); checks for leftovers.
 
-    def norm(mod: RMSNorm, name: str):
-        w = jnp.asarray(ckpt.get(name, (mod.dim,)), mod.param_dtype)
-        mod.weight.set_value(mod.rules.place(w, None))
+    The dense loader does the embedding, attention, norms and lm_head; sparse layers'
+    router and experts come from Mixtral's `block_sparse_moe.` or Qwen3-MoE's `mlp.`.
+    """
+    moe = model.moe_config
 
-    model.model.embed_tokens.load_table(ckpt.get("model.embed_tokens.weight", (c.vocab_size, D)))
-    for i, layer in enumerate(model.model.layers):
-        p = f"model.layers.{i}."
-        norm(layer.input_layernorm, p + "input_layernorm.weight")
-        norm(layer.post_attention_layernorm, p + "post_attention_layernorm.weight")
-        a = p + "self_attn."
-        sizes = {"q": nq, "k": nkv, "v": nkv}
-        kernels = [linear(f"{a}{s}_proj.weight", sizes[s], D) for s in "qkv"]
-        biases = [ckpt.get(f"{a}{s}_proj.bias", (sizes[s],)) for s in "qkv"] if c.qkv_bias else None
-        layer.self_attn.qkv_proj.load_kernel(kernels, biases)
-        o_bias = [ckpt.get(a + "o_proj.bias", (D,))] if c.o_bias else None
-        layer.self_attn.o_proj.load_kernel([linear(a + "o_proj.weight", D, nq)], o_bias)
-        if c.qk_norm:
-            norm(layer.self_attn.q_norm, a + "q_norm.weight")
-            norm(layer.self_attn.k_norm, a + "k_norm.weight")
-        if isinstance(layer.mlp, SparseMoeBlock):
-            m = p + ("block_sparse_moe." if f"{p}block_sparse_moe.gate.weight" in ckpt else "mlp.")
-            layer.mlp.gate.load_kernel([linear(m + "gate.weight", moe.num_experts, D)])
-            w1, w3, w2 = _experts(ckpt, m, moe, D)
-            layer.mlp.experts.load_weights(w1=w1, w3=w3, w2=w2)
-        else:
-            m, inter = p + "mlp.", c.intermediate_size
-            gu = [linear(f"{m}{s}_proj.weight", inter, D) for s in ("gate", "up")]
-            layer.mlp.gate_up_proj.load_kernel(gu)
-            layer.mlp.down_proj.load_kernel([linear(m + "down_proj.weight", D, inter)])
-    norm(model.model.norm, "model.norm.weight")
-    if model.lm_head is not None:
-        model.lm_head.load_table(ckpt.get("lm_head.weight", (c.vocab_size, D)))
-    elif "lm_head.weight" in ckpt:
-        ckpt.used.add("lm_head.weight")
-    unused = sorted(n for n in ckpt.names() if n not in ckpt.used and "rotary_emb" not in n)
-    if unused:
-        more = f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
-        raise ValueError(
-            f"{ckpt.directory}: tensors not used by the {moe.model_type} model: {unused[:5]}{more}"
-        )
-    abstract = [
-        jax.tree_util.keystr(path)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
-        if isinstance(leaf, jax.ShapeDtypeStruct)
-    ]
-    if abstract:  # pragma: no cover - an attribute this loader does not know about
-        raise ValueError(f"weights left unloaded: {abstract[:5]}")
+    def load_mlp(mlp, m: str, c, ckpt: SafetensorsCheckpoint) -> None:
+        if not isinstance(mlp, SparseMoeBlock):
+            return load_dense_mlp(mlp, m, c, ckpt)
+        p = m[: -len("mlp.")]
+        if f"{p}block_sparse_moe.gate.weight" in ckpt:
+            m = p + "block_sparse_moe."
+        mlp.gate.load_kernel([hf_linear(ckpt, m + "gate.weight", moe.num_experts, c.hidden_size)])
+        w1, w3, w2 = _experts(ckpt, m, moe, c.hidden_size)
+        mlp.experts.load_weights(w1=w1, w3=w3, w2=w2)
+
+    load_hf_weights(model, ckpt, load_mlp)
