@@ -445,3 +445,19 @@ def test_loader_rejects_unused_tensor_and_missing_files(exported, tmp_path_facto
         load_hf_model(path)
     with pytest.raises(ValueError, match="config.json"):
         load_hf_model(str(tmp_path_factory.mktemp("empty")))
+
+
+def test_checkpoint_reader_returns_bfloat16_tensors(tmp_path):
+    """HF checkpoints are mostly bf16, which safetensors' numpy reader cannot return."""
+    from safetensors.flax import save_file
+
+    from lora_jax.models import SafetensorsCheckpoint
+
+    w = jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3) / 4
+    save_file({"model.norm.weight": w}, str(tmp_path / "model.safetensors"))
+    ckpt = SafetensorsCheckpoint(str(tmp_path))
+    got = ckpt.get("model.norm.weight", (2, 3))
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(w, np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        ckpt.get("model.norm.weight", (3, 2))

@@ -66,7 +66,9 @@ class SafetensorsCheckpoint:
                 f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints "
                 "are supported)"
             )
-        self._handles = {f: safe_open(os.path.join(directory, f), framework="numpy") for f in files}
+        # The "flax" reader: safetensors' numpy reader cannot return bfloat16, the dtype
+        # of most HF checkpoints. Tensors are read onto the host CPU device.
+        self._handles = {f: safe_open(os.path.join(directory, f), framework="flax") for f in files}
         if self.weight_map is None:
             self.weight_map = {k: SINGLE_FILE for k in self._handles[SINGLE_FILE].keys()}
         for name, fname in self.weight_map.items():
@@ -85,7 +87,8 @@ class SafetensorsCheckpoint:
         if name not in self.weight_map:
             raise ValueError(f"{self.directory}: tensor {name!r} (shape {shape}) is missing")
         fname = self.weight_map[name]
-        arr = self._handles[fname].get_tensor(name)
+        with jax.default_device(jax.devices("cpu")[0]):
+            arr = np.asarray(self._handles[fname].get_tensor(name))
         if tuple(arr.shape) != tuple(shape):
             raise ValueError(
                 f"{os.path.join(self.directory, fname)}: tensor {name!r} has shape "
