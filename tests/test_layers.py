@@ -24,9 +24,7 @@ IDX = np.array([1, -1, 0, 3, 1, 1, -1, 2, 0, 3, 3, -1, 1, 0, 2, 1], np.int32)
 MESHES = {"tp1": (1, 1), "tp2": (1, 2), "tp4": (1, 4), "tp8": (1, 8), "dp2tp4": (2, 4)}
 # tp=2/4 repeat what tp=8 and dp2xtp4 check; they run in the full (Python 3.11) suite.
 _SLOW_MESHES = {"tp2", "tp4"}
-MESH_PARAMS = [
-    pytest.param(m, marks=pytest.mark.slow) if m in _SLOW_MESHES else m for m in MESHES
-]
+MESH_PARAMS = [pytest.param(m, marks=pytest.mark.slow) if m in _SLOW_MESHES else m for m in MESHES]
 _UNSHARDED = {}
 
 
