@@ -189,12 +189,13 @@ def lora_expand(
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
         hs = h[s].astype(jnp.float32)  # [T, R]
         if _use_one_hot(idx.shape[0], b.shape[0]):
-            L, n, R = b.shape
+            L = b.shape[0]
             one_hot = jax.nn.one_hot(jnp.maximum(idx, 0), L, dtype=jnp.float32)  # [T, L]
-            h_slot = (one_hot[:, :, None] * hs[:, None, :]).reshape(-1, L * R)  # [T, L*R]
-            b_flat = jnp.moveaxis(b, 1, 2).reshape(L * R, n)  # [L*R, n]
+            h_slot = one_hot[:, :, None] * hs[:, None, :]  # [T, L, R]
             # h is rounded to B's dtype for the dot, as the GPU kernels do.
-            delta = jnp.dot(h_slot.astype(b.dtype), b_flat, preferred_element_type=jnp.float32)
+            delta = jnp.einsum(
+                "tlr,lnr->tn", h_slot.astype(b.dtype), b, preferred_element_type=jnp.float32
+            )
         else:
             b_t = _gather_slot(b, idx)  # [T, n_s, R]
             delta = jnp.einsum("tr,tnr->tn", hs, b_t, preferred_element_type=jnp.float32)
