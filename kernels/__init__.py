@@ -8,6 +8,10 @@ from lora_jax.kernels.shrink_expand import BlockSizes as BlockSizes
 from lora_jax.kernels.shrink_expand import lora_expand as lora_expand
 from lora_jax.kernels.shrink_expand import lora_expand_reference as lora_expand_reference
 from lora_jax.kernels.shrink_expand import lora_shrink as lora_shrink
+from lora_jax.kernels.shrink_expand import lora_shrink_expand as lora_shrink_expand
+from lora_jax.kernels.shrink_expand import (
+    lora_shrink_expand_reference as lora_shrink_expand_reference,
+)
 from lora_jax.kernels.shrink_expand import lora_shrink_reference as lora_shrink_reference
 
 __all__ = [
@@ -15,5 +19,7 @@ __all__ = [
     "lora_expand",
     "lora_expand_reference",
     "lora_shrink",
+    "lora_shrink_expand",
+    "lora_shrink_expand_reference",
     "lora_shrink_reference",
 ]

@@ -15,6 +15,9 @@ on an H200, in a Llama-3-8B decode step at 64 tokens, XLA was as fast as the ker
 8 adapters and faster with 64 (benchmarks/RESULTS.md, "model"), while the kernels win
 from 256 tokens up. Force one per call with `backend=`, globally with
 `set_default_backend`, or with the environment variable `LORA_JAX_OPS_BACKEND`.
+"pallas_fused" (opt-in only, never a default) runs `add_lora_linear` as ONE fused
+shrink->expand kernel launch (`lora_jax.kernels.lora_shrink_expand`, made for decode);
+the single ops `lora_shrink` / `lora_expand` treat it as "pallas".
 """
 
 from __future__ import annotations
@@ -28,15 +31,17 @@ import jax.numpy as jnp
 
 from lora_jax.mapping import LoRAMapping
 
-BACKENDS = ("xla", "pallas")
+BACKENDS = ("xla", "pallas", "pallas_fused")
 # Below this many tokens (per shard) the GPU default is XLA: the kernels' fixed cost per
 # call (~10-20 us on an H200) exceeds what they save at decode (benchmarks/RESULTS.md).
 PALLAS_MIN_TOKENS = 128
 _default_backend: str | None = os.environ.get("LORA_JAX_OPS_BACKEND") or None
+PALLAS_INTERPRET = False
+"""Run the Pallas backends in interpret mode (CPU tests of the kernel paths)."""
 
 
 def set_default_backend(backend: str | None) -> None:
-    """Forces every op to `backend` ("xla" | "pallas"); `None` restores auto-selection.
+    """Forces every op to `backend` (one of `BACKENDS`); `None` restores auto-selection.
 
     Example:
         >>> set_default_backend("xla")
@@ -71,8 +76,8 @@ def resolve_backend(backend: str | None = None, num_tokens: int | None = None) -
         choice = "pallas" if gpu and big else "xla"
     if choice not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
-    if choice == "pallas" and _kernels() is None:
-        raise ValueError("backend='pallas' requested but lora_jax.kernels is not available")
+    if choice in ("pallas", "pallas_fused") and _kernels() is None:
+        raise ValueError(f"backend={choice!r} requested but lora_jax.kernels is not available")
     return choice
 
 
@@ -119,9 +124,14 @@ def lora_shrink(
     """
     lora_a = tuple(lora_a)
     _check_stacks("lora_a", lora_a, mapping)
-    if resolve_backend(backend, x.shape[0]) == "pallas":
+    if resolve_backend(backend, x.shape[0]) in ("pallas", "pallas_fused"):
         return _kernels().lora_shrink(
-            x, lora_a, scale=scale, slot_ranks=slot_ranks, **mapping.kernel_kwargs()
+            x,
+            lora_a,
+            scale=scale,
+            slot_ranks=slot_ranks,
+            **mapping.kernel_kwargs(),
+            interpret=PALLAS_INTERPRET,
         )
     idx = mapping.token_lora_indices
     keep = (idx >= 0)[:, None]
@@ -180,9 +190,15 @@ def lora_expand(
             raise ValueError(
                 f"lora_expand: slice {s} [{off}, {off + b.shape[1]}) exceeds y width {y.shape[-1]}"
             )
-    if resolve_backend(backend, y.shape[0]) == "pallas":
+    if resolve_backend(backend, y.shape[0]) in ("pallas", "pallas_fused"):
         return _kernels().lora_expand(
-            y, h, lora_b, offsets=offsets, slot_ranks=slot_ranks, **mapping.kernel_kwargs()
+            y,
+            h,
+            lora_b,
+            offsets=offsets,
+            slot_ranks=slot_ranks,
+            **mapping.kernel_kwargs(),
+            interpret=PALLAS_INTERPRET,
         )
     idx = mapping.token_lora_indices
     keep = (idx >= 0)[:, None]
@@ -222,7 +238,25 @@ def add_lora_linear(
     Example:
         >>> # y [T, sum(n_s)], x [T, H], lora_a[s] [L, R, H], lora_b[s] [L, n_s, R]
         >>> y = add_lora_linear(y, x, a_slices, b_slices, mapping)  # doctest: +SKIP
+        >>> y = add_lora_linear(y, x, a, b, mapping, backend="pallas_fused")  # doctest: +SKIP
     """
+    if resolve_backend(backend, x.shape[0]) == "pallas_fused":
+        lora_a, lora_b = tuple(lora_a), tuple(lora_b)
+        _check_stacks("lora_a", lora_a, mapping)
+        _check_stacks("lora_b", lora_b, mapping)
+        if offsets is None:  # slices side by side from column 0
+            offsets = [sum(b.shape[1] for b in lora_b[:s]) for s in range(len(lora_b))]
+        return _kernels().lora_shrink_expand(
+            x,
+            y,
+            lora_a,
+            lora_b,
+            offsets=tuple(int(o) for o in offsets),
+            scale=scale,
+            slot_ranks=slot_ranks,
+            **mapping.kernel_kwargs(),
+            interpret=PALLAS_INTERPRET,
+        )
     h = lora_shrink(x, lora_a, mapping, scale, slot_ranks=slot_ranks, backend=backend)
     return lora_expand(
         y, h, lora_b, mapping, offsets=offsets, slot_ranks=slot_ranks, backend=backend

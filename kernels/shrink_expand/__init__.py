@@ -4,13 +4,21 @@ One folder per op, Tokamax style: ``reference.py`` is the jnp oracle,
 ``pallas_triton.py`` the Pallas Triton backend, ``block_sizes.py`` the tile
 config and its H200 tuning table, ``work_list.py`` the (slot, token block)
 schedule shared by backends, and ``api.py`` the jitted public functions.
+``pallas_triton_fused.py`` holds the fused decode op `lora_shrink_expand`
+(shrink and expand of every slice in one launch) with its own jitted entry.
 """
 
 from lora_jax.kernels.shrink_expand.api import lora_expand as lora_expand
 from lora_jax.kernels.shrink_expand.api import lora_shrink as lora_shrink
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes as BlockSizes
+from lora_jax.kernels.shrink_expand.pallas_triton_fused import (
+    lora_shrink_expand as lora_shrink_expand,
+)
 from lora_jax.kernels.shrink_expand.reference import (
     lora_expand_reference as lora_expand_reference,
+)
+from lora_jax.kernels.shrink_expand.reference import (
+    lora_shrink_expand_reference as lora_shrink_expand_reference,
 )
 from lora_jax.kernels.shrink_expand.reference import (
     lora_shrink_reference as lora_shrink_reference,
@@ -21,5 +29,7 @@ __all__ = [
     "lora_expand",
     "lora_expand_reference",
     "lora_shrink",
+    "lora_shrink_expand",
+    "lora_shrink_expand_reference",
     "lora_shrink_reference",
 ]

@@ -50,6 +50,12 @@ class BlockSizes:
     Decode uses it to fill the GPU: a handful of token blocks x 32 k steps each
     leaves most SMs idle.
     """
+    split_n: int = 1
+    """Fused shrink-expand: column groups per (work block, slice), at most.
+
+    Each group recomputes the block's shrink and walks its share of the slice's
+    ``block_n`` tiles: more groups, more parallelism and more (L2) re-reads of x and A.
+    """
 
     def __post_init__(self):
         for f in ("block_m", "block_k", "block_r", "block_n"):
@@ -60,14 +66,27 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.num_warps={self.num_warps}: use 1, 2, 4, 8 or 16.")
         if self.split_k < 1:
             raise ValueError(f"BlockSizes.split_k={self.split_k}: must be >= 1.")
+        if self.split_n < 1:
+            raise ValueError(f"BlockSizes.split_n={self.split_n}: must be >= 1.")
         if self.num_stages < 1:
             raise ValueError(f"BlockSizes.num_stages={self.num_stages}: must be >= 1.")
 
     @classmethod
     def get_default(
-        cls, op: str, *, num_tokens: int, hidden: int, rank: int, out_features: int = 0
+        cls,
+        op: str,
+        *,
+        num_tokens: int,
+        hidden: int,
+        rank: int,
+        out_features: int = 0,
+        num_slices: int = 1,
     ) -> BlockSizes:
-        """Tuned defaults for H200 (see benchmarks/RESULTS.md), by op and static shape."""
+        """Tuned defaults for H200 (see benchmarks/RESULTS.md), by op and static shape.
+
+        ``op`` is "shrink", "expand" or "fused" (`lora_shrink_expand`; there
+        ``out_features`` is the widest slice and ``num_slices`` the slice count).
+        """
         rank_p = max(16, next_pow2(rank))
         if op == "shrink":
             if num_tokens <= DECODE_MAX_TOKENS:
@@ -93,4 +112,38 @@ class BlockSizes:
             if num_tokens <= DECODE_MAX_TOKENS:
                 return cls(block_m=16, block_n=128, num_warps=4, num_stages=1)
             return cls(block_m=64, block_n=128, num_warps=4, num_stages=1)
-        raise ValueError(f"BlockSizes.get_default: op={op!r}; expected 'shrink' or 'expand'.")
+        if op == "fused":
+            return fused_default(num_tokens, hidden, rank_p, out_features, num_slices)
+        raise ValueError(
+            f"BlockSizes.get_default: op={op!r}; expected 'shrink', 'expand' or 'fused'."
+        )
+
+
+FUSED_TARGET_PROGRAMS = 132
+"""Fused decode aims for about one live program per SM of an H200 (not yet measured)."""
+
+
+def fused_default(
+    num_tokens: int, hidden: int, rank_p: int, out_features: int, num_slices: int
+) -> BlockSizes:
+    """Fused shrink-expand tiles (untuned guesses; the ops benchmark ``--fused`` sweeps split_n).
+
+    Every program streams x [16, H] and one slot's A [R, H] before its expand
+    tiles, so the k loop is wide (few iterations, 2 stages) with block_k shrinking
+    as the rank grows to keep shared memory under budget. ``split_n`` spreads a
+    slice's column tiles over groups until about FUSED_TARGET_PROGRAMS programs
+    carry work, assuming max(T / 16, min(T, 8)) live token blocks as shrink does.
+    """
+    del hidden
+    block_k = 256 if rank_p <= 32 else 128 if rank_p <= 64 else 64
+    block_n = 128
+    if num_tokens > DECODE_MAX_TOKENS:
+        # Not the fused kernel's regime (the shrink is recomputed per column group).
+        return BlockSizes(block_m=32, block_k=64, block_n=block_n, num_stages=2, split_n=4)
+    live = max(-(-num_tokens // 16), min(num_tokens, 8)) * max(1, num_slices)
+    tiles = max(1, -(-max(out_features, 1) // block_n))
+    want = max(1, FUSED_TARGET_PROGRAMS // live)
+    split_n = min(1 << (want.bit_length() - 1), next_pow2(tiles))  # power of two <= want
+    return BlockSizes(
+        block_m=16, block_k=block_k, block_n=block_n, num_warps=4, num_stages=2, split_n=split_n
+    )

@@ -111,3 +111,33 @@ def lora_expand_reference(
         new = jnp.where(valid[:, None], new, y[:, off : off + n_s])
         out = out.at[:, off : off + n_s].set(new)
     return out
+
+
+def lora_shrink_expand_reference(
+    x: jax.Array,
+    y: jax.Array,
+    lora_a: Sequence[jax.Array],
+    lora_b: Sequence[jax.Array],
+    *,
+    offsets: Sequence[int],
+    token_lora_indices: jax.Array,
+    scale: float = 1.0,
+    slot_ranks: jax.Array | None = None,
+    **unused,
+) -> jax.Array:
+    """``y[t, off_s:off_s+n_s] += scale * (x[t] @ A_s[idx[t]].T) @ B_s[idx[t]].T``.
+
+    The composition of the two oracles (h in f32, never rounded); rows with idx -1
+    unchanged. Other keyword arguments (sort metadata, block sizes) are ignored.
+
+    Example::
+
+        y = lora_shrink_expand_reference(x, y, (a,), (b,), offsets=(0,), token_lora_indices=idx)
+    """
+    del unused
+    h = lora_shrink_reference(
+        x, lora_a, token_lora_indices=token_lora_indices, scale=scale, slot_ranks=slot_ranks
+    )  # f32 [S, T, R]
+    return lora_expand_reference(
+        y, h, lora_b, offsets=offsets, token_lora_indices=token_lora_indices, slot_ranks=slot_ranks
+    )

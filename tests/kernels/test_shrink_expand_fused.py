@@ -1,0 +1,207 @@
+"""Fused shrink->expand (`lora_shrink_expand`): interpret mode and CUDA lowering on CPU, GPU runs.
+
+Compared with the composition of the jnp oracles over shapes x dtypes x slice
+layouts x mappings; the ops-level test checks `add_lora_linear(backend="pallas_fused")`
+against the XLA backend.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from lora_jax.kernels import BlockSizes, lora_shrink_expand, lora_shrink_expand_reference
+from lora_jax.kernels.shrink_expand.block_sizes import next_pow2
+from lora_jax.kernels.shrink_expand.pallas_triton import SMEM_BUDGET
+from lora_jax.kernels.shrink_expand.pallas_triton_fused import fit_fused_tiles, fused_smem_bytes
+from shrink_expand_test_base import (
+    TOLERANCES,
+    Case,
+    ShrinkExpandTestBase,
+    make_metadata,
+)
+
+# Several column tiles per program (split_n 2 over 3 tiles: the second group's
+# second tile lies past the slice) and a short k step (several k iterations).
+_GROUPS = BlockSizes(block_m=16, block_k=32, block_n=16, split_n=2)
+_ONE_TILE_EACH = BlockSizes(block_m=16, block_k=64, block_n=16, split_n=8, num_stages=3)
+
+FUSED_CASES = [
+    Case(8, 64, 16, (32,), jnp.bfloat16, "none"),
+    Case(4, 48, 16, (32,), jnp.float16, "distinct"),
+    Case(16, 40, 16, (24, 8, 40), jnp.float32, "unsorted"),  # ragged hidden, 3 widths
+    Case(12, 64, 8, (16,), jnp.bfloat16, "unsorted"),  # rank 8: padded to 16 inside
+    Case(9, 130, 32, (40,), jnp.bfloat16, "unsorted"),  # ragged hidden, 2 k steps
+    Case(16, 64, 32, (32, 48, 16), jnp.bfloat16, "unsorted", ranked=True),
+    Case(20, 96, 16, (48, 16, 33), jnp.float16, "unsorted", block_sizes=_GROUPS),
+    Case(24, 72, 24, (40,), jnp.float32, "sorted", ranked=True, block_sizes=_ONE_TILE_EACH),
+    Case(1, 64, 16, (16,), jnp.float32, "one"),
+]
+
+
+class FusedTestBase:
+    """Subclass and set `interpret`; reuses the shared base's inputs."""
+
+    interpret: bool = True
+    _inputs = ShrinkExpandTestBase._inputs
+
+    def check(self, case: Case, scale: float = 0.5):
+        idx, meta, x, lora_a, lora_b, y, offsets, slot_ranks, _ = self._inputs(case)
+        # unit-scale deltas: B ~ N(0, 1 / R) so that h @ B.T ~ h
+        lora_b = tuple((b / np.sqrt(case.rank)).astype(b.dtype) for b in lora_b)
+        kw = dict(meta, offsets=offsets, scale=scale, slot_ranks=slot_ranks)
+        out = lora_shrink_expand(
+            x, y, lora_a, lora_b, **kw, block_sizes=case.block_sizes, interpret=self.interpret
+        )
+        ref = lora_shrink_expand_reference(x, y, lora_a, lora_b, **kw)
+        assert out.shape == y.shape and out.dtype == y.dtype
+        rtol, atol = TOLERANCES[("expand", case.dtype)]
+        np.testing.assert_allclose(
+            np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=rtol, atol=atol
+        )
+        # the test can fail: mapped rows of touched columns do change
+        y_np, out_np = np.asarray(y), np.asarray(out)
+        if np.any(idx >= 0):
+            assert not np.array_equal(out_np[idx >= 0], y_np[idx >= 0])
+        # unmapped rows and untouched columns are bit-identical to the input
+        assert np.array_equal(out_np[idx < 0], y_np[idx < 0])
+        assert np.array_equal(out_np[:, sum(case.widths) :], y_np[:, sum(case.widths) :])
+
+    @pytest.mark.parametrize("case", FUSED_CASES, ids=str)
+    def test_fused(self, case: Case):
+        self.check(case)
+
+
+class TestFusedInterpret(FusedTestBase):
+    interpret = True
+
+    def test_under_jit_with_donated_y(self):
+        case = FUSED_CASES[2]
+        idx, meta, x, lora_a, lora_b, y, offsets, _, _ = self._inputs(case, seed=2)
+        ref = lora_shrink_expand_reference(x, y, lora_a, lora_b, offsets=offsets, **meta)
+
+        @jax.jit
+        def step(x, y):
+            return lora_shrink_expand(x, y, lora_a, lora_b, offsets=offsets, **meta, interpret=True)
+
+        out = jax.jit(step, donate_argnums=1)(x, jnp.array(y))
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+class TestFusedGpu(FusedTestBase):
+    interpret = False
+
+    @pytest.mark.parametrize(
+        "case",
+        [
+            Case(64, 4096, 16, (4096,), jnp.bfloat16, "unsorted", max_loras=64),
+            Case(256, 4096, 64, (4096, 1024, 1024), jnp.bfloat16, "unsorted", max_loras=16),
+            Case(16, 2049, 8, (1000, 14336), jnp.bfloat16, "one", max_loras=8),
+            Case(64, 4096, 128, (4096,), jnp.float16, "unsorted", max_loras=8, ranked=True),
+            Case(64, 1000, 16, (300,), jnp.float32, "unsorted", max_loras=8),
+        ],
+        ids=str,
+    )
+    def test_large(self, case):
+        self.check(case)
+
+
+def test_tiles_fit_shared_memory():
+    for rank in (8, 16, 32, 64, 128, 256):
+        for num_tokens in (1, 64, 256, 4096):
+            bs = BlockSizes.get_default(
+                "fused", num_tokens=num_tokens, hidden=4096, rank=rank, out_features=4096
+            )
+            for itemsize in (2, 4):
+                fit = fit_fused_tiles(bs, rank, itemsize)
+                rank_p = max(16, next_pow2(rank))
+                if rank_p <= 128:
+                    assert fused_smem_bytes(fit, rank_p, itemsize) <= SMEM_BUDGET, (rank, fit)
+                assert fit.block_k >= 16 and fit.block_n >= 16
+    # decode at rank 16 keeps the wide k step; split_n spreads ~1 program per SM
+    bs = BlockSizes.get_default("fused", num_tokens=64, hidden=4096, rank=16, out_features=4096)
+    assert bs.block_k == 256 and bs.split_n == 16
+    assert fit_fused_tiles(bs, 16, 2) == bs
+    with pytest.raises(ValueError, match="split_n"):
+        BlockSizes(split_n=0)
+
+
+def test_bad_shapes_are_named():
+    meta = make_metadata(np.zeros(4, np.int32), 2)
+    x = jnp.zeros((4, 32), jnp.float32)
+    a = jnp.zeros((2, 16, 32), jnp.float32)
+    b = jnp.zeros((2, 16, 16), jnp.float32)
+    y = jnp.zeros((4, 16), jnp.float32)
+    with pytest.raises(ValueError, match="outside y"):
+        lora_shrink_expand(x, y, (a,), (b,), offsets=(8,), **meta, interpret=True)
+    with pytest.raises(ValueError, match=r"lora_b\[0\]"):
+        lora_shrink_expand(x, y, (a,), (b[:, :, :8],), offsets=(0,), **meta, interpret=True)
+    with pytest.raises(ValueError, match="offsets"):
+        lora_shrink_expand(x, y, (a,), (b,), offsets=(0, 0), **meta, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_lowers_for_cuda(dtype):
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    from test_shrink_expand_pallas_triton import _abstract_gpu_context
+
+    num_tokens, hidden, rank, max_loras = 64, 2049, 8, 4
+    meta = make_metadata(np.arange(num_tokens) % max_loras, max_loras)
+    sds = jax.ShapeDtypeStruct
+    x = sds((num_tokens, hidden), dtype)
+    lora_a = (sds((max_loras, rank, hidden), dtype),) * 3
+    lora_b = tuple(sds((max_loras, n, rank), dtype) for n in (1000, 300, 300))
+    y = sds((num_tokens, 1600), dtype)
+    ranks = jnp.full((3, max_loras), 4, jnp.int32)
+
+    def step(x, lora_a, lora_b, y, meta):
+        return lora_shrink_expand(
+            x, y, lora_a, lora_b, offsets=(0, 1000, 1300), **meta, slot_ranks=ranks, scale=0.5
+        )
+
+    with _abstract_gpu_context():
+        text = (
+            jax.jit(step)
+            .trace(x, lora_a, lora_b, y, meta)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+    assert text.count("triton") >= 1
+    assert "lora_shrink_expand" in text
+
+
+def test_add_lora_linear_fused_matches_xla(monkeypatch):
+    from lora_jax import ops
+    from lora_jax.mapping import make_lora_mapping
+
+    monkeypatch.setattr(ops, "PALLAS_INTERPRET", True)
+    rng = np.random.default_rng(3)
+    num_tokens, hidden, rank, max_loras = 10, 48, 16, 4
+    widths = (24, 16, 40)
+    num_slices = len(widths)
+    idx = rng.integers(-1, max_loras, num_tokens).astype(np.int32)
+    mapping = make_lora_mapping(jnp.asarray(idx), max_loras)
+    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.float32)
+    a = [
+        jnp.asarray(rng.standard_normal((max_loras, rank, hidden)) / 7, jnp.float32) for _ in widths
+    ]
+    b = [jnp.asarray(rng.standard_normal((max_loras, n, rank)) / 4, jnp.float32) for n in widths]
+    y = jnp.asarray(rng.standard_normal((num_tokens, sum(widths))), jnp.float32)
+    ranks = jnp.asarray(rng.integers(1, rank + 1, (num_slices, max_loras)), jnp.int32)
+    # the XLA path reads slot_ranks only through the zeroed padding (as the manager stores it)
+    pad = jnp.arange(rank)[None, :, None] >= ranks[:, :, None, None]  # [S, L, R, 1]
+    a = [jnp.where(pad[s], 0.0, a_s) for s, a_s in enumerate(a)]
+    for slot_ranks in (None, ranks):
+        got = ops.add_lora_linear(
+            y, x, a, b, mapping, 0.5, slot_ranks=slot_ranks, backend="pallas_fused"
+        )
+        want = ops.add_lora_linear(y, x, a, b, mapping, 0.5, slot_ranks=slot_ranks, backend="xla")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        assert np.array_equal(np.asarray(got)[idx < 0], np.asarray(y)[idx < 0])
+    assert "pallas_fused" in ops.BACKENDS
+    monkeypatch.setattr(ops, "_default_backend", ops._default_backend)  # restored after
+    ops.set_default_backend("pallas_fused")
+    assert ops.resolve_backend(None, num_tokens) == "pallas_fused"
