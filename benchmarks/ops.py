@@ -16,7 +16,11 @@ adapters actually used + outputs.
 ``--model K`` is the model-like mode: K layers (shrink + expand, each with its
 own weights) in one jit sharing ONE mapping, as in a model step, so per-step
 metadata (the work list) is computed once and shared, as XLA's CSE does for
-the layers of a model; it reports µs per layer.
+the layers of a model; it reports µs per layer. ``--fused`` adds the fused
+one-launch kernel (`lora_shrink_expand`) at its default tiles and at half and
+double the default ``split_n`` (columns of a slice spread over fewer / more programs):
+
+    python benchmarks/ops.py --model 32 --fused --tokens 16,64,256 --hiddens 4096 --out $OUT
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from lora_jax.kernels import BlockSizes, lora_expand, lora_shrink
+from lora_jax.kernels import BlockSizes, lora_expand, lora_shrink, lora_shrink_expand
 
 HBM_GBPS = 4300.0  # measured device-to-device copy on an H200 of this workplace (KINDS.md)
 MAX_LORAS = 64
@@ -279,6 +283,17 @@ SWEEP = {
 }
 
 
+def fused_variant(impl: str, tokens: int, hidden: int, rank: int) -> BlockSizes | None:
+    """Tiles of fused impl "fused" (defaults), "fused/2" or "fused*2" (split_n halved/doubled)."""
+    if impl == "fused":
+        return None
+    bs = BlockSizes.get_default(
+        "fused", num_tokens=tokens, hidden=hidden, rank=rank, out_features=hidden
+    )
+    split_n = max(1, bs.split_n // 2) if impl == "fused/2" else bs.split_n * 2
+    return dataclasses.replace(bs, split_n=split_n)
+
+
 def model_case(tokens: int, hidden: int, rank: int, adapters: int, layers: int, impl: str):
     """(fn, args) for ``layers`` shrink+expand pairs in one jit, sharing one mapping.
 
@@ -316,6 +331,22 @@ def model_case(tokens: int, hidden: int, rank: int, adapters: int, layers: int, 
             y = lora_expand(y, h, (b[i],), offsets=(0,), **meta, interpret=INTERPRET)
         return y
 
+    fused_bs = fused_variant(impl, tokens, hidden, rank) if impl.startswith("fused") else None
+
+    def fused_fn(y, a, b, meta):
+        for i in range(layers):
+            y = lora_shrink_expand(
+                y,
+                y,
+                (a[i],),
+                (b[i],),
+                offsets=(0,),
+                **meta,
+                block_sizes=fused_bs,
+                interpret=INTERPRET,
+            )
+        return y
+
     def gather_fn(y, a, b, meta):
         valid, safe = _valid(meta)
         for i in range(layers):
@@ -332,6 +363,9 @@ def model_case(tokens: int, hidden: int, rank: int, adapters: int, layers: int, 
         "shrink": shrink_only,
         "expand": expand_only,
         "gather": gather_fn,
+        "fused": fused_fn,
+        "fused/2": fused_fn,
+        "fused*2": fused_fn,
     }[impl]
     return fn, (y, a, b, meta)
 
@@ -339,6 +373,8 @@ def model_case(tokens: int, hidden: int, rank: int, adapters: int, layers: int, 
 def model_main(a):
     """--model K: µs per layer (one shrink + one expand) over K layers sharing a mapping."""
     impls = ["ours", "shrink", "expand", "old", "gather"]
+    if a.fused:  # the fused kernel next to the 3-launch pair and gather+einsum
+        impls = ["fused", "fused/2", "fused*2", "ours", "shrink", "expand", "gather"]
     rows, start = [], time.time()
     for rank in a.ranks:
         for t in a.tokens:
@@ -352,6 +388,7 @@ def model_main(a):
                     HBM_GBPS * 1e3
                 )
                 res = dict(tokens=t, hidden=c.hidden, rank=rank, adapters=n, ideal_us=ideal)
+                outs = {}
                 for impl in impls:
                     if impl == "gather" and t * rank * c.hidden * 2 > 4e9:
                         continue
@@ -360,15 +397,36 @@ def model_main(a):
                     if err:
                         res[impl] = err[:60]
                         continue
-                    res[impl] = time_calls(compiled, args, a.model)
+                    try:
+                        res[impl] = time_calls(compiled, args, a.model)
+                        if impl in ("fused", "ours") and a.fused:  # fused vs pair, last layer's y
+                            outs[impl] = np.asarray(compiled(*args), np.float32)
+                    except Exception as e:  # noqa: BLE001 - report the cell, keep the run going
+                        res[impl] = f"run: {type(e).__name__}: {str(e)[:100]}"
                     del args
+                if "fused" in outs and "ours" in outs:
+                    ref = outs["ours"]
+                    err = np.max(np.abs(outs["fused"] - ref)) / max(np.max(np.abs(ref)), 1e-30)
+                    res["fused_vs_pair_rel_err"] = float(err)
                 rows.append(res)
                 print(res, flush=True)
                 with open(os.path.join(a.out, "ops_model.json"), "w") as f:
                     json.dump(rows, f, indent=1)
+    titles = {
+        "ours": "ours pair µs",
+        "shrink": "shrink µs",
+        "expand": "expand µs",
+        "old": "before (old shrink tiles) pair µs",
+        "gather": "gather+einsum pair µs",
+        "fused": "fused µs",
+        "fused/2": "fused split_n/2 µs",
+        "fused*2": "fused split_n*2 µs",
+    }
     head = (
-        "| T | H | R | n | ideal µs (pair) | ours pair µs | shrink µs | expand µs "
-        "| before (old shrink tiles) pair µs | gather+einsum pair µs |\n|" + "---|" * 10
+        "| T | H | R | n | ideal µs (pair) | "
+        + " | ".join(titles[k] for k in impls)
+        + " |\n|"
+        + "---|" * (5 + len(impls))
     )
     lines = [head]
     for r in rows:
@@ -398,6 +456,11 @@ def main():
         type=int,
         default=0,
         help="K > 0: model-like mode, K shrink+expand layers in one jit sharing one mapping",
+    )
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="with --model: also time the fused one-launch kernel lora_shrink_expand",
     )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()

@@ -177,6 +177,11 @@ def main(argv=None):
         default="",
         help="also time plain LoRA with the XLA ops backend at these decode batches",
     )
+    p.add_argument(
+        "--fused-batches",
+        default="",
+        help="also time plain LoRA with the fused 'pallas_fused' ops backend at these batches",
+    )
     p.add_argument("--small", action="store_true", help="tiny model for a CPU smoke test")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -228,6 +233,13 @@ def main(argv=None):
             if fully is False and args.xla_batches:
                 xb = [int(v) for v in args.xla_batches.split(",")]
                 cases += [(k, b, n, "xla") for k, b, n in cases if k == "decode" and b in xb]
+            if fully is False and args.fused_batches:
+                fb = [int(v) for v in args.fused_batches.split(",")]
+                cases += [
+                    (k, b, n, "pallas_fused")
+                    for k, b, n, *rest in cases
+                    if k == "decode" and b in fb and not rest
+                ]
             for case in cases:
                 kind, b, n = case[:3]
                 backend = case[3] if len(case) > 3 else None
@@ -239,7 +251,7 @@ def main(argv=None):
                 lj.ops.set_default_backend(None)
                 row = dict(
                     tp=tp,
-                    variant=variant + ("[xla]" if backend else ""),
+                    variant=variant + (f"[{backend}]" if backend else ""),
                     kind=kind,
                     tokens=b,
                     adapters=n,

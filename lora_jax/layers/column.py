@@ -30,13 +30,13 @@ class _ColumnLoRA(BaseLayerWithLoRA):
         base = self.base_layer
         axis = base.rules.mesh_axis("tensor")
         sharded_rank = self.fully_sharded and axis is not None and base.tp > 1
+        offsets = local_offsets(self.slice_widths, base.out_tp)
+        if not sharded_rank:  # shrink then expand (one fused launch with "pallas_fused")
+            return ops.add_lora_linear(y, x, a, b, mapping, 1.0, offsets=offsets, slot_ranks=ranks)
         # A rank-sharded shard holds rank rows [i*R/tp, (i+1)*R/tp): true ranks don't
         # apply to its local block, so the kernels get no rank hint then.
-        hint = None if sharded_rank else ranks
-        h = ops.lora_shrink(x, a, mapping, 1.0, slot_ranks=hint)  # f32 [S, T, R(/tp)]
-        if sharded_rank:
-            h = jax.lax.all_gather(h, axis, axis=2, tiled=True)  # [S, T, R]
-        offsets = local_offsets(self.slice_widths, base.out_tp)
+        h = ops.lora_shrink(x, a, mapping, 1.0, slot_ranks=None)  # f32 [S, T, R/tp]
+        h = jax.lax.all_gather(h, axis, axis=2, tiled=True)  # [S, T, R]
         return ops.lora_expand(y, h, b, mapping, offsets=offsets, slot_ranks=ranks)
 
 

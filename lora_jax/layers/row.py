@@ -42,8 +42,9 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
         return isinstance(source_layer, RowParallelLinear)
 
     def _lora_local(self, y, x, a, b, ranks, mapping):
-        h = ops.lora_shrink(x, a, mapping, 1.0, slot_ranks=ranks)  # partial f32 [1, T, R]
-        y = ops.lora_expand(y, h, b, mapping, offsets=(0,), slot_ranks=ranks)
+        # h = x @ A.T is a partial sum over the in shards; expand is linear in h, so the
+        # partial products are summed by the base reduce (one fused launch with "pallas_fused").
+        y = ops.add_lora_linear(y, x, a, b, mapping, 1.0, offsets=(0,), slot_ranks=ranks)
         return self.base_layer.reduce(y)
 
 

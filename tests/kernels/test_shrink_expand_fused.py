@@ -205,3 +205,53 @@ def test_add_lora_linear_fused_matches_xla(monkeypatch):
     monkeypatch.setattr(ops, "_default_backend", ops._default_backend)  # restored after
     ops.set_default_backend("pallas_fused")
     assert ops.resolve_backend(None, num_tokens) == "pallas_fused"
+
+
+@pytest.mark.parametrize("kind", ["qkv", "row"])
+def test_layers_with_fused_backend_match_xla(monkeypatch, kind):
+    """The column (3-slice qkv) and row layers route through add_lora_linear, so the
+    "pallas_fused" default backend gives the XLA backend's output (mesh tp=2)."""
+    from flax import nnx
+
+    import lora_jax as lj
+    from lora_jax import ops
+
+    monkeypatch.setattr(ops, "PALLAS_INTERPRET", True)
+    monkeypatch.setattr(ops, "_default_backend", ops._default_backend)  # restored after
+    mesh = jax.make_mesh((1, 2), ("dp", "tp"), devices=jax.devices()[:2])
+    rules = lj.ShardingRules(mesh)
+    kw = dict(rules=rules, param_dtype=jnp.float32, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    if kind == "qkv":
+        base = lj.QKVParallelLinear(32, 8, 4, 2, **kw)
+        layer_cls = lj.QKVParallelLinearWithLoRA
+    else:
+        base = lj.RowParallelLinear(32, 24, **kw)
+        layer_cls = lj.RowParallelLinearWithLoRA
+    cfg = lj.LoRAConfig(max_loras=4, max_lora_rank=16, lora_dtype=jnp.float32)
+    layer = layer_cls(base, cfg, lj.LoRAContext(None))
+    rng = np.random.default_rng(5)
+    for slot, rank in {0: 16, 1: 8, 3: 4}.items():
+        a = [rng.normal(0, 0.3, (rank, 32)).astype(np.float32) for _ in range(layer.n_slices)]
+        b = [rng.normal(0, 0.3, (n, rank)).astype(np.float32) for n in layer.logical_slice_sizes]
+        layer.set_lora(slot, a, b)
+    x = jnp.asarray(rng.normal(size=(12, 32)), jnp.float32)
+    idx = jnp.asarray([1, -1, 0, 3, 1, 1, -1, 2, 0, 3, 3, 0], jnp.int32)
+
+    def run(backend):
+        ops.set_default_backend(backend)
+
+        @nnx.jit
+        def f(layer, x, idx):
+            lj.set_lora_mapping(layer, idx)
+            return layer(x)
+
+        return np.asarray(f(layer, x, idx))
+
+    kernels, calls = ops._kernels(), []
+    fused = kernels.lora_shrink_expand
+    monkeypatch.setattr(
+        kernels, "lora_shrink_expand", lambda *a, **k: calls.append(1) or fused(*a, **k)
+    )
+    want, got = run("xla"), run("pallas_fused")
+    assert calls, "the layer did not reach the fused kernel"
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
