@@ -1,0 +1,160 @@
+"""Where a decode step's device time goes: per-kernel times from a profiler trace.
+
+Builds the Llama-3-8B-shaped decoder of `tp.py` (random bf16 weights, `--layers` of
+them), runs `--steps` decode steps in one jit under `jax.profiler`, reads the trace
+back with `jax.profiler.ProfileData` and splits each step's GPU time into: the kernels
+of the LoRA ops (Pallas calls named ``lora_*`` and the XLA fusions that exist only
+with LoRA are told apart by diffing against the base run's kernel names), the rest,
+and idle gaps between kernels (launch/host-bound time). Prints a table, writes JSON.
+
+    python benchmarks/profile_decode.py --layers 4 --batch 64 --out prof.json   # GPU
+    python benchmarks/profile_decode.py --small                                  # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tp import TARGETS, fill_random_adapters, make_decode, token_slots  # noqa: E402
+
+import lora_jax as lj  # noqa: E402
+from lora_jax.models import DecoderConfig, DecoderForCausalLM  # noqa: E402
+from lora_jax.models.kv_cache import KVCache  # noqa: E402
+from lora_jax.serving.wrap import unwrap_model, wrap_model  # noqa: E402
+
+_STREAM = re.compile(r"^Stream #\d+")
+
+
+def device_events(log_dir: str) -> list[tuple[str, int, int]]:
+    """(name, start_ns, duration_ns) of every kernel/memcpy on the first GPU's streams."""
+    paths = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))
+    if not paths:
+        return []
+    pd = jax.profiler.ProfileData.from_file(paths[-1])
+    out = []
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:GPU:0"):
+            continue
+        for line in plane.lines:
+            if not _STREAM.match(line.name):
+                continue
+            out += [(e.name, int(e.start_ns), int(e.duration_ns)) for e in line.events]
+    return sorted(out, key=lambda e: e[1])
+
+
+def summarize(events, calls: int, steps: int) -> dict:
+    """Per decode step: kernel time by name, busy time (union) and span."""
+    if not events:
+        return dict(kernels={}, busy_us=float("nan"), span_us=float("nan"), launches=0)
+    by_name: dict[str, float] = collections.defaultdict(float)
+    busy, end = 0, events[0][1]
+    for name, start, dur in events:
+        by_name[name] += dur
+        lo = max(start, end)
+        busy += max(0, start + dur - lo)
+        end = max(end, start + dur)
+    span = end - events[0][1]
+    per = calls * steps
+    return dict(
+        kernels={k: v / per / 1e3 for k, v in by_name.items()},
+        busy_us=busy / per / 1e3,
+        span_us=span / per / 1e3,
+        launches=len(events) / per,
+    )
+
+
+def profile_case(model, cfg, batch, n_adapters, steps, calls):
+    run, state = make_decode(model, steps)
+    cache = KVCache.init(cfg, batch, 512 + steps + 1, dtype=jnp.bfloat16)
+    ids = jnp.zeros((batch,), jnp.int32)
+    pos = jnp.full((batch,), 512, jnp.int32)
+    idx = jnp.asarray(
+        token_slots(batch, n_adapters) if n_adapters else np.full(batch, -1, np.int32)
+    )
+    jax.block_until_ready(run(state, cache, ids, pos, idx))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                jax.block_until_ready(run(state, cache, ids, pos, idx))
+        return summarize(device_events(d), calls, steps)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--adapters", default="8,64")
+    p.add_argument("--backends", default="pallas,pallas_fused,xla")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--top", type=int, default=12, help="kernels listed per case")
+    p.add_argument("--small", action="store_true", help="tiny f32 model (CPU smoke test)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if a.small:
+        cfg, dtype, max_loras = DecoderConfig.tiny(num_hidden_layers=2), jnp.float32, 8
+    else:
+        cfg, dtype, max_loras = (
+            DecoderConfig.llama3_8b(num_hidden_layers=a.layers),
+            jnp.bfloat16,
+            64,
+        )
+    model = DecoderForCausalLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    rows = [dict(case="base", **profile_case(model, cfg, a.batch, 0, a.steps, a.calls))]
+    base_names = set(rows[0]["kernels"])
+    wrap_model(
+        model, lj.LoRAConfig(max_loras=max_loras, max_lora_rank=a.rank), target_modules=TARGETS
+    )
+    fill_random_adapters(model, a.rank)
+    for n in [int(v) for v in a.adapters.split(",") if v]:
+        for backend in [b for b in a.backends.split(",") if b]:
+            lj.ops.set_default_backend(backend)
+            try:
+                r = profile_case(model, cfg, a.batch, min(n, max_loras), a.steps, a.calls)
+            finally:
+                lj.ops.set_default_backend(None)
+            r["lora_only_us"] = sum(v for k, v in r["kernels"].items() if k not in base_names)
+            rows.append(dict(case=f"lora[{backend}] n={n}", **r))
+    unwrap_model(model)
+    b0 = rows[0]
+    print(
+        f"device: {jax.devices()[0]}; per decode step, "
+        f"{cfg.num_hidden_layers} layers, batch {a.batch}"
+    )
+    print(
+        f"{'case':<26} {'span us':>9} {'busy us':>9} {'idle us':>9} {'+busy':>8} "
+        f"{'lora-only us':>12} {'launches':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['case']:<26} {r['span_us']:>9.1f} {r['busy_us']:>9.1f} "
+            f"{r['span_us'] - r['busy_us']:>9.1f} {r['busy_us'] - b0['busy_us']:>8.1f} "
+            f"{r.get('lora_only_us', 0.0):>12.1f} {r['launches']:>9.1f}"
+        )
+    for r in rows:
+        print(f"\n{r['case']}: top kernels (us per step)")
+        for k, v in sorted(r["kernels"].items(), key=lambda kv: -kv[1])[: a.top]:
+            tag = "" if k in base_names else "  [lora]"
+            print(f"  {v:9.2f}  {k[:90]}{tag}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(device=str(jax.devices()[0]), argv=sys.argv, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
