@@ -283,6 +283,24 @@ SWEEP = {
 }
 
 
+# Decode tile candidates for `--model K --decode-sweep` (fatter programs than the defaults).
+DECODE_SWEEP = {
+    "shrink": [
+        BlockSizes(block_m=16, block_r=64, block_k=256, num_stages=2, split_k=1),
+        BlockSizes(block_m=16, block_r=64, block_k=256, num_stages=2, split_k=2),
+        BlockSizes(block_m=16, block_r=64, block_k=256, num_stages=2, split_k=4),
+        BlockSizes(block_m=16, block_r=64, block_k=256, num_stages=2, split_k=8),
+        BlockSizes(block_m=16, block_r=64, block_k=128, num_stages=3, split_k=8),
+    ],
+    "expand": [
+        BlockSizes(block_m=16, block_n=256, num_stages=1),
+        BlockSizes(block_m=16, block_n=512, num_stages=1),
+        BlockSizes(block_m=16, block_n=512, num_stages=1, num_warps=8),
+        BlockSizes(block_m=16, block_n=1024, num_stages=1, num_warps=8),
+    ],
+}
+
+
 def fused_variant(impl: str, tokens: int, hidden: int, rank: int) -> BlockSizes | None:
     """Tiles of fused impl "fused" (defaults), "fused/2" or "fused*2" (split_n halved/doubled)."""
     if impl == "fused":
@@ -312,6 +330,12 @@ def model_case(tokens: int, hidden: int, rank: int, adapters: int, layers: int, 
     a = [v * (hidden**-0.5) for v in a]  # K x [L, R, H]
     b = [v * (rank**-0.5) for v in b]  # K x [L, H, R]
     shrink_bs = OLD_DECODE_SHRINK if impl == "old" and tokens <= 256 else None
+    expand_bs = None
+    if impl.startswith(("shrink[", "expand[")):  # a --decode-sweep candidate
+        op, i = impl[:-1].split("[")
+        shrink_bs = DECODE_SWEEP[op][int(i)] if op == "shrink" else None
+        expand_bs = DECODE_SWEEP[op][int(i)] if op == "expand" else None
+        impl = op
 
     def ours_fn(y, a, b, meta):
         for i in range(layers):
@@ -328,7 +352,9 @@ def model_case(tokens: int, hidden: int, rank: int, adapters: int, layers: int, 
     def expand_only(y, a, b, meta):
         h = jnp.ones((1, tokens, rank), jnp.float32) * 0.01
         for i in range(layers):
-            y = lora_expand(y, h, (b[i],), offsets=(0,), **meta, interpret=INTERPRET)
+            y = lora_expand(
+                y, h, (b[i],), offsets=(0,), **meta, block_sizes=expand_bs, interpret=INTERPRET
+            )
         return y
 
     fused_bs = fused_variant(impl, tokens, hidden, rank) if impl.startswith("fused") else None
@@ -375,6 +401,9 @@ def model_main(a):
     impls = ["ours", "shrink", "expand", "old", "gather"]
     if a.fused:  # the fused kernel next to the 3-launch pair and gather+einsum
         impls = ["fused", "fused/2", "fused*2", "ours", "shrink", "expand", "gather"]
+    if a.decode_sweep:  # decode tile candidates, each op alone over K layers
+        impls = ["shrink", "expand", "gather"]
+        impls += [f"{op}[{i}]" for op in ("shrink", "expand") for i in range(len(DECODE_SWEEP[op]))]
     rows, start = [], time.time()
     for rank in a.ranks:
         for t in a.tokens:
@@ -422,6 +451,7 @@ def model_main(a):
         "fused/2": "fused split_n/2 µs",
         "fused*2": "fused split_n*2 µs",
     }
+    titles.update({k: f"{k} µs" for k in impls if k not in titles})
     head = (
         "| T | H | R | n | ideal µs (pair) | "
         + " | ".join(titles[k] for k in impls)
@@ -461,6 +491,11 @@ def main():
         "--fused",
         action="store_true",
         help="with --model: also time the fused one-launch kernel lora_shrink_expand",
+    )
+    p.add_argument(
+        "--decode-sweep",
+        action="store_true",
+        help="with --model: time each op alone with the DECODE_SWEEP tile candidates",
     )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()

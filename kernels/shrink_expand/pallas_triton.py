@@ -214,6 +214,7 @@ def _expand_kernel(
     rank: int,
     compute_dtype,
     bs: BlockSizes,
+    mask_rows: bool,
 ):
     if has_ranks:
         ranks_ref, h_ref, *rest = refs  # [S, L], [S, T, R]
@@ -232,7 +233,7 @@ def _expand_kernel(
 
         @pl.when((sid == s) & (nb < blocks_s) & (tab_ref[2, pid] > 0) & (tab_ref[0, pid] >= 0))
         def _(s=s, n_s=n_s, off=off):
-            slot, _, rows = _block_rows(tab_ref, ids_ref, pid, bm)
+            slot, nrows, rows = _block_rows(tab_ref, ids_ref, pid, bm)
             r = jnp.arange(rank_p, dtype=jnp.int32)
             r_mask = r < _true_rank(ranks_ref, s, slot, rank)
             ht = plgpu.load(
@@ -256,6 +257,9 @@ def _expand_kernel(
             col_mask = jnp.broadcast_to(c_mask[None, :], (bm, bn))
             y_at = y_ref.at[rows[:, None], off + c[None, :]]
             yt = plgpu.load(y_at, mask=col_mask, other=0)
+            if mask_rows:  # GPU: the repeated rows past the block's count store nothing
+                m = jnp.arange(bm, dtype=jnp.int32)
+                col_mask = col_mask & (m < nrows)[:, None]
             plgpu.store(y_at, (yt.astype(jnp.float32) + delta).astype(y_ref.dtype), mask=col_mask)
 
 
@@ -293,6 +297,9 @@ def expand(
         rank=rank,
         compute_dtype=compute_dtype,
         bs=bs,
+        # Interpret mode writes masked lanes back with their old value, which would race
+        # with the real row; on the GPU, masking the repeated rows saves their stores.
+        mask_rows=not interpret,
     )
     grid = (tab.shape[1], num_slices, -(-max(widths) // bn))
     inputs = [tab, sorted_token_ids] + ([slot_ranks] if has_ranks else []) + [h, *lora_b, y]
