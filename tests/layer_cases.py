@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import lora_jax as lj
@@ -83,6 +84,8 @@ KIND_BY_NAME = {k.name: k for k in KINDS}
 
 
 def make_mesh(dp: int, tp: int, explicit: bool = True):
+    if dp * tp > jax.device_count():
+        pytest.skip(f"mesh dp={dp} x tp={tp} needs {dp * tp} devices, {jax.device_count()} visible")
     types = (jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto,) * 2
     return jax.make_mesh((dp, tp), ("dp", "tp"), devices=jax.devices()[: dp * tp], axis_types=types)
 
