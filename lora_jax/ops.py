@@ -217,8 +217,21 @@ def lora_expand(
             delta = jnp.einsum("tr,tnr->tn", hs, b_t, preferred_element_type=jnp.float32)
         cols = y[:, off : off + b.shape[1]]
         new = (cols.astype(jnp.float32) + delta).astype(y.dtype)
-        y = y.at[:, off : off + b.shape[1]].set(jnp.where(keep, new, cols))
+        y = set_columns(y, off, jnp.where(keep, new, cols))
     return y
+
+
+def set_columns(y: jax.Array, offset: int, cols: jax.Array) -> jax.Array:
+    """`y` with columns `[offset, offset + cols.shape[1])` replaced by `cols`.
+
+    A `dynamic_update_slice` rather than `y.at[:, a:b].set(...)`: inside `shard_map`, the
+    latter's lowering crashes jax 0.11's Shardy export (segfault at compile time).
+
+    Example:
+        >>> set_columns(jnp.zeros((1, 4)), 1, jnp.ones((1, 2))).tolist()
+        [[0.0, 1.0, 1.0, 0.0]]
+    """
+    return jax.lax.dynamic_update_slice(y, cols.astype(y.dtype), (0, offset))
 
 
 def add_lora_linear(

@@ -410,5 +410,5 @@ def _ragged_expand(y, h, lora_b, m: LoRAMapping, offsets) -> jax.Array:
         d = jnp.zeros_like(d).at[order].set(d)
         cols = y[:, off : off + b.shape[1]]
         new = (cols.astype(jnp.float32) + d).astype(y.dtype)
-        y = y.at[:, off : off + b.shape[1]].set(jnp.where(keep, new, cols))
+        y = ops.set_columns(y, off, jnp.where(keep, new, cols))
     return y
