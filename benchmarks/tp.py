@@ -173,6 +173,11 @@ def main(argv=None):
     p.add_argument("--prefill", default="4x512", help="BxS prefill case ('' to skip)")
     p.add_argument("--no-sharded", action="store_true", help="skip fully sharded LoRA")
     p.add_argument(
+        "--variants",
+        default="base,lora,lora_fully_sharded",
+        help="comma list of the variants to time (base is needed for the ratios)",
+    )
+    p.add_argument(
         "--xla-batches",
         default="",
         help="also time plain LoRA with the XLA ops backend at these decode batches",
@@ -210,6 +215,7 @@ def main(argv=None):
         variants = [("base", None), ("lora", False)]
         if tp > 1 and not args.no_sharded:
             variants.append(("lora_fully_sharded", True))
+        variants = [v for v in variants if v[0] in args.variants.split(",")]
         for variant, fully in variants:
             if fully is not None:
                 lcfg = lj.LoRAConfig(
