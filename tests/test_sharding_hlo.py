@@ -71,10 +71,8 @@ def test_sharded_column_lora_gathers_only_rank_sized_buffers(name):
 
 def test_sharded_row_lora_collectives_are_rank_sized():
     layer = _layer("row_sharded")
-    out, tp = layer.base_layer.out_features, 4
+    out = layer.base_layer.out_features
     found = sorted(collectives(layer))
-    # The base partial sum travels as reduce-scatter + all-gather (the same bytes as
-    # one all-reduce); the only LoRA collective is the (T, rank) all-reduce.
-    assert found == sorted(
-        [("all-reduce", T * MAX_RANK), ("reduce-scatter", T * out // tp), ("all-gather", T * out)]
-    )
+    # The base's one all-reduce also carries the LoRA out-slices; the only LoRA
+    # collective is the (T, rank) all-reduce of the shrink.
+    assert found == sorted([("all-reduce", T * MAX_RANK), ("all-reduce", T * out)])

@@ -5,9 +5,10 @@ Each shard's shrink gives a partial `(T, R)`; expanding a partial sum is still a
 sum, so the LoRA output joins the base partial sum *before* the layer's one all-reduce.
 
 `RowParallelLinearWithShardedLoRA` (S-LoRA): B is also split on its out dim. The partial
-`(T, R)` shrink is all-reduced (small), the base partial sum is reduce-scattered, each
-shard adds its out-slice of the LoRA, and an all-gather rebuilds the output — the same
-bytes as the one all-reduce, plus only a (T, R) collective for LoRA.
+`(T, R)` shrink is all-reduced (small); each shard expands its out-slice of B and adds it
+into that slice of its base partial sum, zero elsewhere, so the layer's one all-reduce
+both sums the base and gathers the LoRA slices (vLLM's fused S-LoRA row). The LoRA adds
+only the (T, R) collective; tokens without an adapter get the base output bit for bit.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ class RowParallelLinearWithShardedLoRA(RowParallelLinearWithLoRA):
             return super()._lora_local(y, x, a, b, ranks, mapping)
         h = ops.lora_shrink(x, a, mapping, 1.0, slot_ranks=ranks)  # partial [1, T, R]
         h = jax.lax.psum(h, axis)
-        y = jax.lax.psum_scatter(y, axis, scatter_dimension=1, tiled=True)  # [T, out/tp]
-        y = ops.lora_expand(y, h, b, mapping, offsets=(0,), slot_ranks=ranks)
-        return jax.lax.all_gather(y, axis, axis=1, tiled=True)  # [T, out]
+        # This shard's out-slice of B: add its expand into the same columns of the local
+        # base partial sum; the other shards add zeros there, so the one all-reduce below
+        # sums the base and places every LoRA slice.
+        width = b[0].shape[1]  # out / tp
+        start = jax.lax.axis_index(axis) * width
+        part = jax.lax.dynamic_slice_in_dim(y, start, width, axis=1)  # [T, out/tp]
+        part = ops.lora_expand(part, h, b, mapping, offsets=(0,), slot_ranks=ranks)
+        y = jax.lax.dynamic_update_slice_in_dim(y, part, start, axis=1)
+        return base.reduce(y)  # [T, out]
