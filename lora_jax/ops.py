@@ -17,7 +17,9 @@ from 256 tokens up. Force one per call with `backend=`, globally with
 `set_default_backend`, or with the environment variable `LORA_JAX_OPS_BACKEND`.
 "pallas_fused" (opt-in only, never a default) runs `add_lora_linear` as ONE fused
 shrink->expand kernel launch (`lora_jax.kernels.lora_shrink_expand`, made for decode);
-the single ops `lora_shrink` / `lora_expand` treat it as "pallas".
+the single ops `lora_shrink` / `lora_expand` treat it as "pallas". Measured on an H200 it
+is 2-5x slower than the shrink + expand pair (each program walks the whole hidden dim
+serially; benchmarks/RESULTS.md, "ops"), so it stays opt-in, for experiments.
 """
 
 from __future__ import annotations

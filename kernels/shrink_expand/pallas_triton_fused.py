@@ -27,6 +27,12 @@ trip through HBM; it is wasteful for prefill (long runs per slot, many column
 tiles), so use the two-kernel path (`lora_shrink` + `lora_expand`) there.
 ``split_n`` trades that recomputation against parallelism (block_sizes.py).
 
+Measured (H200, benchmarks/RESULTS.md "ops", session 3): 26-116 µs per call against
+14-24 µs for the shrink + expand pair at T <= 256 — each program's k loop over the
+whole hidden dim and its serial walk over column tiles make the launch latency-bound.
+It stays an opt-in backend ("pallas_fused"); a version worth defaulting to needs the
+k split inside (a grid-wide reduction), e.g. on Mosaic GPU.
+
 Exactness as in pallas_triton.py: rows past a block's count repeat its last
 real token (identical values to the same row, no row mask on stores), tokens
 with idx -1 form work blocks whose programs return at once (their y rows come
