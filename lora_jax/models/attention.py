@@ -96,7 +96,7 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **norm_kw) if c.qk_norm else None
 
     def __call__(self, x, positions, cache_kv=None, attention_mask=None):
-        """`x [T, D]`, `positions i32[B, S]`, `cache_kv` = (k, v) `[B, L, kv_phys, hd]` or
+        """`x [T, D]`, `positions i32[B, S]`, `cache_kv` = (k, v) `[B, kv_phys, L, hd]` or
         None, `attention_mask [B, S]` (keys to ignore = 0) → `([T, D], new (k, v) | None)`."""
         c, rules = self.config, self.rules
         B, S = positions.shape
@@ -121,14 +121,17 @@ class Attention(nnx.Module):
             cos, sin = rope_cos_sin(pos, inv_freq)  # [bl, S, hd]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if ck is not None:
-                L = ck.shape[1]
+                L = ck.shape[2]
                 where = pos if mask is None else jnp.where(mask.astype(bool), pos, L)
                 rows = jnp.arange(bl)[:, None]
-                ck = ck.at[rows, where].set(k.astype(ck.dtype), mode="drop")
-                cv = cv.at[rows, where].set(v.astype(cv.dtype), mode="drop")
+                # [bl, S] row/position pairs around the head slice: the indexed block is
+                # [bl, S, kv, hd], k's own layout.
+                ck = ck.at[rows, :, where].set(k.astype(ck.dtype), mode="drop")
+                cv = cv.at[rows, :, where].set(v.astype(cv.dtype), mode="drop")
                 keys, vals, key_pos, key_ok = ck, cv, jnp.arange(L)[None, :], None
             else:
-                keys, vals, key_pos, key_ok = k, v, pos, mask
+                keys, vals = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [bl, kv, S, hd]
+                key_pos, key_ok = pos, mask
             out = _attend(q, keys.astype(dtype), vals.astype(dtype), pos, key_pos, key_ok, window)
             return out.reshape(bl * S, h_l * hd), ck, cv
 
@@ -141,7 +144,7 @@ class Attention(nnx.Module):
             cv=cv,
             mask=attention_mask,
         )
-        cache_spec = (b, None, "tensor", None)
+        cache_spec = (b, "tensor", None, None)
         specs = dict(
             qkv=(b, "tensor"),
             pos=(b, None),
@@ -161,11 +164,11 @@ class Attention(nnx.Module):
 
 
 def _attend(q, k, v, q_pos, key_pos, key_ok, window):
-    """q `[B, S, H, hd]`, k/v `[B, L, kv, hd]` (H = kv * G; q head h uses kv head h // G)."""
+    """q `[B, S, H, hd]`, k/v `[B, kv, L, hd]` (H = kv * G; q head h uses kv head h // G)."""
     B, S, H, hd = q.shape
-    kv = k.shape[2]
+    kv = k.shape[1]
     qg = q.reshape(B, S, kv, H // kv, hd)
-    scores = jnp.einsum("bskgd,blkd->bkgsl", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bskgd,bkld->bkgsl", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (hd**-0.5)
     diff = q_pos[:, :, None] - key_pos[:, None, :]  # [B, S, L] (key_pos may be [1, L])
     ok = diff >= 0
@@ -175,5 +178,5 @@ def _attend(q, k, v, q_pos, key_pos, key_ok, window):
         ok &= key_ok.astype(bool)[:, None, :]
     scores = jnp.where(ok[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgsl,blkd->bskgd", probs, v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgsl,bkld->bskgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(B, S, H, hd).astype(q.dtype)
