@@ -56,6 +56,35 @@ def _check_meta(
         )
 
 
+def _check_a_slices(op: str, lora_a: tuple, hidden: int) -> None:
+    """Every A slice: float, [max_loras, R, H], one shape for all slices."""
+    for s, a in enumerate(lora_a):
+        _check_float(f"lora_a[{s}]", a)
+        if a.ndim != 3 or a.shape != lora_a[0].shape or a.shape[2] != hidden:
+            raise ValueError(
+                f"{op}: lora_a[{s}] has shape {a.shape}; every slice must be "
+                f"[max_loras, R, H={hidden}] with one shape {lora_a[0].shape}."
+            )
+
+
+def _check_b_slices(
+    op: str, lora_b: tuple, offsets: tuple, max_loras: int, rank: int, width: int
+) -> None:
+    """Every B slice: float, [max_loras, n_s, R], its columns inside y's width."""
+    for s, (b, off) in enumerate(zip(lora_b, offsets)):
+        _check_float(f"lora_b[{s}]", b)
+        if b.ndim != 3 or b.shape[0] != max_loras or b.shape[2] != rank:
+            raise ValueError(
+                f"{op}: lora_b[{s}] has shape {b.shape}; expected "
+                f"[max_loras={max_loras}, n_s, R={rank}]."
+            )
+        if off < 0 or off + b.shape[1] > width:
+            raise ValueError(
+                f"{op}: slice {s} covers columns [{off}, {off + b.shape[1]}) "
+                f"outside y's {width} columns."
+            )
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret"))
 def lora_shrink(
     x: jax.Array,
@@ -89,13 +118,7 @@ def lora_shrink(
         raise ValueError("lora_shrink: lora_a is empty; expected a tuple of [L, R, H] arrays.")
     num_tokens, hidden = x.shape
     _check_float("x", x)
-    for s, a in enumerate(lora_a):
-        _check_float(f"lora_a[{s}]", a)
-        if a.ndim != 3 or a.shape != lora_a[0].shape or a.shape[2] != hidden:
-            raise ValueError(
-                f"lora_shrink: lora_a[{s}] has shape {a.shape}; every slice must be "
-                f"[max_loras, R, H={hidden}] with one shape {lora_a[0].shape}."
-            )
+    _check_a_slices("lora_shrink", lora_a, hidden)
     max_loras, rank, _ = lora_a[0].shape
     _check_meta(
         num_tokens,
@@ -175,18 +198,7 @@ def lora_expand(
             f"lora_expand: h has shape {h.shape}; expected [S, T, R] = "
             f"{(len(lora_b), num_tokens, rank)}."
         )
-    for s, (b, off) in enumerate(zip(lora_b, offsets)):
-        _check_float(f"lora_b[{s}]", b)
-        if b.ndim != 3 or b.shape[0] != max_loras or b.shape[2] != rank:
-            raise ValueError(
-                f"lora_expand: lora_b[{s}] has shape {b.shape}; expected "
-                f"[max_loras={max_loras}, n_s, R={rank}]."
-            )
-        if off < 0 or off + b.shape[1] > width:
-            raise ValueError(
-                f"lora_expand: slice {s} covers columns [{off}, {off + b.shape[1]}) "
-                f"outside y's {width} columns."
-            )
+    _check_b_slices("lora_expand", lora_b, offsets, max_loras, rank, width)
     _check_meta(
         num_tokens,
         max_loras,

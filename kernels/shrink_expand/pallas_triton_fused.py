@@ -51,7 +51,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from lora_jax.kernels.shrink_expand.api import _check_float, _check_meta
+from lora_jax.kernels.shrink_expand.api import (
+    _check_a_slices,
+    _check_b_slices,
+    _check_float,
+    _check_meta,
+)
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, next_pow2
 from lora_jax.kernels.shrink_expand.pallas_triton import (
     SMEM_BUDGET,
@@ -302,25 +307,9 @@ def lora_shrink_expand(
     width = y.shape[1]
     for name, arr in (("x", x), ("y", y)):
         _check_float(name, arr)
+    _check_a_slices("lora_shrink_expand", lora_a, hidden)
     max_loras, rank = lora_a[0].shape[0], lora_a[0].shape[1]
-    for s, (a, b, off) in enumerate(zip(lora_a, lora_b, offsets)):
-        _check_float(f"lora_a[{s}]", a)
-        _check_float(f"lora_b[{s}]", b)
-        if a.ndim != 3 or a.shape != lora_a[0].shape or a.shape[2] != hidden:
-            raise ValueError(
-                f"lora_shrink_expand: lora_a[{s}] has shape {a.shape}; every slice must be "
-                f"[max_loras, R, H={hidden}] with one shape {lora_a[0].shape}."
-            )
-        if b.ndim != 3 or b.shape[0] != max_loras or b.shape[2] != rank:
-            raise ValueError(
-                f"lora_shrink_expand: lora_b[{s}] has shape {b.shape}; expected "
-                f"[max_loras={max_loras}, n_s, R={rank}]."
-            )
-        if off < 0 or off + b.shape[1] > width:
-            raise ValueError(
-                f"lora_shrink_expand: slice {s} covers columns [{off}, {off + b.shape[1]}) "
-                f"outside y's {width} columns."
-            )
+    _check_b_slices("lora_shrink_expand", lora_b, offsets, max_loras, rank, width)
     _check_meta(
         num_tokens,
         max_loras,
