@@ -89,6 +89,23 @@ def _true_rank(ranks_ref, s: int, slot, rank: int):
     return jnp.minimum(ranks_ref[s, jnp.maximum(slot, 0)], rank)
 
 
+def _shrink_tile(x_ref, a_ref, rows, slot, r, r_mask, k, hidden: int, dtype, precision):
+    """``x[rows, k] @ A[slot, r, k].T`` in f32 for one k step: x gathered by token row,
+    columns past ``hidden`` and rank rows outside ``r_mask`` masked (no traffic)."""
+    k_mask = k < hidden
+    xt = plgpu.load(
+        x_ref.at[rows[:, None], k[None, :]],
+        mask=jnp.broadcast_to(k_mask[None, :], (rows.shape[0], k.shape[0])),
+        other=0,
+    )  # [bm, bk]
+    at = plgpu.load(
+        a_ref.at[slot, r[:, None], k[None, :]],
+        mask=r_mask[:, None] & k_mask[None, :],
+        other=0,
+    )  # [br, bk]
+    return plgpu.dot(xt.astype(dtype), at.astype(dtype), trans_b=True, precision=precision)
+
+
 def _shrink_kernel(
     tab_ref,  # [3, NB] int32
     ids_ref,  # [T] int32
@@ -128,22 +145,17 @@ def _shrink_kernel(
 
             def body(kk, acc):
                 k = ks * chunk + kk * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
-                k_mask = k < hidden
-                xt = plgpu.load(
-                    x_ref.at[rows[:, None], k[None, :]],
-                    mask=jnp.broadcast_to(k_mask[None, :], (bm, bk)),
-                    other=0,
-                )  # [bm, bk]
-                at = plgpu.load(
-                    a_refs[s].at[safe_slot, r[:, None], k[None, :]],
-                    mask=r_mask[:, None] & k_mask[None, :],
-                    other=0,
-                )  # [br, bk]
-                return acc + plgpu.dot(
-                    xt.astype(compute_dtype),
-                    at.astype(compute_dtype),
-                    trans_b=True,
-                    precision=precision,
+                return acc + _shrink_tile(
+                    x_ref,
+                    a_refs[s],
+                    rows,
+                    safe_slot,
+                    r,
+                    r_mask,
+                    k,
+                    hidden,
+                    compute_dtype,
+                    precision,
                 )
 
             r_store = jnp.broadcast_to((r < rank)[None, :], (bm, br))

@@ -62,6 +62,7 @@ from lora_jax.kernels.shrink_expand.pallas_triton import (
     SMEM_BUDGET,
     _block_rows,
     _dot_precision,
+    _shrink_tile,
     _true_rank,
 )
 from lora_jax.kernels.shrink_expand.work_list import build_work_list
@@ -141,23 +142,10 @@ def _fused_kernel(
 
             def shrink_step(kk, acc):
                 k = kk * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
-                k_mask = k < hidden
-                xt = plgpu.load(
-                    x_ref.at[rows[:, None], k[None, :]],
-                    mask=jnp.broadcast_to(k_mask[None, :], (bm, bk)),
-                    other=0,
-                )  # [bm, bk]
-                at = plgpu.load(
-                    a_refs[s].at[slot, r[:, None], k[None, :]],
-                    mask=r_mask[:, None] & k_mask[None, :],
-                    other=0,
-                )  # [rank_p, bk]
-                return acc + plgpu.dot(
-                    xt.astype(shrink_dtype),
-                    at.astype(shrink_dtype),
-                    trans_b=True,
-                    precision=shrink_precision,
-                )
+                return acc + _shrink_tile(
+                    x_ref, a_refs[s], rows, slot, r, r_mask, k, hidden, shrink_dtype,
+                    shrink_precision,
+                )  # fmt: skip
 
             h = jax.lax.fori_loop(0, num_k, shrink_step, jnp.zeros((bm, rank_p), jnp.float32))
             h = (h * jnp.float32(scale)).astype(expand_dtype)  # [bm, rank_p]
