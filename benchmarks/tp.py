@@ -60,17 +60,14 @@ def fill_random_adapters(model, rank: int, seed: int = 0) -> None:
     """Random adapters in every slot (fast, on device, keeping each stack's sharding)."""
     state = nnx.state(model, nnx.LoRAParam)
     leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    new = []
-    for k, leaf in zip(keys, leaves):
-        fn = jax.jit(
-            lambda k, shape=leaf.shape, dt=leaf.dtype: (jax.random.normal(k, shape) * 0.02).astype(
-                dt
-            ),
-            out_shardings=leaf.sharding,
-        )
-        new.append(fn(k))
-    nnx.update(model, jax.tree.unflatten(treedef, new))
+    specs = [(leaf.shape, leaf.dtype) for leaf in leaves]
+
+    def draw(key):  # one jit for every stack (a jit per stack compiled hundreds of times)
+        keys = jax.random.split(key, len(specs))
+        return [(jax.random.normal(k, sh) * 0.02).astype(dt) for k, (sh, dt) in zip(keys, specs)]
+
+    fn = jax.jit(draw, out_shardings=[leaf.sharding for leaf in leaves])
+    nnx.update(model, jax.tree.unflatten(treedef, fn(jax.random.key(seed))))
     for _, node in nnx.iter_graph(model):
         if isinstance(node, lj.LoRASlotRanks):
             node.set_value(jnp.full(node.shape, rank, jnp.int32, device=node[...].sharding))
