@@ -63,6 +63,16 @@ class ShardingRules:
         axis = self.mesh_axis(logical)
         return 1 if axis is None else self.mesh.shape[axis]
 
+    def collective_axis(self, logical: str | None) -> str | None:
+        """Mesh axis to run a collective over for a logical name, or None when it has a
+        single shard (no psum / all_gather of one participant in the program).
+
+        Example:
+            >>> ShardingRules().collective_axis("tensor") is None
+            True
+        """
+        return self.mesh_axis(logical) if self.size(logical) > 1 else None
+
     def spec(self, *logical: str | None) -> P:
         return P(*(self.mesh_axis(name) for name in logical))
 

@@ -85,7 +85,7 @@ class VocabParallelEmbedding(nnx.Module):
         flat = ids.reshape(-1).astype(jnp.int32)
         if self.rules.mesh is None:
             return jnp.take(table, flat, axis=0).astype(dtype).reshape(*lead, -1)
-        axis = self.rules.mesh_axis("vocab")
+        axis = self.rules.collective_axis("vocab")
         local_v = self.num_embeddings_padded // self.shards
 
         def local(ids_l, table_l):
@@ -109,7 +109,7 @@ class VocabParallelEmbedding(nnx.Module):
         x2 = x.reshape(-1, x.shape[-1]).astype(dtype)
         if self.rules.mesh is None:
             return (x2 @ table.T).reshape(*lead, -1)
-        axis = self.rules.mesh_axis("vocab")
+        axis = self.rules.collective_axis("vocab")
 
         def fn(xl, tl):
             out = xl @ tl.T

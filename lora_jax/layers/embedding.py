@@ -237,7 +237,7 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, nnx.Module):
                 f"has {flat.shape[0]} (ids shape {lead})"
             )
         rules = base.rules
-        axis = rules.mesh_axis("vocab")
+        axis = rules.collective_axis("vocab")
         local_v = base.num_embeddings_padded // base.shards
         args = (
             flat,

@@ -259,7 +259,7 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
         idx = self.row_lora_indices(mapping, x.shape[0])  # i32[N]
         L = self.lora_config.max_loras
         rules = self.rules
-        axis = rules.mesh_axis("vocab")
+        axis = rules.collective_axis("vocab")
 
         def local(x, table_l, a, b_l, ranks, idx):
             y = x @ table_l.astype(dtype).T  # [N, V_pad / shards]

@@ -1,0 +1,50 @@
+"""The benchmark scripts run on CPU (tiny model) and report what they claim to."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+
+import profile_decode  # noqa: E402
+import tp  # noqa: E402
+
+
+def test_tp_small_lora_adds_no_collective_bytes(tmp_path, capsys):
+    """At tp = 2 plain LoRA's collectives equal the base model's (column LoRA stays
+    sharded, row LoRA joins the base all-reduce); fully sharded adds some; tp = 1 none."""
+    out = tmp_path / "tp.json"
+    tp.main(["--small", "--tp", "1,2", "--batches", "4", "--prefill", "1x8", "--out", str(out)])
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    coll = {(r["tp"], r["variant"], r["kind"]): r["collective_bytes"] for r in rows}
+    for kind in ("decode", "prefill"):
+        assert coll[(1, "base", kind)] == {} and coll[(1, "lora", kind)] == {}
+        assert coll[(2, "lora", kind)] == coll[(2, "base", kind)] != {}
+        sharded = sum(coll[(2, "lora_fully_sharded", kind)].values())
+        assert sharded > sum(coll[(2, "base", kind)].values())
+    assert all(r["step_ms"] > 0 for r in rows)
+    assert "x base" in capsys.readouterr().out
+
+
+def test_profile_summary_matches_brute_force():
+    """Busy time is the union of kernel intervals: check against a per-ns mask."""
+    rng = np.random.default_rng(0)
+    starts = np.sort(rng.integers(0, 2000, 40))
+    durs = rng.integers(1, 120, 40)
+    names = [f"k{i % 5}" for i in range(40)]
+    events = list(zip(names, starts.tolist(), durs.tolist()))
+    got = profile_decode.summarize(events, calls=2, steps=5)
+    mask = np.zeros(int((starts + durs).max()) + 1, bool)
+    for s, d in zip(starts, durs):
+        mask[s : s + d] = True
+    per = 2 * 5 * 1e3
+    assert got["busy_us"] == pytest.approx(mask.sum() / per)
+    assert got["span_us"] == pytest.approx(((starts + durs).max() - starts.min()) / per)
+    for k in set(names):
+        want = sum(d for n, d in zip(names, durs) if n == k) / per
+        assert got["kernels"][k] == pytest.approx(want)
+    assert got["launches"] == pytest.approx(40 / 10)
