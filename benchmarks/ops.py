@@ -283,6 +283,34 @@ SWEEP = {
 }
 
 
+# Prefill / mid-size tile candidates for `--sweep --sweep-set prefill` (T > 256): the
+# prefill shrink had no split-K, so at T = 1024 it ran ~40 programs on 132 SMs.
+PREFILL_SWEEP = {
+    "shrink": [
+        BlockSizes(block_m=32, block_r=64, block_k=64, num_stages=3, split_k=2),
+        BlockSizes(block_m=32, block_r=64, block_k=64, num_stages=3, split_k=4),
+        BlockSizes(block_m=32, block_r=64, block_k=64, num_stages=3, split_k=8),
+        BlockSizes(block_m=64, block_r=64, block_k=64, num_stages=2),
+        BlockSizes(block_m=64, block_r=64, block_k=64, num_stages=2, split_k=4),
+        BlockSizes(block_m=64, block_r=16, block_k=128, num_stages=2, split_k=2),
+        BlockSizes(block_m=128, block_r=16, block_k=64, num_stages=2, num_warps=8),
+        BlockSizes(block_m=128, block_r=16, block_k=64, num_stages=2, num_warps=8, split_k=4),
+        BlockSizes(block_m=32, block_r=32, block_k=128, num_stages=2, split_k=4),
+        BlockSizes(block_m=16, block_r=64, block_k=128, num_stages=2, split_k=16),
+        BlockSizes(block_m=64, block_r=128, block_k=32, num_stages=3, num_warps=8, split_k=2),
+        BlockSizes(block_m=32, block_r=128, block_k=32, num_stages=4, split_k=4),
+    ],
+    "expand": [
+        BlockSizes(block_m=32, block_n=128, num_stages=1),
+        BlockSizes(block_m=64, block_n=256, num_stages=1, num_warps=8),
+        BlockSizes(block_m=128, block_n=128, num_stages=1, num_warps=8),
+        BlockSizes(block_m=64, block_n=64, num_stages=1),
+        BlockSizes(block_m=128, block_n=64, num_stages=1, num_warps=4),
+        BlockSizes(block_m=64, block_n=128, num_stages=1, num_warps=8),
+    ],
+}
+
+
 # Decode tile candidates for `--model K --decode-sweep` (fatter programs than the defaults).
 DECODE_SWEEP = {
     "shrink": [
@@ -480,6 +508,12 @@ def main():
     p.add_argument("--compile-budget", type=float, default=40.0)
     p.add_argument("--time-budget", type=float, default=1e9, help="stop starting cases after")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument(
+        "--sweep-set",
+        default="default",
+        choices=("default", "prefill"),
+        help="with --sweep: the SWEEP (default) or PREFILL_SWEEP tile candidates",
+    )
     p.add_argument("--interpret", action="store_true")
     p.add_argument(
         "--model",
@@ -510,9 +544,10 @@ def main():
     if a.model:
         model_main(a)
         return
+    sweep_set = PREFILL_SWEEP if a.sweep_set == "prefill" else SWEEP
     if a.sweep:
         for op in a.ops:
-            for i, bs in enumerate(SWEEP[op]):
+            for i, bs in enumerate(sweep_set[op]):
                 print(f"{op} ours[{i}] = {bs}", flush=True)
     rows, start = [], time.time()
     for c in cases(a):
@@ -526,7 +561,7 @@ def main():
         res = dict(dataclasses.asdict(c), ideal_us=ideal_bytes(c) / HBM_GBPS / 1e3, impls={})
         variants = [("ours", ours(c, None), w)]
         if a.sweep:
-            variants += [(f"ours[{i}]", ours(c, bs), w) for i, bs in enumerate(SWEEP[c.op])]
+            variants += [(f"ours[{i}]", ours(c, bs), w) for i, bs in enumerate(sweep_set[c.op])]
         if "gather" in impls:
             gathered = c.tokens * c.rank * c.hidden * 2
             if gathered > 4e9:

@@ -14,7 +14,9 @@ import dataclasses
 DECODE_MAX_TOKENS = 256
 """Static token counts up to this use the decode tiles (small token blocks, split-K)."""
 TARGET_PROGRAMS = 264
-"""Decode shrink aims for this many live programs: 2 per SM of an H200 (132 SMs)."""
+"""Shrink aims for this many live programs: 2 per SM of an H200 (132 SMs)."""
+PREFILL_MAX_SPLIT_K = 8
+"""Most hidden splits above the decode regime (the H200 sweep went up to 8)."""
 
 
 def next_pow2(n: int) -> int:
@@ -106,8 +108,25 @@ class BlockSizes:
                     split_k=split_k,
                 )
             # Prefill: x dominates; wide rank blocks read each x tile from HBM once
-            # (a second rank block finds it in L2).
-            return cls(block_m=32, block_r=min(rank_p, 64), block_k=64, num_warps=4, num_stages=3)
+            # (a second rank block finds it in L2). Up to a few thousand tokens the
+            # token blocks alone leave SMs idle (T = 1024: ~40 programs on 132 SMs), so
+            # split the hidden reduction until about TARGET_PROGRAMS carry work
+            # (H200 sweep, benchmarks/RESULTS.md: T = 1024 36-52 -> 24-39 us).
+            block_r = min(rank_p, 64)
+            if num_tokens >= 8192 and rank_p >= 128:
+                # Long prompts, wide ranks: 64-row blocks halve the re-reads of A.
+                return cls(block_m=64, block_r=block_r, block_k=64, num_warps=4, num_stages=2)
+            live = -(-num_tokens // 32) * (rank_p // block_r)
+            want = max(1, TARGET_PROGRAMS // live)
+            split_k = min(1 << (want.bit_length() - 1), PREFILL_MAX_SPLIT_K, max(1, hidden // 512))
+            return cls(
+                block_m=32,
+                block_r=block_r,
+                block_k=64,
+                num_warps=4,
+                num_stages=3,
+                split_k=split_k,
+            )
         if op == "expand":
             if num_tokens <= DECODE_MAX_TOKENS:
                 return cls(block_m=16, block_n=128, num_warps=4, num_stages=1)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from lora_jax.kernels import BlockSizes, lora_expand, lora_shrink
+from lora_jax.kernels import BlockSizes, lora_expand, lora_shrink, lora_shrink_reference
 from lora_jax.kernels.shrink_expand.work_list import build_work_list, num_work_blocks
 from shrink_expand_test_base import (
     CPU_CASES,
@@ -129,6 +129,38 @@ def test_block_sizes_validated():
     with pytest.raises(ValueError, match="block_k"):
         BlockSizes(block_k=8)
     assert BlockSizes.get_default("shrink", num_tokens=16384, hidden=4096, rank=8).block_r == 16
+
+
+@pytest.mark.parametrize("num_tokens", [300, 1024, 4096, 16384])
+@pytest.mark.parametrize("rank", [16, 64, 128])
+def test_prefill_shrink_default_fills_the_gpu(num_tokens, rank):
+    """Above the decode regime the hidden split brings the live programs to about
+    TARGET_PROGRAMS (never past it by more than 2x), and never splits a long prompt."""
+    from lora_jax.kernels.shrink_expand.block_sizes import TARGET_PROGRAMS
+
+    bs = BlockSizes.get_default("shrink", num_tokens=num_tokens, hidden=4096, rank=rank)
+    rank_blocks = max(16, rank) // bs.block_r
+    programs = -(-num_tokens // bs.block_m) * rank_blocks * bs.split_k
+    assert bs.split_k == 1 or programs <= 2 * TARGET_PROGRAMS  # no needless splits
+    assert bs.split_k == 8 or programs >= TARGET_PROGRAMS // 2  # split until the GPU is busy
+    assert num_tokens < 8192 or bs.split_k == 1
+    assert bs.split_k <= 4096 // (bs.block_k * 8)  # every split keeps >= 8 k steps
+    small = BlockSizes.get_default("shrink", num_tokens=num_tokens, hidden=256, rank=rank)
+    assert small.split_k == 1
+
+
+def test_prefill_default_split_matches_reference():
+    """The default tiles at T = 300 (prefill regime, split over the hidden dim) vs the oracle."""
+    case = Case(300, 1024, 16, (16,), jnp.bfloat16, "unsorted", max_loras=8)
+    assert BlockSizes.get_default("shrink", num_tokens=300, hidden=1024, rank=16).split_k > 1
+    rng = np.random.default_rng(3)
+    idx = make_mapping(case.mapping, case.num_tokens, case.max_loras, rng)
+    meta = make_metadata(idx, case.max_loras)
+    x = jnp.asarray(rng.standard_normal((case.num_tokens, case.hidden)), case.dtype)
+    a = jnp.asarray(rng.standard_normal((case.max_loras, case.rank, case.hidden)) / 32, case.dtype)
+    out = lora_shrink(x, (a,), **meta, scale=0.5, interpret=True)
+    ref = lora_shrink_reference(x, (a,), **meta, scale=0.5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-2, atol=2e-2)
 
 
 def test_bad_shapes_are_named():
