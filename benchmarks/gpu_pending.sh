@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements still owed (benchmarks/RESULTS.md, "pending"), in device-tool calls
-# of under 600 s each. Run from the repository root on the device machine:
+# Re-measure the GPU figures of benchmarks/RESULTS.md (session 4 ran these), in device-tool
+# calls of under 600 s each. Run from the repository root on the device machine:
 #
 #   bash benchmarks/gpu_pending.sh one   # kind nvidia-h200:    kernels, ops cells, tp=1 model
 #   bash benchmarks/gpu_pending.sh two   # kind nvidia-h200-x2: tp=2 model, fully sharded
