@@ -48,3 +48,27 @@ def test_profile_summary_matches_brute_force():
         want = sum(d for n, d in zip(names, durs) if n == k) / per
         assert got["kernels"][k] == pytest.approx(want)
     assert got["launches"] == pytest.approx(40 / 10)
+
+
+def test_ops_accuracy_check_catches_a_wrong_kernel(tmp_path, monkeypatch):
+    """benchmarks/ops.py checks our kernels against the jnp oracle (in token chunks, the
+    last one partial) for every cell, and flags a kernel that is 1 % off."""
+    import json
+
+    import ops
+
+    monkeypatch.setattr(ops, "REF_CHUNK_BYTES", 16 * 64 * 4 * 7)  # 7 tokens per chunk
+    argv = ["--interpret", "--timer", "trace", "--tokens", "40", "--hiddens", "64"]
+    argv += ["--ranks", "16", "--adapters", "8", "--impls", "ours", "--out", str(tmp_path)]
+    ops.main(argv)
+    rows = json.loads((tmp_path / "ops.json").read_text())
+    assert [r["op"] for r in rows] == ["shrink", "expand"]
+    for r in rows:
+        assert r["err_ok"] and r["max_rel_err"] <= ops.ERR_BOUND[r["op"]]
+        assert r["impls"]["ours"]["us"] > 0
+
+    real = ops.lora_shrink
+    monkeypatch.setattr(ops, "lora_shrink", lambda *a, **k: real(*a, **k) * 1.01)
+    ops.main(argv[:-1] + [str(tmp_path)] + ["--ops", "shrink"])
+    (row,) = json.loads((tmp_path / "ops.json").read_text())
+    assert not row["err_ok"] and row["max_rel_err"] == pytest.approx(0.01, rel=1e-3)
