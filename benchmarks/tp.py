@@ -201,7 +201,8 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     if args.small:
-        cfg = DecoderConfig.tiny(num_hidden_layers=2)
+        # 8 query heads so that the smoke test also runs at tp = 4 and 8 (CPU devices)
+        cfg = DecoderConfig.tiny(num_hidden_layers=2, num_attention_heads=8)
         args.max_loras, args.context, args.steps, args.reps = 8, 16, 2, 1
         dtype = jnp.float32
     else:

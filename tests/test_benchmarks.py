@@ -72,3 +72,20 @@ def test_ops_accuracy_check_catches_a_wrong_kernel(tmp_path, monkeypatch):
     ops.main(argv[:-1] + [str(tmp_path)] + ["--ops", "shrink"])
     (row,) = json.loads((tmp_path / "ops.json").read_text())
     assert not row["err_ok"] and row["max_rel_err"] == pytest.approx(0.01, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_tp_small_runs_on_4_and_8_devices(tmp_path):
+    """tp.py runs for any device count (DESIGN §5): at tp = 4 and 8 plain LoRA adds no
+    collective bytes and fully sharded LoRA adds some."""
+    import json
+
+    if len(__import__("jax").devices()) < 8:
+        pytest.skip("needs 8 (CPU) devices")
+    out = tmp_path / "tp.json"
+    tp.main(["--small", "--tp", "4,8", "--batches", "4", "--prefill", "", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    coll = {(r["tp"], r["variant"]): sum(r["collective_bytes"].values()) for r in rows}
+    for n in (4, 8):
+        assert coll[(n, "lora")] == coll[(n, "base")] > 0
+        assert coll[(n, "lora_fully_sharded")] > coll[(n, "base")]
