@@ -9,7 +9,7 @@ import pytest
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 SETUP = (
     'pip install -e ".[test]" && python examples/serve.py',
-    'pip install -e ".[test,oracle]" "torch==2.13.0" && python -m pytest -q',
+    'pip install -e ".[test,oracle]" "torch==2.13.0" && python -m pytest -q -n 2',
 )
 
 
