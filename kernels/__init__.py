@@ -5,6 +5,7 @@ here on GPU and to the jnp references elsewhere.
 """
 
 from lora_jax.kernels.shrink_expand import BlockSizes as BlockSizes
+from lora_jax.kernels.shrink_expand import build_work_lists as build_work_lists
 from lora_jax.kernels.shrink_expand import lora_expand as lora_expand
 from lora_jax.kernels.shrink_expand import lora_expand_reference as lora_expand_reference
 from lora_jax.kernels.shrink_expand import lora_shrink as lora_shrink
@@ -16,6 +17,7 @@ from lora_jax.kernels.shrink_expand import lora_shrink_reference as lora_shrink_
 
 __all__ = [
     "BlockSizes",
+    "build_work_lists",
     "lora_expand",
     "lora_expand_reference",
     "lora_shrink",

@@ -39,6 +39,9 @@ class LoRAMapping:
     # Per-sequence mapping for the sampler / lm_head (LogitsProcessorWithLoRA): one
     # slot per sequence, -1 = none. `None` when the step has no logits LoRA.
     seq_lora_indices: jax.Array | None = None  # i32[B]
+    # The kernels' (slot, token block) schedules, one per token-block size
+    # (`lora_jax.kernels` work_list.py); `None` when the kernels are not installed.
+    work_lists: dict[int, jax.Array] | None = None  # block_m -> i32[3, NB]
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +60,7 @@ class LoRAMapping:
             slot_token_starts=self.slot_token_starts,
             active_slots=self.active_slots,
             num_active=self.num_active,
+            work_lists=self.work_lists,
         )
 
     def with_sequences(self, seq_lora_indices: jax.Array) -> LoRAMapping:
@@ -99,12 +103,23 @@ def make_lora_mapping(
     order = jnp.argsort(jnp.where(is_active, 0, 1) * max_loras + jnp.arange(max_loras), stable=True)
     active = jnp.where(is_active[order], order, -1).astype(jnp.int32)
     seq = None if seq_lora_indices is None else jnp.asarray(seq_lora_indices, jnp.int32)
+    starts = starts.astype(jnp.int32)
     return LoRAMapping(
         token_lora_indices=idx,
         sorted_token_ids=sorted_ids,
         slot_token_counts=counts,
-        slot_token_starts=starts.astype(jnp.int32),
+        slot_token_starts=starts,
         active_slots=active,
         num_active=jnp.sum(is_active).astype(jnp.int32),
         seq_lora_indices=seq,
+        work_lists=_work_lists(counts, starts, idx.shape[0]),
     )
+
+
+def _work_lists(counts: jax.Array, starts: jax.Array, num_tokens: int):
+    """The kernels' work lists, built once per step (unused ones vanish under jit)."""
+    try:
+        from lora_jax.kernels.shrink_expand.work_list import build_work_lists
+    except ImportError:  # pragma: no cover - only when the kernels package is absent
+        return None
+    return build_work_lists(counts, starts, num_tokens=num_tokens)

@@ -23,9 +23,11 @@ from lora_jax.kernels.shrink_expand.reference import (
 from lora_jax.kernels.shrink_expand.reference import (
     lora_shrink_reference as lora_shrink_reference,
 )
+from lora_jax.kernels.shrink_expand.work_list import build_work_lists as build_work_lists
 
 __all__ = [
     "BlockSizes",
+    "build_work_lists",
     "lora_expand",
     "lora_expand_reference",
     "lora_shrink",

@@ -8,19 +8,21 @@ Example::
 
 where ``meta`` holds ``token_lora_indices``, ``sorted_token_ids``,
 ``slot_token_counts``, ``slot_token_starts``, ``active_slots`` and
-``num_active`` as built by ``lora_jax.mapping``.
+``num_active`` as built by ``lora_jax.mapping``, and optionally ``work_lists``
+(`build_work_lists`: the per-step schedules, so that ops sharing a mapping do not
+each rebuild theirs).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from lora_jax.kernels.shrink_expand import pallas_triton
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
-from lora_jax.kernels.shrink_expand.work_list import build_work_list
+from lora_jax.kernels.shrink_expand.work_list import get_work_list
 
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -98,6 +100,7 @@ def lora_shrink(
     num_active: jax.Array,
     scale: float = 1.0,
     slot_ranks: jax.Array | None = None,
+    work_lists: Mapping[int, jax.Array] | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -135,8 +138,12 @@ def lora_shrink(
         block_sizes = BlockSizes.get_default(
             "shrink", num_tokens=num_tokens, hidden=hidden, rank=rank
         )
-    tab = build_work_list(
-        slot_token_counts, slot_token_starts, num_tokens=num_tokens, block_m=block_sizes.block_m
+    tab = get_work_list(
+        work_lists,
+        slot_token_counts,
+        slot_token_starts,
+        num_tokens=num_tokens,
+        block_m=block_sizes.block_m,
     )
     return pallas_triton.shrink(
         x,
@@ -164,6 +171,7 @@ def lora_expand(
     active_slots: jax.Array,
     num_active: jax.Array,
     slot_ranks: jax.Array | None = None,
+    work_lists: Mapping[int, jax.Array] | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -214,8 +222,12 @@ def lora_expand(
         block_sizes = BlockSizes.get_default(
             "expand", num_tokens=num_tokens, hidden=width, rank=rank
         )
-    tab = build_work_list(
-        slot_token_counts, slot_token_starts, num_tokens=num_tokens, block_m=block_sizes.block_m
+    tab = get_work_list(
+        work_lists,
+        slot_token_counts,
+        slot_token_starts,
+        num_tokens=num_tokens,
+        block_m=block_sizes.block_m,
     )
     return pallas_triton.expand(
         y,

@@ -246,6 +246,13 @@ def _expand_kernel(
         @pl.when((sid == s) & (nb < blocks_s) & (tab_ref[2, pid] > 0) & (tab_ref[0, pid] >= 0))
         def _(s=s, n_s=n_s, off=off):
             slot, nrows, rows = _block_rows(tab_ref, ids_ref, pid, bm)
+            c = nb * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
+            c_mask = c < n_s
+            col_mask = jnp.broadcast_to(c_mask[None, :], (bm, bn))
+            # y's tile is the most bytes: issue its load first, so that it is in flight
+            # while h and B load and the dot runs.
+            y_at = y_ref.at[rows[:, None], off + c[None, :]]
+            yt = plgpu.load(y_at, mask=col_mask, other=0)
             r = jnp.arange(rank_p, dtype=jnp.int32)
             r_mask = r < _true_rank(ranks_ref, s, slot, rank)
             ht = plgpu.load(
@@ -253,8 +260,6 @@ def _expand_kernel(
                 mask=jnp.broadcast_to(r_mask[None, :], (bm, rank_p)),
                 other=0,
             )  # [bm, rank_p]
-            c = nb * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
-            c_mask = c < n_s
             bt = plgpu.load(
                 b_refs[s].at[slot, c[:, None], r[None, :]],
                 mask=c_mask[:, None] & r_mask[None, :],
@@ -266,9 +271,6 @@ def _expand_kernel(
                 trans_b=True,
                 precision=precision,
             )  # [bm, bn] f32
-            col_mask = jnp.broadcast_to(c_mask[None, :], (bm, bn))
-            y_at = y_ref.at[rows[:, None], off + c[None, :]]
-            yt = plgpu.load(y_at, mask=col_mask, other=0)
             if mask_rows:  # GPU: the repeated rows past the block's count store nothing
                 m = jnp.arange(bm, dtype=jnp.int32)
                 col_mask = col_mask & (m < nrows)[:, None]

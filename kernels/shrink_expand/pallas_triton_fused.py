@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +65,7 @@ from lora_jax.kernels.shrink_expand.pallas_triton import (
     _shrink_tile,
     _true_rank,
 )
-from lora_jax.kernels.shrink_expand.work_list import build_work_list
+from lora_jax.kernels.shrink_expand.work_list import get_work_list
 
 
 def fused_smem_bytes(bs: BlockSizes, rank_p: int, itemsize: int) -> int:
@@ -258,6 +258,7 @@ def lora_shrink_expand(
     num_active: jax.Array,
     scale: float = 1.0,
     slot_ranks: jax.Array | None = None,
+    work_lists: Mapping[int, jax.Array] | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -318,8 +319,12 @@ def lora_shrink_expand(
             out_features=max(b.shape[1] for b in lora_b),
             num_slices=len(lora_b),
         )
-    tab = build_work_list(
-        slot_token_counts, slot_token_starts, num_tokens=num_tokens, block_m=block_sizes.block_m
+    tab = get_work_list(
+        work_lists,
+        slot_token_counts,
+        slot_token_starts,
+        num_tokens=num_tokens,
+        block_m=block_sizes.block_m,
     )
     return shrink_expand(
         x,

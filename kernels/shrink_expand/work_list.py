@@ -7,12 +7,22 @@ run of slot g in ``sorted_token_ids`` (g = max_loras is the run of unmapped
 tokens, idx -1, which sort last), cut into ``block_m`` rows. The list has a
 static length, an upper bound on the number of non-empty blocks; the tail
 entries have zero rows and their programs return at once.
+
+The list depends only on the step's mapping and ``block_m``, so it is a per-step
+cost like the sort: `build_work_lists` makes one per ``WORK_LIST_BLOCK_MS`` entry
+(the token blocks the default tiles use) and `lora_jax.mapping` keeps them, so
+that a step's LoRA ops take them ready-made rather than each building its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
+
+WORK_LIST_BLOCK_MS = (16, 32, 64)
+"""The token-block sizes the default tiles use (block_sizes.py): decode 16, prefill 32/64."""
 
 
 def num_work_blocks(num_tokens: int, max_loras: int, block_m: int) -> int:
@@ -49,3 +59,43 @@ def build_work_list(
     rows = jnp.where(in_range, rows, 0)
     first = starts_g[gc] + j * block_m
     return jnp.stack([slots_g[gc], first, rows]).astype(jnp.int32)
+
+
+def build_work_lists(
+    slot_token_counts: jax.Array, slot_token_starts: jax.Array, *, num_tokens: int
+) -> dict[int, jax.Array]:
+    """One work list per ``WORK_LIST_BLOCK_MS`` entry, keyed by ``block_m``.
+
+    Example::
+
+        lists = build_work_lists(counts, starts, num_tokens=64)
+        h = lora_shrink(x, (a,), **meta, work_lists=lists)
+    """
+    return {
+        bm: build_work_list(slot_token_counts, slot_token_starts, num_tokens=num_tokens, block_m=bm)
+        for bm in WORK_LIST_BLOCK_MS
+    }
+
+
+def get_work_list(
+    work_lists: Mapping[int, jax.Array] | None,
+    slot_token_counts: jax.Array,
+    slot_token_starts: jax.Array,
+    *,
+    num_tokens: int,
+    block_m: int,
+) -> jax.Array:
+    """The ready-made list for ``block_m`` from ``work_lists``, else a new one."""
+    tab = None if work_lists is None else work_lists.get(block_m)
+    if tab is None:
+        return build_work_list(
+            slot_token_counts, slot_token_starts, num_tokens=num_tokens, block_m=block_m
+        )
+    expected = (3, num_work_blocks(num_tokens, slot_token_counts.shape[0], block_m))
+    if tuple(tab.shape) != expected or tab.dtype != jnp.int32:
+        raise ValueError(
+            f"work_lists[{block_m}] is {tab.dtype}{list(tab.shape)}; expected int32"
+            f"{list(expected)} for {num_tokens} tokens and "
+            f"{slot_token_counts.shape[0]} slots (build it with build_work_lists)."
+        )
+    return tab

@@ -7,7 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from lora_jax.kernels import BlockSizes, lora_expand, lora_shrink, lora_shrink_reference
-from lora_jax.kernels.shrink_expand.work_list import build_work_list, num_work_blocks
+from lora_jax.kernels.shrink_expand.work_list import (
+    WORK_LIST_BLOCK_MS,
+    build_work_list,
+    build_work_lists,
+    num_work_blocks,
+)
 from shrink_expand_test_base import (
     CPU_CASES,
     Case,
@@ -121,6 +126,41 @@ def test_matches_lora_mapping_metadata():
     want = make_metadata(idx, 4)
     for name, value in want.items():
         np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(value), name)
+
+
+def test_ready_made_work_lists():
+    """Ops given the per-step work lists (as LoRAMapping carries them) give the same result
+    as ops building their own; a list of the wrong shape is named, not used."""
+    mapping = pytest.importorskip("lora_jax.mapping")
+    rng = np.random.default_rng(5)
+    num_tokens, max_loras, hidden, rank = 37, 5, 64, 16
+    idx = make_mapping("unsorted", num_tokens, max_loras, rng)
+    meta = make_metadata(idx, max_loras)
+    lists = mapping.make_lora_mapping(jnp.asarray(idx), max_loras).work_lists
+    assert sorted(lists) == list(WORK_LIST_BLOCK_MS)
+    for bm, tab in lists.items():  # the mapping's lists are the kernels' own
+        want = build_work_list(
+            meta["slot_token_counts"],
+            meta["slot_token_starts"],
+            num_tokens=num_tokens,
+            block_m=bm,
+        )
+        np.testing.assert_array_equal(np.asarray(tab), np.asarray(want))
+    x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((max_loras, rank, hidden)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((max_loras, 24, rank)), jnp.float32)
+    h = lora_shrink(x, (a,), **meta, interpret=True)
+    h_ready = lora_shrink(x, (a,), **meta, work_lists=lists, interpret=True)
+    np.testing.assert_array_equal(np.asarray(h_ready), np.asarray(h))
+    y = jnp.zeros((num_tokens, 24), jnp.float32)
+    y1 = lora_expand(y, h, (b,), offsets=(0,), **meta, interpret=True)
+    y2 = lora_expand(y, h, (b,), offsets=(0,), **meta, work_lists=lists, interpret=True)
+    np.testing.assert_array_equal(np.asarray(y2), np.asarray(y1))
+    stale = build_work_lists(
+        meta["slot_token_counts"][:4], meta["slot_token_starts"][:4], num_tokens=num_tokens
+    )  # built for 4 slots, not 5
+    with pytest.raises(ValueError, match=r"work_lists\[16\].*build_work_lists"):
+        lora_shrink(x, (a,), **meta, work_lists=stale, interpret=True)
 
 
 def test_block_sizes_validated():
