@@ -1,9 +1,14 @@
 """Benchmark: shrink/expand kernels vs XLA gather+einsum, one-hot einsum and ragged_dot.
 
 Device time, not host dispatch: each measured program runs K different calls
-inside one jit (C = 4 rotated weight copies so adapters come from HBM, not the
-60 MB L2; a different token order per call so XLA cannot merge calls), is run
-back to back a few times and the wall time is divided by the number of calls.
+inside one jit, is run back to back a few times and the wall time is divided by
+the number of calls. No call may find its bytes in the 60 MB L2 or share work with
+another call: every call has its own x (shrink) or h (expand) and token order, the
+weight stacks and the expand's y buffers rotate over enough copies to span twice
+the L2 (at least 4), and the y buffers are donated, so that the in-place expand
+needs no defensive copy. (Before session 5 the x was shared and 4 weight copies
+rotated: small stacks stayed in L2, and XLA merged the one-hot einsum's x @ A of
+calls sharing a copy.)
 Baselines compile in a thread with a time budget; cells over it are reported
 as skipped. Bytes for the roofline = x (or h and y read+written) + the
 adapters actually used + outputs.
@@ -56,7 +61,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 HBM_GBPS = 4300.0  # measured device-to-device copy on an H200 of this workplace (KINDS.md)
 MAX_LORAS = 64
-COPIES = 4
+L2_BYTES = 60e6  # H200
+
+
+def rotation(nbytes: int, calls: int) -> int:
+    """Copies to rotate over so one copy is evicted before it is used again."""
+    return int(min(calls, max(4, -(-2 * L2_BYTES // max(nbytes, 1)))))
 
 
 def metadata(idx: np.ndarray, max_loras: int) -> dict[str, jax.Array]:
@@ -97,27 +107,41 @@ def ideal_bytes(c: Case) -> float:
 
 
 def build(c: Case, calls: int, seed: int = 0):
+    """(inputs, weights, metas) for ``calls`` calls. Shrink inputs: one x [T, H] per call.
+    Expand inputs: (one h [1, T, R] per call, rotated y buffers [T, N]); call i updates
+    ``ys[i % len(ys)]``. Weights: rotated stacks, call i uses ``w[i % len(w)]``."""
     rng = np.random.default_rng(seed)
     chosen = rng.permutation(MAX_LORAS)[: c.adapters]
     base = chosen[np.arange(c.tokens) % c.adapters]
     metas = [metadata(rng.permutation(base), MAX_LORAS) for _ in range(calls)]
     k = jax.random.key(seed)
     dt = jnp.bfloat16
+    stack_bytes = MAX_LORAS * c.rank * c.hidden * 2
+    copies = rotation(stack_bytes, calls)
     if c.op == "shrink":
-        x = jax.random.normal(k, (c.tokens, c.hidden), dt)
+        xs = [
+            jax.random.normal(jax.random.fold_in(k, 1000 + i), (c.tokens, c.hidden), dt)
+            for i in range(calls)
+        ]
         w = [
             jax.random.normal(jax.random.fold_in(k, i), (MAX_LORAS, c.rank, c.hidden), dt)
             * (c.hidden**-0.5)
-            for i in range(COPIES)
+            for i in range(copies)
         ]  # [L, R, H]
-        return x, w, metas
-    h = jax.random.normal(k, (1, c.tokens, c.rank), jnp.float32)  # [S, T, R]
-    y = jax.random.normal(jax.random.fold_in(k, 99), (c.tokens, c.hidden), dt)  # [T, N]
+        return xs, w, metas
+    hs = [
+        jax.random.normal(jax.random.fold_in(k, 1000 + i), (1, c.tokens, c.rank), jnp.float32)
+        for i in range(calls)
+    ]  # [S, T, R]
+    ys = [
+        jax.random.normal(jax.random.fold_in(k, 2000 + i), (c.tokens, c.hidden), dt)
+        for i in range(rotation(c.tokens * c.hidden * 2, calls))
+    ]  # [T, N]
     w = [
         jax.random.normal(jax.random.fold_in(k, i), (MAX_LORAS, c.hidden, c.rank), dt)
-        for i in range(COPIES)
+        for i in range(copies)
     ]  # [L, N, R]
-    return (h, y), w, metas
+    return (hs, ys), w, metas
 
 
 # max |ours - oracle| / max |oracle| allowed per op (bf16 inputs, f32 accumulation): the
@@ -133,13 +157,14 @@ def max_rel_err(c: Case, inputs, w, metas, bs: BlockSizes | None) -> float:
     chunk = max(1, min(c.tokens, REF_CHUNK_BYTES // (c.rank * c.hidden * 4)))
     idx = m["token_lora_indices"]
     if c.op == "shrink":
-        got = lora_shrink(inputs, (a,), **m, block_sizes=bs, interpret=INTERPRET)[0]
+        x = inputs[0]
+        got = lora_shrink(x, (a,), **m, block_sizes=bs, interpret=INTERPRET)[0]
         ref_fn = jax.jit(lambda xc, ic: lora_shrink_reference(xc, (a,), token_lora_indices=ic)[0])
         ref = jnp.concatenate(
-            [ref_fn(inputs[i : i + chunk], idx[i : i + chunk]) for i in range(0, c.tokens, chunk)]
+            [ref_fn(x[i : i + chunk], idx[i : i + chunk]) for i in range(0, c.tokens, chunk)]
         )
     else:
-        h, y = inputs
+        h, y = inputs[0][0], inputs[1][0]
         got = lora_expand(y, h, (a,), offsets=(0,), **m, block_sizes=bs, interpret=INTERPRET)
         ref_fn = jax.jit(
             lambda yc, hc, ic: lora_expand_reference(
@@ -156,33 +181,39 @@ def max_rel_err(c: Case, inputs, w, metas, bs: BlockSizes | None) -> float:
     return float(jnp.max(jnp.abs(got - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
 
 
-# Each impl: (inputs, weights, metas) -> outputs of `calls` distinct calls.
-def ours(c: Case, bs: BlockSizes | None):
-    def shrink_fn(x, w, metas):
-        return [
-            lora_shrink(x, (w[i % COPIES],), **m, block_sizes=bs, interpret=INTERPRET)
-            for i, m in enumerate(metas)
-        ]
+# Each impl: (inputs, weights, metas) -> outputs of `calls` distinct calls, built by
+# `per_call` from one call's shrink (x [T, H], a [L, R, H], meta -> [T, R]) and expand
+# (y [T, N], h [1, T, R], b [L, N, R], meta -> y).
+def per_call(c: Case, shrink_one, expand_one):
+    def shrink_fn(xs, w, metas):
+        return [shrink_one(xs[i], w[i % len(w)], m) for i, m in enumerate(metas)]
 
-    def expand_fn(hy, w, metas):
-        h, y = hy
+    def expand_fn(hys, w, metas):
+        hs, ys = hys
+        ys = list(ys)
         for i, m in enumerate(metas):
-            y = lora_expand(
-                y, h, (w[i % COPIES],), offsets=(0,), **m, block_sizes=bs, interpret=INTERPRET
-            )
-        return y
+            j = i % len(ys)
+            ys[j] = expand_one(ys[j], hs[i], w[i % len(w)], m)
+        return hs, ys  # fed back as the next run's (donated) inputs
 
     return shrink_fn if c.op == "shrink" else expand_fn
 
 
-def ours_inline(c: Case):
-    """Ours with each call building its own work list (as before they were per-step data)."""
-    fn = ours(c, None)
+def ours(c: Case, bs: BlockSizes | None, *, ready_work_lists: bool = True):
+    """Our kernels; ``ready_work_lists=False``: each call builds its own work list."""
 
-    def inline_fn(inputs, w, metas):
-        return fn(inputs, w, [{k: v for k, v in m.items() if k != "work_lists"} for m in metas])
+    def meta_of(m):
+        return m if ready_work_lists else {k: v for k, v in m.items() if k != "work_lists"}
 
-    return inline_fn
+    def shrink_one(x, a, m):
+        return lora_shrink(x, (a,), **meta_of(m), block_sizes=bs, interpret=INTERPRET)
+
+    def expand_one(y, h, b, m):
+        return lora_expand(
+            y, h, (b,), offsets=(0,), **meta_of(m), block_sizes=bs, interpret=INTERPRET
+        )
+
+    return per_call(c, shrink_one, expand_one)
 
 
 def _valid(m):
@@ -191,93 +222,63 @@ def _valid(m):
 
 
 def gather_einsum(c: Case):
-    def shrink_fn(x, w, metas):
-        outs = []
-        for i, m in enumerate(metas):
-            valid, safe = _valid(m)
-            o = jnp.einsum("th,trh->tr", x, w[i % COPIES][safe], preferred_element_type=jnp.float32)
-            outs.append(jnp.where(valid[:, None], o, 0.0))
-        return outs
+    def shrink_one(x, a, m):
+        valid, safe = _valid(m)
+        o = jnp.einsum("th,trh->tr", x, a[safe], preferred_element_type=jnp.float32)
+        return jnp.where(valid[:, None], o, 0.0)
 
-    def expand_fn(hy, w, metas):
-        h, y = hy
-        for i, m in enumerate(metas):
-            valid, safe = _valid(m)
-            d = jnp.einsum(
-                "tr,tnr->tn",
-                h[0].astype(y.dtype),
-                w[i % COPIES][safe],
-                preferred_element_type=jnp.float32,
-            )
-            y = jnp.where(valid[:, None], (y.astype(jnp.float32) + d).astype(y.dtype), y)
-        return y
+    def expand_one(y, h, b, m):
+        valid, safe = _valid(m)
+        d = jnp.einsum(
+            "tr,tnr->tn", h[0].astype(y.dtype), b[safe], preferred_element_type=jnp.float32
+        )
+        return jnp.where(valid[:, None], (y.astype(jnp.float32) + d).astype(y.dtype), y)
 
-    return shrink_fn if c.op == "shrink" else expand_fn
+    return per_call(c, shrink_one, expand_one)
 
 
 def one_hot_einsum(c: Case):
-    def shrink_fn(x, w, metas):
-        outs = []
-        for i, m in enumerate(metas):
-            oh = jax.nn.one_hot(m["token_lora_indices"], MAX_LORAS, dtype=x.dtype)  # [T, L]
-            outs.append(
-                jnp.einsum(
-                    "td,tX,Xld->tl", x, oh, w[i % COPIES], preferred_element_type=jnp.float32
-                )
-            )
-        return outs
+    def shrink_one(x, a, m):
+        oh = jax.nn.one_hot(m["token_lora_indices"], MAX_LORAS, dtype=x.dtype)  # [T, L]
+        return jnp.einsum("td,tX,Xld->tl", x, oh, a, preferred_element_type=jnp.float32)
 
-    def expand_fn(hy, w, metas):
-        h, y = hy
-        for i, m in enumerate(metas):
-            oh = jax.nn.one_hot(m["token_lora_indices"], MAX_LORAS, dtype=y.dtype)
-            d = jnp.einsum(
-                "tr,tX,Xnr->tn",
-                h[0].astype(y.dtype),
-                oh,
-                w[i % COPIES],
-                preferred_element_type=jnp.float32,
-            )
-            y = (y.astype(jnp.float32) + d).astype(y.dtype)
-        return y
+    def expand_one(y, h, b, m):
+        oh = jax.nn.one_hot(m["token_lora_indices"], MAX_LORAS, dtype=y.dtype)
+        d = jnp.einsum(
+            "tr,tX,Xnr->tn", h[0].astype(y.dtype), oh, b, preferred_element_type=jnp.float32
+        )
+        return (y.astype(jnp.float32) + d).astype(y.dtype)
 
-    return shrink_fn if c.op == "shrink" else expand_fn
+    return per_call(c, shrink_one, expand_one)
 
 
 def ragged(c: Case):
     # Weights stored transposed for ragged_dot ([L, H, R] / [L, R, N]), made outside the timing.
-    def shrink_fn(x, wt, metas):
-        outs = []
-        for i, m in enumerate(metas):
-            order = m["sorted_token_ids"]
-            o = jax.lax.ragged_dot(
-                x[order],
-                wt[i % COPIES],
-                m["slot_token_counts"],
-                preferred_element_type=jnp.float32,
-            )
-            outs.append(jnp.zeros_like(o).at[order].set(o))
-        return outs
+    def shrink_one(x, at, m):
+        order = m["sorted_token_ids"]
+        o = jax.lax.ragged_dot(
+            x[order], at, m["slot_token_counts"], preferred_element_type=jnp.float32
+        )
+        return jnp.zeros_like(o).at[order].set(o)
 
-    def expand_fn(hy, wt, metas):
-        h, y = hy
-        for i, m in enumerate(metas):
-            order = m["sorted_token_ids"]
-            d = jax.lax.ragged_dot(
-                h[0][order].astype(y.dtype),
-                wt[i % COPIES],
-                m["slot_token_counts"],
-                preferred_element_type=jnp.float32,
-            )
-            y = y.at[order].add(d.astype(y.dtype))
-        return y
+    def expand_one(y, h, bt, m):
+        order = m["sorted_token_ids"]
+        d = jax.lax.ragged_dot(
+            h[0][order].astype(y.dtype),
+            bt,
+            m["slot_token_counts"],
+            preferred_element_type=jnp.float32,
+        )
+        return y.at[order].add(d.astype(y.dtype))
 
-    return shrink_fn if c.op == "shrink" else expand_fn
+    return per_call(c, shrink_one, expand_one)
 
 
-def compile_with_budget(fn, args, budget_s: float):
+def compile_with_budget(fn, args, budget_s: float, donate: bool = False):
+    """``donate``: the first argument is donated (the expand's y buffers, updated in place)."""
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    fut = pool.submit(lambda: jax.jit(fn).lower(*args).compile())
+    jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())
+    fut = pool.submit(lambda: jitted.lower(*args).compile())
     try:
         return fut.result(timeout=budget_s), None
     except concurrent.futures.TimeoutError:
@@ -288,18 +289,27 @@ def compile_with_budget(fn, args, budget_s: float):
         pool.shutdown(wait=False)
 
 
-def time_calls(compiled, args, calls: int, reps: int = 3) -> float:
+def time_calls(compiled, args, calls: int, reps: int = 3, feed: bool = False) -> float:
     """µs per call: wall time of back-to-back runs ("wall"), or the GPU's busy time per
     call read from a profiler trace ("trace": the union of kernel intervals, so launch
-    gaps and host jitter drop out; falls back to wall time where the trace has no GPU)."""
+    gaps and host jitter drop out; falls back to wall time where the trace has no GPU).
+    ``feed``: each run's output is the next run's first (donated) argument."""
+    state = list(args)
+
+    def run():
+        out = compiled(*state)
+        if feed:
+            state[0] = out
+        return out
+
     # Warm up for >= 50 ms of GPU work: after seconds of compiling, the clocks are down
     # and a single warm-up call left the first variant of each case measurably slower.
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < 0.05:
-        jax.block_until_ready(compiled(*args))
+        jax.block_until_ready(run())
     LAST_KERNELS.clear()
     if TIMER == "trace":
-        busy = trace_busy_us(compiled, args, reps)
+        busy = trace_busy_us(run, reps)
         if busy == busy:  # not NaN: a GPU trace was read
             return busy / calls
     best = float("inf")
@@ -307,21 +317,21 @@ def time_calls(compiled, args, calls: int, reps: int = 3) -> float:
         t0 = time.perf_counter()
         out = None
         for _ in range(reps):
-            out = compiled(*args)
+            out = run()
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - t0) / (reps * calls))
     return best * 1e6  # us per call
 
 
-def trace_busy_us(compiled, args, reps: int) -> float:
-    """GPU busy µs per run of ``compiled`` over ``reps`` runs, from a jax.profiler trace."""
+def trace_busy_us(run, reps: int) -> float:
+    """GPU busy µs per ``run()`` over ``reps`` runs, from a jax.profiler trace."""
     from profile_decode import device_events, summarize  # the decode profiler's reducer
 
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             out = None
             for _ in range(reps):
-                out = compiled(*args)
+                out = run()
             jax.block_until_ready(out)
         summary = summarize(device_events(d), reps, 1)
     LAST_KERNELS.update(summary["kernels"])
@@ -684,7 +694,7 @@ def main(argv=None):
             else:
                 variants.append(("gather", gather_einsum(c), w))
         if "ours_inline" in impls:
-            variants.append(("ours_inline", ours_inline(c), w))
+            variants.append(("ours_inline", ours(c, None, ready_work_lists=False), w))
         if "onehot" in impls:
             variants.append(("onehot", one_hot_einsum(c), w))
         if "ragged" in impls:
@@ -694,12 +704,15 @@ def main(argv=None):
             if name != "ours" and not name.startswith("ours[") and name not in impls:
                 continue
             budget = a.compile_budget if not name.startswith("ours") else 4 * a.compile_budget
-            compiled, err = compile_with_budget(fn, (inputs, weights, metas), budget)
+            donate = c.op == "expand"  # y is updated in place: donate it, no defensive copy
+            # A fresh copy of the inputs per variant: donation consumes them.
+            fresh = jax.tree.map(jnp.copy, inputs) if donate else inputs
+            compiled, err = compile_with_budget(fn, (fresh, weights, metas), budget, donate)
             if err:
                 res["impls"][name] = {"skipped": err}
                 continue
             try:
-                us = time_calls(compiled, (inputs, weights, metas), calls)
+                us = time_calls(compiled, (fresh, weights, metas), calls, feed=donate)
             except Exception as e:  # noqa: BLE001
                 res["impls"][name] = {"skipped": f"run: {type(e).__name__}: {str(e)[:100]}"}
                 continue

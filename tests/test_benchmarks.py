@@ -74,6 +74,54 @@ def test_ops_accuracy_check_catches_a_wrong_kernel(tmp_path, monkeypatch):
     assert not row["err_ok"] and row["max_rel_err"] == pytest.approx(0.01, rel=1e-3)
 
 
+@pytest.mark.parametrize("op", ["shrink", "expand"])
+def test_ops_impls_agree_and_calls_share_nothing(op, monkeypatch):
+    """Every impl that benchmarks/ops.py times computes the same calls (ours, the work
+    lists built per call, gather, one-hot, ragged_dot); every call has its own x / h, and
+    the expand's rotated y buffers each take exactly their calls' updates."""
+    import jax.numpy as jnp
+    import ops
+
+    monkeypatch.setattr(ops, "INTERPRET", True)
+    c = ops.Case(op, 24, 64, 16, 5)
+    calls = 6
+    assert ops.rotation(ops.MAX_LORAS * 16 * 64 * 2, calls) == calls  # small: one per call
+    monkeypatch.setattr(ops, "L2_BYTES", 1)  # a tiny L2: rotate over the minimum, 4
+    inputs, w, metas = ops.build(c, calls)
+    assert len(w) == 4 and all(v.shape[0] == ops.MAX_LORAS for v in w)
+    firsts = inputs if op == "shrink" else inputs[0]
+    assert len(firsts) == calls and len({float(jnp.sum(v)) for v in firsts}) == calls
+    wt = [jnp.swapaxes(v, 1, 2) for v in w]
+    outs = {
+        "ours": ops.ours(c, None)(inputs, w, metas),
+        "inline": ops.ours(c, None, ready_work_lists=False)(inputs, w, metas),
+        "gather": ops.gather_einsum(c)(inputs, w, metas),
+        "onehot": ops.one_hot_einsum(c)(inputs, w, metas),
+        "ragged": ops.ragged(c)(inputs, wt, metas),
+    }
+    if op == "expand":  # the y buffers after all calls, vs the updates applied in numpy
+        hs, ys = inputs
+        want = [np.asarray(y, np.float32) for y in ys]
+        for i, m in enumerate(metas):
+            idx = np.asarray(m["token_lora_indices"])
+            b = np.asarray(w[i % len(w)], np.float32)[idx]  # [T, N, R]
+            h = np.asarray(hs[i][0].astype(jnp.bfloat16), np.float32)
+            want[i % len(ys)] += np.einsum("tr,tnr->tn", h, b)
+        for name, (_, got) in outs.items():
+            for g, y in zip(got, want):
+                np.testing.assert_allclose(
+                    np.asarray(g, np.float32), y, rtol=0.05, atol=0.1, err_msg=name
+                )
+        return
+    for name, got in outs.items():
+        for i, m in enumerate(metas):
+            idx = np.asarray(m["token_lora_indices"])
+            a = np.asarray(w[i % len(w)], np.float32)[idx]  # [T, R, H]
+            want = np.einsum("th,trh->tr", np.asarray(inputs[i], np.float32), a)
+            g = np.asarray(got[i][0] if got[i].ndim == 3 else got[i])
+            np.testing.assert_allclose(g, want, rtol=1e-2, atol=1e-2, err_msg=name)
+
+
 @pytest.mark.slow
 def test_tp_small_runs_on_4_and_8_devices(tmp_path):
     """tp.py runs for any device count (DESIGN §5): at tp = 4 and 8 plain LoRA adds no

@@ -52,6 +52,13 @@ class BlockSizes:
     Decode uses it to fill the GPU: a handful of token blocks x 32 k steps each
     leaves most SMs idle.
     """
+    tiles_n: int = 1
+    """Expand: ``block_n`` column tiles one program walks, in a loop.
+
+    The program loads its tokens' h [block_m, R] (f32) once for all of them; with one
+    tile per program, every column tile re-reads h, which at prefill ranks (64-128) is
+    as many bytes as the tile's y and B.
+    """
     split_n: int = 1
     """Fused shrink-expand: column groups per (work block, slice), at most.
 
@@ -68,6 +75,8 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.num_warps={self.num_warps}: use 1, 2, 4, 8 or 16.")
         if self.split_k < 1:
             raise ValueError(f"BlockSizes.split_k={self.split_k}: must be >= 1.")
+        if self.tiles_n < 1:
+            raise ValueError(f"BlockSizes.tiles_n={self.tiles_n}: must be >= 1.")
         if self.split_n < 1:
             raise ValueError(f"BlockSizes.split_n={self.split_n}: must be >= 1.")
         if self.num_stages < 1:

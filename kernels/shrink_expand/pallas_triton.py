@@ -234,8 +234,8 @@ def _expand_kernel(
         ranks_ref, (h_ref, *rest) = None, refs
     b_refs = rest[:num_slices]  # S x [L, n_s, R]
     y_ref = rest[num_slices + 1]  # output aliased to the y input: [T, N]
-    pid, sid, nb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    bm, bn = bs.block_m, bs.block_n
+    pid, sid, grp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bm, bn, tiles = bs.block_m, bs.block_n, bs.tiles_n
     rank_p = max(16, 1 << (rank - 1).bit_length())
     precision = _dot_precision(compute_dtype)
 
@@ -243,38 +243,47 @@ def _expand_kernel(
         n_s, off = widths[s], offsets[s]
         blocks_s = -(-n_s // bn)
 
-        @pl.when((sid == s) & (nb < blocks_s) & (tab_ref[2, pid] > 0) & (tab_ref[0, pid] >= 0))
+        @pl.when(
+            (sid == s) & (grp * tiles < blocks_s) & (tab_ref[2, pid] > 0) & (tab_ref[0, pid] >= 0)
+        )
         def _(s=s, n_s=n_s, off=off):
             slot, nrows, rows = _block_rows(tab_ref, ids_ref, pid, bm)
-            c = nb * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
-            c_mask = c < n_s
-            col_mask = jnp.broadcast_to(c_mask[None, :], (bm, bn))
-            # y's tile is the most bytes: issue its load first, so that it is in flight
-            # while h and B load and the dot runs.
-            y_at = y_ref.at[rows[:, None], off + c[None, :]]
-            yt = plgpu.load(y_at, mask=col_mask, other=0)
             r = jnp.arange(rank_p, dtype=jnp.int32)
             r_mask = r < _true_rank(ranks_ref, s, slot, rank)
+            # The tokens' h, loaded once for all of this program's column tiles.
             ht = plgpu.load(
                 h_ref.at[s, rows[:, None], r[None, :]],
                 mask=jnp.broadcast_to(r_mask[None, :], (bm, rank_p)),
                 other=0,
-            )  # [bm, rank_p]
-            bt = plgpu.load(
-                b_refs[s].at[slot, c[:, None], r[None, :]],
-                mask=c_mask[:, None] & r_mask[None, :],
-                other=0,
-            )  # [bn, rank_p]
-            delta = plgpu.dot(
-                ht.astype(compute_dtype),
-                bt.astype(compute_dtype),
-                trans_b=True,
-                precision=precision,
-            )  # [bm, bn] f32
-            if mask_rows:  # GPU: the repeated rows past the block's count store nothing
-                m = jnp.arange(bm, dtype=jnp.int32)
-                col_mask = col_mask & (m < nrows)[:, None]
-            plgpu.store(y_at, (yt.astype(jnp.float32) + delta).astype(y_ref.dtype), mask=col_mask)
+            ).astype(compute_dtype)  # [bm, rank_p]
+            row_ok = jnp.arange(bm, dtype=jnp.int32) < nrows
+
+            def tile(j, carry):
+                c = (grp * tiles + j) * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
+                c_mask = c < n_s  # also all-False past the slice's last tile: no traffic
+                col_mask = jnp.broadcast_to(c_mask[None, :], (bm, bn))
+                # y's tile is the most bytes: issue its load first, so that it is in
+                # flight while B loads and the dot runs.
+                y_at = y_ref.at[rows[:, None], off + c[None, :]]
+                yt = plgpu.load(y_at, mask=col_mask, other=0)
+                bt = plgpu.load(
+                    b_refs[s].at[slot, c[:, None], r[None, :]],
+                    mask=c_mask[:, None] & r_mask[None, :],
+                    other=0,
+                )  # [bn, rank_p]
+                delta = plgpu.dot(
+                    ht, bt.astype(compute_dtype), trans_b=True, precision=precision
+                )  # [bm, bn] f32
+                if mask_rows:  # GPU: the repeated rows past the block's count store nothing
+                    col_mask = col_mask & row_ok[:, None]
+                new = (yt.astype(jnp.float32) + delta).astype(y_ref.dtype)
+                plgpu.store(y_at, new, mask=col_mask)
+                return carry
+
+            if tiles == 1:
+                tile(0, 0)
+            else:
+                jax.lax.fori_loop(0, tiles, tile, 0)
 
 
 def expand(
@@ -315,7 +324,10 @@ def expand(
         # with the real row; on the GPU, masking the repeated rows saves their stores.
         mask_rows=not interpret,
     )
-    grid = (tab.shape[1], num_slices, -(-max(widths) // bn))
+    max_tiles = -(-max(widths) // bn)
+    tiles = max(1, min(bs.tiles_n, max_tiles))
+    kernel = functools.partial(kernel, bs=dataclasses.replace(bs, tiles_n=tiles))
+    grid = (tab.shape[1], num_slices, -(-max_tiles // tiles))
     inputs = [tab, sorted_token_ids] + ([slot_ranks] if has_ranks else []) + [h, *lora_b, y]
     return pl.pallas_call(
         kernel,

@@ -93,6 +93,7 @@ class Case:
 _PREFILL = BlockSizes(block_m=16, block_k=32, block_r=16, block_n=32)
 _SPLIT3 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=3)
 _SPLIT4 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=4)
+_TILES2 = BlockSizes(block_m=16, block_n=16, tiles_n=2, num_stages=2)
 
 # Small grids: interpret mode runs every program through XLA on the CPU.
 CPU_CASES = [
@@ -109,6 +110,11 @@ CPU_CASES = [
     # split-K: 5 k steps over 3 programs; and 4 splits of 2 steps, the last past H
     Case(9, 130, 32, (16,), jnp.float32, "unsorted", block_sizes=_SPLIT3),
     Case(20, 130, 16, (16, 16), jnp.bfloat16, "unsorted", ranked=True, block_sizes=_SPLIT4),
+    # expand: 2 column tiles per program. Slice 0 has 3 tiles (2 groups, the second
+    # group's second tile past the slice, over the next one), slices 1-2 have 2 (1 group,
+    # the grid's second group idle); the last slice's tail lies past y: all masked.
+    Case(24, 64, 16, (48, 20, 20), jnp.bfloat16, "unsorted", block_sizes=_TILES2),
+    Case(18, 64, 32, (40, 30), jnp.float32, "sorted", ranked=True, block_sizes=_TILES2),
     # rank 256: expand tiles shrink to fit shared memory (block_n 128 -> 64), grid follows
     Case(4, 32, 256, (200,), jnp.float16, "unsorted", max_loras=2),
 ]
