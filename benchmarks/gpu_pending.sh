@@ -2,6 +2,7 @@
 # The GPU runs behind benchmarks/RESULTS.md, as named steps that fit device-tool calls
 # of under 600 s. Run from the repository root on the device machine, e.g.
 #
+#   bash benchmarks/gpu_pending.sh sweeps                 # kind nvidia-h200
 #   bash benchmarks/gpu_pending.sh decode prefill sweep   # kind nvidia-h200
 #   bash benchmarks/gpu_pending.sh tests wide             # kind nvidia-h200
 #   bash benchmarks/gpu_pending.sh tp1                    # kind nvidia-h200:    tp=1 model
@@ -23,10 +24,9 @@ for what in "$@"; do
   tests)  # kernel GPU tests (f32 cases need full-precision dots)
     JAX_DEFAULT_MATMUL_PRECISION=highest step tests 150 \
       python3 -P -m pytest tests/kernels -m gpu -q -p no:cacheprovider ;;
-  decode)  # decode cells, H = 4096; ours_inline = ours building its work list per call
-    step decode 200 "${OPS[@]}" --tokens 1,16,64,256 --hiddens 4096 --ranks 16,64,128 \
-      --adapters 8,64 --impls ours,ours_inline,gather,onehot --time-budget 185 \
-      --out "$OUT/decode" ;;
+  decode)  # decode cells, H = 4096
+    step decode 180 "${OPS[@]}" --tokens 1,16,64,256 --hiddens 4096 --ranks 16,64,128 \
+      --adapters 8,64 --impls ours,gather,onehot --time-budget 165 --out "$OUT/decode" ;;
   prefill)  # prefill cells, H = 4096
     step prefill 180 "${OPS[@]}" --tokens 1024,4096,16384 --hiddens 4096 --ranks 16,64,128 \
       --adapters 64 --impls ours,gather,onehot --time-budget 165 --out "$OUT/prefill" ;;
@@ -34,6 +34,19 @@ for what in "$@"; do
     step sweep 170 "${OPS[@]}" --sweep --sweep-set prefill --ops shrink --tokens 4096,16384 \
       --hiddens 4096 --ranks 16,64 --adapters 64 --impls ours --time-budget 155 \
       --out "$OUT/sweep" ;;
+  sweeps)  # tile sweeps: expand column tiles per program (prefill, decode), shrink splits
+    step sweep_ep 200 "${OPS[@]}" --sweep --sweep-set prefill --ops expand \
+      --tokens 1024,4096,16384 --hiddens 4096 --ranks 16,64,128 --adapters 64 --impls ours \
+      --time-budget 185 --out "$OUT/sweep_ep"
+    step sweep_sp 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 0,1,2,8 \
+      --ops shrink --tokens 1024,4096 --hiddens 4096 --ranks 16,64,128 --adapters 64 \
+      --impls ours --time-budget 90 --out "$OUT/sweep_sp"
+    step sweep_ed 90 "${OPS[@]}" --sweep --candidates 2,8,9,10 --ops expand --tokens 64,256 \
+      --hiddens 4096 --ranks 16,64,128 --adapters 64 --impls ours --time-budget 80 \
+      --out "$OUT/sweep_ed"
+    step sweep_sd 90 "${OPS[@]}" --sweep --candidates 2,3,4,5,14 --ops shrink --tokens 64,256 \
+      --hiddens 4096 --ranks 64,128 --adapters 64 --impls ours --time-budget 80 \
+      --out "$OUT/sweep_sd" ;;
   wide)  # H = 8192 (rank 64, as the grid trims it) and the rest of the adapter counts
     step wide 230 "${OPS[@]}" --tokens 1,16,64,256,1024,4096,16384 --hiddens 8192 \
       --ranks 64 --adapters 1,8,64 --impls ours,gather,onehot --time-budget 215 \
@@ -45,7 +58,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode prefill sweep wide tp1 two" >&2
+    echo "unknown step $what; steps: tests decode prefill sweep sweeps wide tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -383,6 +383,9 @@ SWEEP = {
         BlockSizes(block_m=32, block_n=128, num_stages=1),
         BlockSizes(block_m=64, block_n=256, num_stages=1, num_warps=8),
         BlockSizes(block_m=128, block_n=128, num_stages=1, num_warps=8),
+        BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=2),
+        BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4),
+        BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=8),
     ],
 }
 
@@ -404,13 +407,14 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=64, block_r=128, block_k=32, num_stages=3, num_warps=8, split_k=2),
         BlockSizes(block_m=32, block_r=128, block_k=32, num_stages=4, split_k=4),
     ],
-    "expand": [
-        BlockSizes(block_m=32, block_n=128, num_stages=1),
-        BlockSizes(block_m=64, block_n=256, num_stages=1, num_warps=8),
-        BlockSizes(block_m=128, block_n=128, num_stages=1, num_warps=8),
-        BlockSizes(block_m=64, block_n=64, num_stages=1),
-        BlockSizes(block_m=128, block_n=64, num_stages=1, num_warps=4),
-        BlockSizes(block_m=64, block_n=128, num_stages=1, num_warps=8),
+    "expand": [  # column tiles per program (h loaded once), then token-block sizes
+        BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
+        BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=4),
+        BlockSizes(block_m=64, block_n=128, num_stages=2, tiles_n=4),
+        BlockSizes(block_m=64, block_n=128, num_stages=2, tiles_n=8),
+        BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4),
+        BlockSizes(block_m=128, block_n=64, num_stages=2, num_warps=8, tiles_n=4),
+        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8),
     ],
 }
 
@@ -618,6 +622,11 @@ def main(argv=None):
         choices=("default", "prefill"),
         help="with --sweep: the SWEEP (default) or PREFILL_SWEEP tile candidates",
     )
+    p.add_argument(
+        "--candidates",
+        default="",
+        help="with --sweep: comma-separated indices into the sweep set (default: all)",
+    )
     p.add_argument("--interpret", action="store_true")
     p.add_argument(
         "--no-check",
@@ -663,10 +672,16 @@ def main(argv=None):
         model_main(a)
         return
     sweep_set = PREFILL_SWEEP if a.sweep_set == "prefill" else SWEEP
+    if a.candidates:  # keep the indices (ours[i] keeps naming the set's entry i)
+        keep = {int(i) for i in a.candidates.split(",")}
+        sweep_set = {
+            op: [bs if i in keep else None for i, bs in enumerate(v)] for op, v in sweep_set.items()
+        }
     if a.sweep:
         for op in a.ops:
             for i, bs in enumerate(sweep_set[op]):
-                print(f"{op} ours[{i}] = {bs}", flush=True)
+                if bs is not None:
+                    print(f"{op} ours[{i}] = {bs}", flush=True)
     rows, start = [], time.time()
     for c in cases(a):
         if time.time() - start > a.time_budget:
@@ -686,7 +701,11 @@ def main(argv=None):
                 print(f"accuracy check failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         variants = [("ours", ours(c, None), w)]
         if a.sweep:
-            variants += [(f"ours[{i}]", ours(c, bs), w) for i, bs in enumerate(sweep_set[c.op])]
+            variants += [
+                (f"ours[{i}]", ours(c, bs), w)
+                for i, bs in enumerate(sweep_set[c.op])
+                if bs is not None
+            ]
         if "gather" in impls:
             gathered = c.tokens * c.rank * c.hidden * 2
             if gathered > 4e9:
