@@ -22,14 +22,14 @@ OPS=(python3 -P benchmarks/ops.py --timer trace --compile-budget 15)
 for what in "$@"; do
   case "$what" in
   tests)  # kernel GPU tests (f32 cases need full-precision dots)
-    JAX_DEFAULT_MATMUL_PRECISION=highest step tests 150 \
+    JAX_DEFAULT_MATMUL_PRECISION=highest step tests 140 \
       python3 -P -m pytest tests/kernels -m gpu -q -p no:cacheprovider ;;
   decode)  # decode cells, H = 4096
-    step decode 180 "${OPS[@]}" --tokens 1,16,64,256 --hiddens 4096 --ranks 16,64,128 \
-      --adapters 8,64 --impls ours,gather,onehot --time-budget 165 --out "$OUT/decode" ;;
+    step decode 170 "${OPS[@]}" --tokens 1,16,64,256 --hiddens 4096 --ranks 16,64,128 \
+      --adapters 8,64 --impls ours,gather,onehot --time-budget 155 --out "$OUT/decode" ;;
   prefill)  # prefill cells, H = 4096
-    step prefill 180 "${OPS[@]}" --tokens 1024,4096,16384 --hiddens 4096 --ranks 16,64,128 \
-      --adapters 64 --impls ours,gather,onehot --time-budget 165 --out "$OUT/prefill" ;;
+    step prefill 170 "${OPS[@]}" --tokens 1024,4096,16384 --hiddens 4096 --ranks 16,64,128 \
+      --adapters 64 --impls ours,gather,onehot --time-budget 150 --out "$OUT/prefill" ;;
   sweep)  # prefill shrink tiles at the ranks furthest from the roofline
     step sweep 170 "${OPS[@]}" --sweep --sweep-set prefill --ops shrink --tokens 4096,16384 \
       --hiddens 4096 --ranks 16,64 --adapters 64 --impls ours --time-budget 155 \
@@ -47,6 +47,10 @@ for what in "$@"; do
     step sweep_sd 90 "${OPS[@]}" --sweep --candidates 2,3,4,5,14 --ops shrink --tokens 64,256 \
       --hiddens 4096 --ranks 64,128 --adapters 64 --impls ours --time-budget 80 \
       --out "$OUT/sweep_sd" ;;
+  tiles8)  # the decode expand's tiles_n = 4 default at n = 8 vs the old default (ours[11])
+    step tiles8 60 "${OPS[@]}" --sweep --candidates 11 --ops expand --tokens 64,256 \
+      --hiddens 4096 --ranks 64,128 --adapters 8 --impls ours --time-budget 50 \
+      --out "$OUT/tiles8" ;;
   wide)  # H = 8192 (rank 64, as the grid trims it) and the rest of the adapter counts
     step wide 230 "${OPS[@]}" --tokens 1,16,64,256,1024,4096,16384 --hiddens 8192 \
       --ranks 64 --adapters 1,8,64 --impls ours,gather,onehot --time-budget 215 \
@@ -58,7 +62,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode prefill sweep sweeps wide tp1 two" >&2
+    echo "unknown step $what; steps: tests decode prefill sweep sweeps tiles8 wide tp1 two" >&2
     exit 2 ;;
   esac
 done

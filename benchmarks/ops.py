@@ -386,6 +386,7 @@ SWEEP = {
         BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=2),
         BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4),
         BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=8),
+        BlockSizes(block_m=16, block_n=128, num_stages=1),  # decode default before session 5
     ],
 }
 

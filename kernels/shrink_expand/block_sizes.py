@@ -15,6 +15,10 @@ DECODE_MAX_TOKENS = 256
 """Static token counts up to this use the decode tiles (small token blocks, split-K)."""
 TARGET_PROGRAMS = 264
 """Shrink aims for this many live programs: 2 per SM of an H200 (132 SMs)."""
+LONG_PREFILL_TOKENS = 2048
+LONG_PREFILL_TARGET_PROGRAMS = 528
+"""From LONG_PREFILL_TOKENS tokens the prefill shrink aims for 4 programs per SM (the
+session-5 trace-timed sweep: T = 4096 split 4 ways beat 2 by 12-20 % at R <= 64)."""
 PREFILL_MAX_SPLIT_K = 8
 """Most hidden splits above the decode regime (the H200 sweep went up to 8)."""
 
@@ -126,7 +130,12 @@ class BlockSizes:
                 # Long prompts, wide ranks: 64-row blocks halve the re-reads of A.
                 return cls(block_m=64, block_r=block_r, block_k=64, num_warps=4, num_stages=2)
             live = -(-num_tokens // 32) * (rank_p // block_r)
-            want = max(1, TARGET_PROGRAMS // live)
+            target = (
+                LONG_PREFILL_TARGET_PROGRAMS
+                if num_tokens >= LONG_PREFILL_TOKENS
+                else TARGET_PROGRAMS
+            )
+            want = max(1, target // live)
             split_k = min(1 << (want.bit_length() - 1), PREFILL_MAX_SPLIT_K, max(1, hidden // 512))
             return cls(
                 block_m=32,
@@ -137,9 +146,18 @@ class BlockSizes:
                 split_k=split_k,
             )
         if op == "expand":
+            # H200 trace-timed sweeps (benchmarks/RESULTS.md, session 5). Several column
+            # tiles per program (tiles_n) load the tokens' f32 h once instead of per
+            # tile: at R >= 64 that was as many bytes as the tile's y and B.
             if num_tokens <= DECODE_MAX_TOKENS:
+                if rank_p >= 64 and num_tokens >= 64:  # T = 64/256, n = 64: 14 -> 12 us
+                    return cls(block_m=16, block_n=128, num_stages=2, tiles_n=4)
                 return cls(block_m=16, block_n=128, num_warps=4, num_stages=1)
-            return cls(block_m=64, block_n=128, num_warps=4, num_stages=1)
+            if rank_p >= 128:  # the tiles fit shared memory at 64 x 64
+                if num_tokens >= 8192:  # T = 16384: 233 -> 92 us
+                    return cls(block_m=64, block_n=64, num_warps=8, num_stages=2, tiles_n=4)
+                return cls(block_m=64, block_n=64, num_stages=2, tiles_n=8)
+            return cls(block_m=32, block_n=128, num_stages=2, tiles_n=4)
         if op == "fused":
             return fused_default(num_tokens, hidden, rank_p, out_features, num_slices)
         raise ValueError(

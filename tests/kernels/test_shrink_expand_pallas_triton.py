@@ -6,7 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from lora_jax.kernels import BlockSizes, lora_expand, lora_shrink, lora_shrink_reference
+from lora_jax.kernels import (
+    BlockSizes,
+    lora_expand,
+    lora_expand_reference,
+    lora_shrink,
+    lora_shrink_reference,
+)
 from lora_jax.kernels.shrink_expand.work_list import (
     WORK_LIST_BLOCK_MS,
     build_work_list,
@@ -176,13 +182,16 @@ def test_block_sizes_validated():
 def test_prefill_shrink_default_fills_the_gpu(num_tokens, rank):
     """Above the decode regime the hidden split brings the live programs to about
     TARGET_PROGRAMS (never past it by more than 2x), and never splits a long prompt."""
-    from lora_jax.kernels.shrink_expand.block_sizes import TARGET_PROGRAMS
+    from lora_jax.kernels.shrink_expand import block_sizes as B
 
     bs = BlockSizes.get_default("shrink", num_tokens=num_tokens, hidden=4096, rank=rank)
     rank_blocks = max(16, rank) // bs.block_r
     programs = -(-num_tokens // bs.block_m) * rank_blocks * bs.split_k
-    assert bs.split_k == 1 or programs <= 2 * TARGET_PROGRAMS  # no needless splits
-    assert bs.split_k == 8 or programs >= TARGET_PROGRAMS // 2  # split until the GPU is busy
+    target = B.TARGET_PROGRAMS
+    if num_tokens >= B.LONG_PREFILL_TOKENS:
+        target = B.LONG_PREFILL_TARGET_PROGRAMS
+    assert bs.split_k == 1 or programs <= 2 * target  # no needless splits
+    assert bs.split_k == 8 or programs >= target // 2  # split until the GPU is busy
     assert num_tokens < 8192 or bs.split_k == 1
     assert bs.split_k <= 4096 // (bs.block_k * 8)  # every split keeps >= 8 k steps
     small = BlockSizes.get_default("shrink", num_tokens=num_tokens, hidden=256, rank=rank)
@@ -190,7 +199,8 @@ def test_prefill_shrink_default_fills_the_gpu(num_tokens, rank):
 
 
 def test_prefill_default_split_matches_reference():
-    """The default tiles at T = 300 (prefill regime, split over the hidden dim) vs the oracle."""
+    """The default tiles at T = 300 (prefill regime: the shrink split over the hidden dim,
+    the expand walking column tiles) vs the oracle."""
     case = Case(300, 1024, 16, (16,), jnp.bfloat16, "unsorted", max_loras=8)
     assert BlockSizes.get_default("shrink", num_tokens=300, hidden=1024, rank=16).split_k > 1
     rng = np.random.default_rng(3)
@@ -201,6 +211,17 @@ def test_prefill_default_split_matches_reference():
     out = lora_shrink(x, (a,), **meta, scale=0.5, interpret=True)
     ref = lora_shrink_reference(x, (a,), **meta, scale=0.5)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-2, atol=2e-2)
+    # The default prefill expand walks several column tiles per program: 600 columns
+    # are 5 tiles of 128, so 2 groups, the second partly past the slice.
+    bs = BlockSizes.get_default("expand", num_tokens=300, hidden=600, rank=16)
+    assert bs.tiles_n > 1 and bs.tiles_n * bs.block_n < 600
+    b = jnp.asarray(rng.standard_normal((case.max_loras, 600, case.rank)), case.dtype)
+    y = jnp.asarray(rng.standard_normal((case.num_tokens, 600)), case.dtype)
+    got = lora_expand(y, out, (b,), offsets=(0,), **meta, interpret=True)
+    want = lora_expand_reference(y, out, (b,), offsets=(0,), **meta)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=5e-2
+    )
 
 
 def test_bad_shapes_are_named():
