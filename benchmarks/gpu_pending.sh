@@ -25,8 +25,8 @@ for what in "$@"; do
     JAX_DEFAULT_MATMUL_PRECISION=highest step tests 140 \
       python3 -P -m pytest tests/kernels -m gpu -q -p no:cacheprovider ;;
   decode)  # decode cells, H = 4096
-    step decode 170 "${OPS[@]}" --tokens 1,16,64,256 --hiddens 4096 --ranks 16,64,128 \
-      --adapters 8,64 --impls ours,gather,onehot --time-budget 155 --out "$OUT/decode" ;;
+    step decode 200 "${OPS[@]}" --tokens 1,16,64,256 --hiddens 4096 --ranks 16,64,128 \
+      --adapters 8,64 --impls ours,gather,onehot --time-budget 185 --out "$OUT/decode" ;;
   prefill)  # prefill cells, H = 4096
     step prefill 170 "${OPS[@]}" --tokens 1024,4096,16384 --hiddens 4096 --ranks 16,64,128 \
       --adapters 64 --impls ours,gather,onehot --time-budget 150 --out "$OUT/prefill" ;;
@@ -51,10 +51,16 @@ for what in "$@"; do
     step tiles8 60 "${OPS[@]}" --sweep --candidates 11 --ops expand --tokens 64,256 \
       --hiddens 4096 --ranks 64,128 --adapters 8 --impls ours --time-budget 50 \
       --out "$OUT/tiles8" ;;
-  wide)  # H = 8192 (rank 64, as the grid trims it) and the rest of the adapter counts
-    step wide 230 "${OPS[@]}" --tokens 1,16,64,256,1024,4096,16384 --hiddens 8192 \
-      --ranks 64 --adapters 1,8,64 --impls ours,gather,onehot --time-budget 215 \
-      --out "$OUT/wide" ;;
+  r128)  # rank 128 at prefill: the expand default, and shrink tiles with one rank block
+    step r128 130 "${OPS[@]}" --sweep --sweep-set prefill --candidates 3,10,11,12,13 \
+      --ops shrink,expand --tokens 1024,4096,16384 --hiddens 4096 --ranks 128 \
+      --adapters 64 --impls ours --time-budget 115 --out "$OUT/r128" ;;
+  wide)  # H = 8192 (rank 64, as the grid trims it), each op in its own step
+    for op in shrink expand; do
+      step "wide_$op" 100 "${OPS[@]}" --ops "$op" --tokens 1,16,64,256,1024,4096,16384 \
+        --hiddens 8192 --ranks 64 --adapters 8,64 --impls ours,gather,onehot \
+        --time-budget 85 --out "$OUT/wide_$op"
+    done ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -62,7 +68,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode prefill sweep sweeps tiles8 wide tp1 two" >&2
+    echo "unknown step $what; steps: tests decode prefill sweep sweeps tiles8 r128 wide tp1 two" >&2
     exit 2 ;;
   esac
 done

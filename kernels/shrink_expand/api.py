@@ -222,6 +222,9 @@ def lora_expand(
         block_sizes = BlockSizes.get_default(
             "expand", num_tokens=num_tokens, hidden=width, rank=rank
         )
+    # Fitting the tiles to shared memory may halve block_m: the work list must use the
+    # token blocks the kernel walks.
+    block_sizes = pallas_triton.expand_tiles(block_sizes, lora_b, y)
     tab = get_work_list(
         work_lists,
         slot_token_counts,

@@ -153,9 +153,7 @@ class BlockSizes:
                 if rank_p >= 64 and num_tokens >= 64:  # T = 64/256, n = 64: 14 -> 12 us
                     return cls(block_m=16, block_n=128, num_stages=2, tiles_n=4)
                 return cls(block_m=16, block_n=128, num_warps=4, num_stages=1)
-            if rank_p >= 128:  # the tiles fit shared memory at 64 x 64
-                if num_tokens >= 8192:  # T = 16384: 233 -> 92 us
-                    return cls(block_m=64, block_n=64, num_warps=8, num_stages=2, tiles_n=4)
+            if rank_p >= 128:  # the tiles fit shared memory at 64 x 64; T = 16384: 233 -> 129 us
                 return cls(block_m=64, block_n=64, num_stages=2, tiles_n=8)
             return cls(block_m=32, block_n=128, num_stages=2, tiles_n=4)
         if op == "fused":

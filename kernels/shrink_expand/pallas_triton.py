@@ -286,6 +286,22 @@ def _expand_kernel(
                 jax.lax.fori_loop(0, tiles, tile, 0)
 
 
+def _expand_dtype(lora_b, y):
+    dtype = lora_b[0].dtype
+    if dtype not in (jnp.bfloat16, jnp.float16) or y.dtype == jnp.float32:
+        return jnp.float32
+    return dtype
+
+
+def expand_tiles(bs: BlockSizes, lora_b, y) -> BlockSizes:
+    """The tiles `expand` runs: column tiles no wider than the widest slice, then fitted
+    to shared memory (which may halve ``block_m``: build the work list with the result)."""
+    widths = tuple(b.shape[1] for b in lora_b)
+    bn = min(bs.block_n, max(16, 1 << (max(widths) - 1).bit_length()))
+    itemsize = jnp.dtype(_expand_dtype(lora_b, y)).itemsize
+    return fit_expand_tiles(dataclasses.replace(bs, block_n=bn), lora_b[0].shape[2], itemsize)
+
+
 def expand(
     y,
     h,
@@ -298,17 +314,13 @@ def expand(
     bs: BlockSizes,
     interpret: bool,
 ):
-    """New y [T, N] with the adapters' contributions added. ``tab``: see work_list.py."""
+    """New y [T, N] with the adapters' contributions added. ``tab``: see work_list.py,
+    built with ``expand_tiles(bs, lora_b, y).block_m`` (the fitted token block)."""
     num_slices = len(lora_b)
     rank = lora_b[0].shape[2]
     widths = tuple(b.shape[1] for b in lora_b)
-    bn = min(bs.block_n, max(16, 1 << (max(widths) - 1).bit_length()))
-    compute_dtype = lora_b[0].dtype
-    if compute_dtype not in (jnp.bfloat16, jnp.float16) or y.dtype == jnp.float32:
-        compute_dtype = jnp.float32
-    bs = fit_expand_tiles(
-        dataclasses.replace(bs, block_n=bn), rank, jnp.dtype(compute_dtype).itemsize
-    )
+    compute_dtype = _expand_dtype(lora_b, y)
+    bs = expand_tiles(bs, lora_b, y)
     bn = bs.block_n  # the grid below must use the fitted width
     has_ranks = slot_ranks is not None
     kernel = functools.partial(

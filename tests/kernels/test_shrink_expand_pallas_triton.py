@@ -224,6 +224,28 @@ def test_prefill_default_split_matches_reference():
     )
 
 
+def test_expand_work_list_uses_the_fitted_token_block():
+    """Rank 256 with the prefill tiles: fitting them to shared memory halves block_m
+    (64 -> 32), and the work list must be cut at 32 rows too, or half the rows of every
+    full block are never updated."""
+    bs = BlockSizes.get_default("expand", num_tokens=300, hidden=64, rank=256)
+    rng = np.random.default_rng(4)
+    idx = np.full(300, 1, np.int32)  # one adapter: every block is full
+    idx[::7] = 0
+    meta = make_metadata(idx, 2)
+    h = jnp.asarray(rng.standard_normal((1, 300, 256)) / 16, jnp.float32)
+    b = jnp.asarray(rng.standard_normal((2, 64, 256)), jnp.float16)
+    y = jnp.asarray(rng.standard_normal((300, 64)), jnp.float16)
+    from lora_jax.kernels.shrink_expand import pallas_triton
+
+    assert pallas_triton.expand_tiles(bs, (b,), y).block_m < bs.block_m  # the case at hand
+    got = lora_expand(y, h, (b,), offsets=(0,), **meta, interpret=True)
+    want = lora_expand_reference(y, h, (b,), offsets=(0,), **meta)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=5e-2
+    )
+
+
 def test_bad_shapes_are_named():
     case = CPU_CASES[1]
     meta = make_metadata(np.zeros(case.num_tokens, np.int32), case.max_loras)
