@@ -22,7 +22,7 @@ OPS=(python3 -P benchmarks/ops.py --timer trace --compile-budget 15)
 for what in "$@"; do
   case "$what" in
   tests)  # kernel GPU tests (f32 cases need full-precision dots)
-    JAX_DEFAULT_MATMUL_PRECISION=highest step tests 140 \
+    JAX_DEFAULT_MATMUL_PRECISION=highest step tests 130 \
       python3 -P -m pytest tests/kernels -m gpu -q -p no:cacheprovider ;;
   decode)  # decode cells, H = 4096
     step decode 200 "${OPS[@]}" --tokens 1,16,64,256 --hiddens 4096 --ranks 16,64,128 \
@@ -47,6 +47,10 @@ for what in "$@"; do
     step sweep_sd 90 "${OPS[@]}" --sweep --candidates 2,3,4,5,14 --ops shrink --tokens 64,256 \
       --hiddens 4096 --ranks 64,128 --adapters 64 --impls ours --time-budget 80 \
       --out "$OUT/sweep_sd" ;;
+  tiny)  # decode shrink at 1-16 tokens: tiles with no hidden split (no partial-sum kernel)
+    step tiny 60 "${OPS[@]}" --sweep --candidates 0,7,8,14 --ops shrink --tokens 1,16 \
+      --hiddens 4096 --ranks 16,64,128 --adapters 8 --impls ours --time-budget 50 \
+      --out "$OUT/tiny" ;;
   tiles8)  # the decode expand's tiles_n = 4 default at n = 8 vs the old default (ours[11])
     step tiles8 60 "${OPS[@]}" --sweep --candidates 11 --ops expand --tokens 64,256 \
       --hiddens 4096 --ranks 64,128 --adapters 8 --impls ours --time-budget 50 \
@@ -68,7 +72,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode prefill sweep sweeps tiles8 r128 wide tp1 two" >&2
+    echo "unknown step $what; steps: tests decode prefill sweep sweeps tiny tiles8 r128 wide tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -44,6 +44,8 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(64, 4096, 256, (512, 128), jnp.float16, "unsorted", max_loras=16, ranked=True),
             Case(300, 1000, 16, (200,), jnp.float32, "unsorted", max_loras=8),
             Case(4096, 4096, 128, (4096,), jnp.bfloat16, "sorted", max_loras=8),
+            # prefill at rank 256: the fitted expand tiles halve block_m (work list too)
+            Case(600, 512, 256, (520,), jnp.float16, "one", max_loras=2),
         ],
         ids=str,
     )
