@@ -34,8 +34,10 @@ import jax.numpy as jnp
 from lora_jax.mapping import LoRAMapping
 
 BACKENDS = ("xla", "pallas", "pallas_fused")
-# Below this many tokens (per shard) the GPU default is XLA: the kernels' fixed cost per
-# call (~10-20 us on an H200) exceeds what they save at decode (benchmarks/RESULTS.md).
+# Below this many tokens (per shard) the GPU default is XLA: at decode a kernel call has a
+# floor of ~2-3 us of GPU time (shrink: kernel + partial-sum fusion), and on an H200 XLA's
+# gather einsum was faster for the shrink up to 64 tokens (benchmarks/RESULTS.md, ops,
+# session 5) and as fast in a whole decode step at 64 tokens ("model").
 PALLAS_MIN_TOKENS = 128
 _default_backend: str | None = os.environ.get("LORA_JAX_OPS_BACKEND") or None
 PALLAS_INTERPRET = False
