@@ -55,6 +55,10 @@ for what in "$@"; do
     step tiles8 60 "${OPS[@]}" --sweep --candidates 11 --ops expand --tokens 64,256 \
       --hiddens 4096 --ranks 64,128 --adapters 8 --impls ours --time-budget 50 \
       --out "$OUT/tiles8" ;;
+  ragged)  # jax.lax.ragged_dot on tokens sorted by adapter, the grid's fourth baseline
+    step ragged 250 "${OPS[@]}" --tokens 1,16,64,256,1024,4096,16384 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 8,64 --impls ours,ragged --no-check --time-budget 235 \
+      --out "$OUT/ragged" ;;
   r128)  # rank 128 at prefill: the expand default, and shrink tiles with one rank block
     step r128 130 "${OPS[@]}" --sweep --sweep-set prefill --candidates 3,10,11,12,13 \
       --ops shrink,expand --tokens 1024,4096,16384 --hiddens 4096 --ranks 128 \
@@ -72,7 +76,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode prefill sweep sweeps tiny tiles8 r128 wide tp1 two" >&2
+    echo "unknown step $what; steps: tests decode prefill sweep sweeps tiny tiles8 ragged r128 wide tp1 two" >&2
     exit 2 ;;
   esac
 done
