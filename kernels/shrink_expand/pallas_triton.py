@@ -215,6 +215,28 @@ def shrink(
     return out[0] if split_k == 1 else jnp.sum(out, axis=0)
 
 
+def expand_tile(
+    y_ref, b_ref, h, rows, slot, r, r_mask, c, n_s: int, off: int, dtype, precision, row_ok
+):
+    """``y[rows, off + c] += h @ B[slot, c, r].T`` for one [block_m, block_n] tile.
+
+    Columns past the slice (``c >= n_s``) are masked, so a tile wholly past it moves no
+    bytes; ``row_ok`` (or None) masks the stores of rows. y's tile is the most bytes, so
+    its load is issued first, in flight while B loads and the dot runs.
+    """
+    c_mask = c < n_s
+    col_mask = jnp.broadcast_to(c_mask[None, :], (h.shape[0], c.shape[0]))
+    y_at = y_ref.at[rows[:, None], off + c[None, :]]
+    yt = plgpu.load(y_at, mask=col_mask, other=0)
+    bt = plgpu.load(
+        b_ref.at[slot, c[:, None], r[None, :]], mask=c_mask[:, None] & r_mask[None, :], other=0
+    )  # [bn, rank_p]
+    delta = plgpu.dot(h, bt.astype(dtype), trans_b=True, precision=precision)  # f32
+    if row_ok is not None:
+        col_mask = col_mask & row_ok[:, None]
+    plgpu.store(y_at, (yt.astype(jnp.float32) + delta).astype(y_ref.dtype), mask=col_mask)
+
+
 def _expand_kernel(
     tab_ref,  # [3, NB] int32
     ids_ref,  # [T] int32
@@ -260,24 +282,10 @@ def _expand_kernel(
 
             def tile(j, carry):
                 c = (grp * tiles + j) * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
-                c_mask = c < n_s  # also all-False past the slice's last tile: no traffic
-                col_mask = jnp.broadcast_to(c_mask[None, :], (bm, bn))
-                # y's tile is the most bytes: issue its load first, so that it is in
-                # flight while B loads and the dot runs.
-                y_at = y_ref.at[rows[:, None], off + c[None, :]]
-                yt = plgpu.load(y_at, mask=col_mask, other=0)
-                bt = plgpu.load(
-                    b_refs[s].at[slot, c[:, None], r[None, :]],
-                    mask=c_mask[:, None] & r_mask[None, :],
-                    other=0,
-                )  # [bn, rank_p]
-                delta = plgpu.dot(
-                    ht, bt.astype(compute_dtype), trans_b=True, precision=precision
-                )  # [bm, bn] f32
-                if mask_rows:  # GPU: the repeated rows past the block's count store nothing
-                    col_mask = col_mask & row_ok[:, None]
-                new = (yt.astype(jnp.float32) + delta).astype(y_ref.dtype)
-                plgpu.store(y_at, new, mask=col_mask)
+                expand_tile(
+                    y_ref, b_refs[s], ht, rows, slot, r, r_mask, c, n_s, off, compute_dtype,
+                    precision, row_ok if mask_rows else None,
+                )  # fmt: skip
                 return carry
 
             if tiles == 1:

@@ -64,6 +64,7 @@ from lora_jax.kernels.shrink_expand.pallas_triton import (
     _dot_precision,
     _shrink_tile,
     _true_rank,
+    expand_tile,
 )
 from lora_jax.kernels.shrink_expand.work_list import get_work_list
 
@@ -150,29 +151,18 @@ def _fused_kernel(
             h = jax.lax.fori_loop(0, num_k, shrink_step, jnp.zeros((bm, rank_p), jnp.float32))
             h = (h * jnp.float32(scale)).astype(expand_dtype)  # [bm, rank_p]
 
-            def expand_tile(j, carry):
+            def tile(j, carry):
                 c = (first_tile + j) * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
-                c_mask = c < n_s  # tiles past the slice are fully masked (no traffic)
-                bt = plgpu.load(
-                    b_refs[s].at[slot, c[:, None], r[None, :]],
-                    mask=c_mask[:, None] & r_mask[None, :],
-                    other=0,
-                )  # [bn, rank_p]
-                delta = plgpu.dot(
-                    h, bt.astype(expand_dtype), trans_b=True, precision=expand_precision
-                )  # [bm, bn] f32
-                col_mask = jnp.broadcast_to(c_mask[None, :], (bm, bn))
-                y_at = y_ref.at[rows[:, None], off + c[None, :]]
-                yt = plgpu.load(y_at, mask=col_mask, other=0)
-                plgpu.store(
-                    y_at, (yt.astype(jnp.float32) + delta).astype(y_ref.dtype), mask=col_mask
-                )
+                expand_tile(
+                    y_ref, b_refs[s], h, rows, slot, r, r_mask, c, n_s, off, expand_dtype,
+                    expand_precision, None,
+                )  # fmt: skip
                 return carry
 
             if tiles_per_program == 1:
-                expand_tile(0, 0)
+                tile(0, 0)
             else:
-                jax.lax.fori_loop(0, tiles_per_program, expand_tile, 0)
+                jax.lax.fori_loop(0, tiles_per_program, tile, 0)
 
 
 def _compute_dtypes(x, lora_a, lora_b, y):
