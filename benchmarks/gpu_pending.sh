@@ -59,6 +59,14 @@ for what in "$@"; do
     step ragged 250 "${OPS[@]}" --tokens 1,16,64,256,1024,4096,16384 --hiddens 4096 \
       --ranks 16,64,128 --adapters 8,64 --impls ours,ragged --no-check --time-budget 235 \
       --out "$OUT/ragged" ;;
+  atomic)  # decode shrink: atomic split-K candidates (ours[15..19]) vs the split-sum default
+    step atomic 330 "${OPS[@]}" --sweep --candidates 15,16,18 --ops shrink --tokens 1,16,64,256 \
+      --hiddens 4096 --ranks 16,64,128 --adapters 1,8,64 --impls ours,gather --time-budget 310 \
+      --out "$OUT/atomic" ;;
+  atomic_p)  # prefill shrink: atomic split-K candidates (ours[14..16]) vs the default
+    step atomic_p 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 14,15,16 --ops shrink \
+      --tokens 1024,4096 --hiddens 4096 --ranks 16,64,128 --adapters 64 --impls ours \
+      --time-budget 85 --out "$OUT/atomic_p" ;;
   r128)  # rank 128 at prefill: the expand default, and shrink tiles with one rank block
     step r128 130 "${OPS[@]}" --sweep --sweep-set prefill --candidates 3,10,11,12,13 \
       --ops shrink,expand --tokens 1024,4096,16384 --hiddens 4096 --ranks 128 \
@@ -76,7 +84,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode prefill sweep sweeps tiny tiles8 ragged r128 wide tp1 two" >&2
+    echo "unknown step $what; steps: tests decode prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -372,6 +372,22 @@ SWEEP = {
         BlockSizes(block_m=32, block_r=128, block_k=32, num_stages=4),
         BlockSizes(block_m=64, block_r=128, block_k=32, num_stages=3, num_warps=8),
         BlockSizes(block_m=16, block_r=64, block_k=128, num_stages=2),
+        # 15-19: atomic split-K (one launch, the split picked from the live blocks)
+        BlockSizes(
+            block_m=16, block_r=64, block_k=128, num_stages=2, split_k=32, atomic_programs=264
+        ),
+        BlockSizes(
+            block_m=16, block_r=64, block_k=128, num_stages=2, split_k=32, atomic_programs=528
+        ),
+        BlockSizes(
+            block_m=16, block_r=64, block_k=64, num_stages=3, split_k=64, atomic_programs=528
+        ),
+        BlockSizes(
+            block_m=16, block_r=64, block_k=256, num_stages=2, split_k=16, atomic_programs=264
+        ),
+        BlockSizes(
+            block_m=16, block_r=64, block_k=128, num_stages=2, split_k=32, atomic_programs=132
+        ),
     ],
     "expand": [
         BlockSizes(block_m=16, block_n=64, num_stages=1),
@@ -408,6 +424,16 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=32, block_r=128, block_k=32, num_stages=4, split_k=4),
         BlockSizes(block_m=64, block_r=128, block_k=32, num_stages=3),
         BlockSizes(block_m=128, block_r=128, block_k=32, num_stages=2, num_warps=8),
+        # 14-16: atomic split-K (no partial-sum kernel; split from the live blocks)
+        BlockSizes(
+            block_m=32, block_r=64, block_k=64, num_stages=3, split_k=8, atomic_programs=528
+        ),
+        BlockSizes(
+            block_m=32, block_r=64, block_k=64, num_stages=3, split_k=8, atomic_programs=1056
+        ),
+        BlockSizes(
+            block_m=64, block_r=64, block_k=64, num_stages=2, split_k=8, atomic_programs=528
+        ),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),

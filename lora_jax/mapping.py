@@ -41,7 +41,7 @@ class LoRAMapping:
     seq_lora_indices: jax.Array | None = None  # i32[B]
     # The kernels' (slot, token block) schedules, one per token-block size
     # (`lora_jax.kernels` work_list.py); `None` when the kernels are not installed.
-    work_lists: dict[int, jax.Array] | None = None  # block_m -> i32[3, NB]
+    work_lists: dict[int, jax.Array] | None = None  # block_m -> i32[4, NB]
 
     @property
     def num_tokens(self) -> int:

@@ -56,6 +56,15 @@ class BlockSizes:
     Decode uses it to fill the GPU: a handful of token blocks x 32 k steps each
     leaves most SMs idle.
     """
+    atomic_programs: int = 0
+    """Shrink: when > 0, about this many persistent programs add their f32 partial sums
+    into a zeroed output with atomics, so no second kernel sums partials.
+
+    The hidden split is then picked at run time from the step's count of live token
+    blocks (the work list's row 3) to give every program about one (block, k range)
+    item (``split_k`` caps it): 8 live blocks get 8 times the split of 64. The f32
+    summation order, not what is read, varies from run to run (as in vLLM's split-K).
+    """
     tiles_n: int = 1
     """Expand: ``block_n`` column tiles one program walks, in a loop.
 
@@ -79,6 +88,10 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.num_warps={self.num_warps}: use 1, 2, 4, 8 or 16.")
         if self.split_k < 1:
             raise ValueError(f"BlockSizes.split_k={self.split_k}: must be >= 1.")
+        if self.atomic_programs < 0:
+            raise ValueError(
+                f"BlockSizes.atomic_programs={self.atomic_programs}: must be >= 0 (0: off)."
+            )
         if self.tiles_n < 1:
             raise ValueError(f"BlockSizes.tiles_n={self.tiles_n}: must be >= 1.")
         if self.split_n < 1:

@@ -107,7 +107,7 @@ def _shrink_tile(x_ref, a_ref, rows, slot, r, r_mask, k, hidden: int, dtype, pre
 
 
 def _shrink_kernel(
-    tab_ref,  # [3, NB] int32
+    tab_ref,  # [4, NB] int32 (work_list.py)
     ids_ref,  # [T] int32
     *refs,
     num_slices: int,
@@ -173,6 +173,81 @@ def _shrink_kernel(
                 plgpu.store(o_at, jnp.zeros((bm, br), jnp.float32), mask=r_store)
 
 
+def _add_to(o_ref, idx, val, mask, interpret: bool):
+    """``o_ref[idx] += val`` where ``mask``: an atomic add on the GPU. Interpret mode runs
+    the programs one after another, so there a read-modify-write is the same thing."""
+    if interpret:
+        at = o_ref.at[idx]
+        plgpu.store(at, plgpu.load(at, mask=mask, other=0) + val, mask=mask)
+    else:
+        plgpu.atomic_add(o_ref, idx, val, mask=mask)
+
+
+def _shrink_atomic_kernel(
+    tab_ref,  # [4, NB] int32 (work_list.py; row 3: live block count)
+    ids_ref,  # [T] int32
+    *refs,
+    num_slices: int,
+    has_ranks: bool,
+    hidden: int,
+    rank: int,
+    scale: float,
+    compute_dtype,
+    bs: BlockSizes,
+    workers: int,
+    interpret: bool,
+):
+    """Persistent split-K: worker w takes items w, w + workers, ... of the step's
+    n_live x split (block, k range) items, the split picked here from n_live."""
+    if has_ranks:
+        ranks_ref, x_ref, *rest = refs  # [S, L], [T, H]
+    else:
+        ranks_ref, (x_ref, *rest) = None, refs
+    # rest[num_slices] is the zeroed input that the output aliases.
+    a_refs, o_ref = rest[:num_slices], rest[num_slices + 1]  # S x [L, R, H]; [S, T, R]
+    wid, sid, rb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bm, bk, br = bs.block_m, bs.block_k, bs.block_r
+    steps = -(-hidden // bk)
+    precision = _dot_precision(compute_dtype)
+    n_live = tab_ref[3, 0]
+    split = jnp.clip(jax.lax.div(jnp.int32(workers), jnp.maximum(n_live, 1)), 1, bs.split_k)
+    chunk = jax.lax.div(steps + split - 1, split)  # k steps per item
+    n_mine = jax.lax.div(jnp.maximum(n_live * split - wid, 0) + workers - 1, workers)
+    r = rb * br + jnp.arange(br, dtype=jnp.int32)  # [br]
+
+    for s in range(num_slices):
+
+        @pl.when(sid == s)
+        def _(s=s):
+            def item(j, carry):
+                i = wid + j * workers
+                b, ks = jax.lax.div(i, split), jax.lax.rem(i, split)
+                slot, nrows, rows = _block_rows(tab_ref, ids_ref, b, bm)
+                r_lim = _true_rank(ranks_ref, s, slot, rank)
+                first = ks * chunk
+                n_steps = jnp.clip(steps - first, 0, chunk)
+
+                def body(kk, acc):
+                    k = (first + kk) * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
+                    return acc + _shrink_tile(
+                        x_ref, a_refs[s], rows, slot, r, r < r_lim, k, hidden,
+                        compute_dtype, precision,
+                    )  # fmt: skip
+
+                @pl.when(rb * br < r_lim)  # a rank block wholly past the slot's rank: 0
+                def _():
+                    acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((bm, br), jnp.float32))
+                    mask = jnp.broadcast_to((r < rank)[None, :], (bm, br))
+                    if not interpret:  # rows past the count repeat the last token: add it once
+                        mask = mask & (jnp.arange(bm, dtype=jnp.int32) < nrows)[:, None]
+                    idx = (s, rows[:, None], r[None, :])
+                    _add_to(o_ref, idx, acc * jnp.float32(scale), mask, interpret)
+
+                return carry
+
+            jax.lax.fori_loop(0, n_mine, item, 0)
+
+
 def shrink(
     x, lora_a, tab, sorted_token_ids, slot_ranks, *, scale: float, bs: BlockSizes, interpret: bool
 ):
@@ -190,8 +265,7 @@ def shrink(
     bs = dataclasses.replace(bs, block_r=br, split_k=split_k)
     bs = fit_shrink_tiles(bs, rank, jnp.dtype(compute_dtype).itemsize)
     has_ranks = slot_ranks is not None
-    kernel = functools.partial(
-        _shrink_kernel,
+    params = dict(
         num_slices=num_slices,
         has_ranks=has_ranks,
         hidden=hidden,
@@ -200,9 +274,26 @@ def shrink(
         compute_dtype=compute_dtype,
         bs=bs,
     )
-    split_k = bs.split_k
-    grid = (tab.shape[1], num_slices, split_k * (rank_p // br))
     inputs = [tab, sorted_token_ids] + ([slot_ranks] if has_ranks else []) + [x, *lora_a]
+    if bs.atomic_programs:
+        n_rb = rank_p // br
+        workers = max(1, -(-bs.atomic_programs // (num_slices * n_rb)))
+        kernel = functools.partial(
+            _shrink_atomic_kernel, **params, workers=workers, interpret=interpret
+        )
+        zeros = jnp.zeros((num_slices, num_tokens, rank), jnp.float32)
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
+            grid=(workers, num_slices, n_rb),
+            input_output_aliases={len(inputs): 0},
+            compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+            interpret=interpret,
+            name="lora_shrink_atomic",
+        )(*inputs, zeros)
+    split_k = bs.split_k
+    kernel = functools.partial(_shrink_kernel, **params)
+    grid = (tab.shape[1], num_slices, split_k * (rank_p // br))
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split_k, num_slices, num_tokens, rank), jnp.float32),
@@ -238,7 +329,7 @@ def expand_tile(
 
 
 def _expand_kernel(
-    tab_ref,  # [3, NB] int32
+    tab_ref,  # [4, NB] int32 (work_list.py)
     ids_ref,  # [T] int32
     *refs,
     num_slices: int,

@@ -99,7 +99,7 @@ def fit_fused_tiles(bs: BlockSizes, rank: int, itemsize: int) -> BlockSizes:
 
 
 def _fused_kernel(
-    tab_ref,  # [3, NB] int32
+    tab_ref,  # [4, NB] int32 (work_list.py)
     ids_ref,  # [T] int32
     *refs,
     num_slices: int,

@@ -6,7 +6,9 @@ arrays, so instead we list the blocks that carry work: group g covers the
 run of slot g in ``sorted_token_ids`` (g = max_loras is the run of unmapped
 tokens, idx -1, which sort last), cut into ``block_m`` rows. The list has a
 static length, an upper bound on the number of non-empty blocks; the tail
-entries have zero rows and their programs return at once.
+entries have zero rows and their programs return at once. The blocks of
+mapped tokens come first, and row 3 holds their count (in every column), so
+that a kernel can size its work to the step's live blocks at run time.
 
 The list depends only on the step's mapping and ``block_m``, so it is a per-step
 cost like the sort: `build_work_lists` makes one per ``WORK_LIST_BLOCK_MS`` entry
@@ -38,7 +40,8 @@ def build_work_list(
     num_tokens: int,
     block_m: int,
 ) -> jax.Array:
-    """Returns int32 [3, NB]: per block (slot or -1 for unmapped, first row, row count)."""
+    """Returns int32 [4, NB]: per block (slot or -1 for unmapped, first row, row count),
+    and in row 3 the number of blocks of mapped tokens (the list's first entries)."""
     num_slots = slot_token_counts.shape[0]
     counts = slot_token_counts.astype(jnp.int32)
     mapped = jnp.sum(counts)
@@ -58,7 +61,8 @@ def build_work_list(
     rows = jnp.clip(counts_g[gc] - j * block_m, 0, block_m)
     rows = jnp.where(in_range, rows, 0)
     first = starts_g[gc] + j * block_m
-    return jnp.stack([slots_g[gc], first, rows]).astype(jnp.int32)
+    live = jnp.broadcast_to(cum[num_slots - 1], (nb,))  # blocks of slots 0..L-1
+    return jnp.stack([slots_g[gc], first, rows, live]).astype(jnp.int32)
 
 
 def build_work_lists(
@@ -91,7 +95,7 @@ def get_work_list(
         return build_work_list(
             slot_token_counts, slot_token_starts, num_tokens=num_tokens, block_m=block_m
         )
-    expected = (3, num_work_blocks(num_tokens, slot_token_counts.shape[0], block_m))
+    expected = (4, num_work_blocks(num_tokens, slot_token_counts.shape[0], block_m))
     if tuple(tab.shape) != expected or tab.dtype != jnp.int32:
         raise ValueError(
             f"work_lists[{block_m}] is {tab.dtype}{list(tab.shape)}; expected int32"

@@ -87,6 +87,7 @@ class Case:
         return (
             f"T{self.num_tokens}-H{self.hidden}-R{self.rank}-S{len(self.widths)}-{name}-"
             f"{self.mapping}{'-ranked' if self.ranked else ''}"
+            f"{'-atomic' if self.block_sizes and self.block_sizes.atomic_programs else ''}"
         )
 
 
@@ -94,6 +95,9 @@ _PREFILL = BlockSizes(block_m=16, block_k=32, block_r=16, block_n=32)
 _SPLIT3 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=3)
 _SPLIT4 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=4)
 _TILES2 = BlockSizes(block_m=16, block_n=16, tiles_n=2, num_stages=2)
+# Atomic split-K: few workers (each walks several items) and many (a split of up to 5)
+_ATOMIC8 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=4, atomic_programs=8)
+_ATOMIC64 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=8, atomic_programs=64)
 
 # Small grids: interpret mode runs every program through XLA on the CPU.
 CPU_CASES = [
@@ -110,6 +114,14 @@ CPU_CASES = [
     # split-K: 5 k steps over 3 programs; and 4 splits of 2 steps, the last past H
     Case(9, 130, 32, (16,), jnp.float32, "unsorted", block_sizes=_SPLIT3),
     Case(20, 130, 16, (16, 16), jnp.bfloat16, "unsorted", ranked=True, block_sizes=_SPLIT4),
+    # atomic split-K: the split is picked from the live blocks when the kernel runs.
+    # Rank 32 in 16-row blocks: 2 rank blocks share the workers; 5 k steps split 1-4
+    # ways (uneven chunks); 40 tokens over 8 slots: more items than workers.
+    Case(9, 130, 32, (16,), jnp.float32, "unsorted", block_sizes=_ATOMIC8),
+    Case(20, 130, 16, (16, 16), jnp.bfloat16, "unsorted", ranked=True, block_sizes=_ATOMIC64),
+    Case(40, 64, 16, (24, 8), jnp.bfloat16, "sorted", max_loras=8, block_sizes=_ATOMIC8),
+    Case(3, 130, 32, (16, 16, 8), jnp.float16, "distinct", block_sizes=_ATOMIC64),
+    Case(8, 64, 16, (32,), jnp.float32, "none", block_sizes=_ATOMIC64),
     # expand: 2 column tiles per program. Slice 0 has 3 tiles (2 groups, the second
     # group's second tile past the slice, over the next one), slices 1-2 have 2 (1 group,
     # the grid's second group idle); the last slice's tail lies past y: all masked.

@@ -27,6 +27,10 @@ from shrink_expand_test_base import (
     make_metadata,
 )
 
+_DECODE_ATOMIC = BlockSizes(
+    block_m=16, block_r=64, block_k=128, num_stages=2, split_k=32, atomic_programs=264
+)
+
 
 class TestPallasTritonInterpret(ShrinkExpandTestBase):
     interpret = True
@@ -46,6 +50,10 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(4096, 4096, 128, (4096,), jnp.bfloat16, "sorted", max_loras=8),
             # prefill at rank 256: the fitted expand tiles halve block_m (work list too)
             Case(600, 512, 256, (520,), jnp.float16, "one", max_loras=2),
+            # atomic split-K at decode: repeated rows must be added once
+            Case(64, 4096, 64, (4096,), jnp.bfloat16, "unsorted", 64, block_sizes=_DECODE_ATOMIC),
+            Case(5, 2049, 16, (1024, 256, 256), jnp.float16, "one", 8, True, _DECODE_ATOMIC),
+            Case(256, 4096, 128, (512,), jnp.bfloat16, "distinct", 256, block_sizes=_DECODE_ATOMIC),
         ],
         ids=str,
     )
@@ -75,8 +83,9 @@ def _abstract_gpu_context():
     return jax.sharding.use_abstract_mesh(mesh)
 
 
+@pytest.mark.parametrize("atomic", [False, True], ids=["split", "atomic"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_lowers_for_cuda(dtype):
+def test_lowers_for_cuda(dtype, atomic):
     if not hasattr(jax.jit(lambda v: v), "trace"):
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
     num_tokens, hidden, rank, max_loras = 64, 2049, 8, 4
@@ -89,7 +98,8 @@ def test_lowers_for_cuda(dtype):
     ranks = jnp.full((3, max_loras), 4, jnp.int32)
 
     def step(x, lora_a, lora_b, y, meta):
-        h = lora_shrink(x, lora_a, **meta, slot_ranks=ranks)
+        bs = _DECODE_ATOMIC if atomic else None
+        h = lora_shrink(x, lora_a, **meta, slot_ranks=ranks, block_sizes=bs)
         return lora_expand(y, h[:2], lora_b, offsets=(0, 110), **meta, slot_ranks=ranks[:2])
 
     with _abstract_gpu_context():
@@ -100,6 +110,7 @@ def test_lowers_for_cuda(dtype):
             .as_text()
         )
     assert text.count("triton") >= 2
+    assert ("lora_shrink_atomic" in text) == atomic
 
 
 def test_work_list_covers_every_token_once():
@@ -115,10 +126,16 @@ def test_work_list_covers_every_token_once():
                 block_m=block_m,
             )
         )
-        assert tab.shape == (3, num_work_blocks(num_tokens, max_loras, block_m))
+        assert tab.shape == (4, num_work_blocks(num_tokens, max_loras, block_m))
+        # Row 3: the count of mapped blocks, which come first in the list.
+        counts = np.asarray(meta["slot_token_counts"])
+        n_live = int(np.sum(-(-counts // block_m)))
+        assert np.all(tab[3] == n_live)
+        assert np.all(tab[0, :n_live] >= 0) and np.all(tab[2, :n_live] > 0)
+        assert not np.any((tab[0, n_live:] >= 0) & (tab[2, n_live:] > 0))
         sorted_ids = np.asarray(meta["sorted_token_ids"])
         seen = np.zeros(num_tokens, int)
-        for slot, first, rows in tab.T:
+        for slot, first, rows, _ in tab.T:
             assert 0 <= rows <= block_m
             for p in range(first, first + rows):
                 tok = sorted_ids[p]
