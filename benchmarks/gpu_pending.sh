@@ -22,11 +22,22 @@ OPS=(python3 -P benchmarks/ops.py --timer trace --compile-budget 15)
 for what in "$@"; do
   case "$what" in
   tests)  # kernel GPU tests (f32 cases need full-precision dots)
-    JAX_DEFAULT_MATMUL_PRECISION=highest step tests 130 \
+    JAX_DEFAULT_MATMUL_PRECISION=highest step tests 200 \
       python3 -P -m pytest tests/kernels -m gpu -q -p no:cacheprovider ;;
   decode)  # decode cells, H = 4096
     step decode 200 "${OPS[@]}" --tokens 1,16,64,256 --hiddens 4096 --ranks 16,64,128 \
       --adapters 8,64 --impls ours,gather,onehot --time-budget 185 --out "$OUT/decode" ;;
+  decode_s)  # decode shrink cells with n = 1 too, H = 4096 (session 6: atomic split-K default)
+    step decode_s 200 "${OPS[@]}" --ops shrink --tokens 1,16,64,256 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 1,8,64 --impls ours,gather,onehot --time-budget 185 \
+      --out "$OUT/decode_s" ;;
+  n1)  # one adapter for every token: expand at decode, both ops at prefill
+    step n1_decode 60 "${OPS[@]}" --ops expand --tokens 16,64,256 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 1 --impls ours,gather,onehot --time-budget 50 \
+      --out "$OUT/n1_decode"
+    step n1_prefill 110 "${OPS[@]}" --tokens 1024,4096,16384 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 1 --impls ours,gather,onehot --time-budget 95 \
+      --out "$OUT/n1_prefill" ;;
   prefill)  # prefill cells, H = 4096
     step prefill 170 "${OPS[@]}" --tokens 1024,4096,16384 --hiddens 4096 --ranks 16,64,128 \
       --adapters 64 --impls ours,gather,onehot --time-budget 150 --out "$OUT/prefill" ;;
@@ -56,13 +67,13 @@ for what in "$@"; do
       --hiddens 4096 --ranks 64,128 --adapters 8 --impls ours --time-budget 50 \
       --out "$OUT/tiles8" ;;
   ragged)  # jax.lax.ragged_dot on tokens sorted by adapter, the grid's fourth baseline
-    step ragged 250 "${OPS[@]}" --tokens 1,16,64,256,1024,4096,16384 --hiddens 4096 \
-      --ranks 16,64,128 --adapters 8,64 --impls ours,ragged --no-check --time-budget 235 \
+    step ragged 200 "${OPS[@]}" --tokens 1,16,64,256,1024,4096,16384 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 8,64 --impls ours,ragged --no-check --time-budget 185 \
       --out "$OUT/ragged" ;;
-  atomic)  # decode shrink: atomic split-K candidates (ours[15..19]) vs the split-sum default
-    step atomic 330 "${OPS[@]}" --sweep --candidates 15,16,18 --ops shrink --tokens 1,16,64,256 \
-      --hiddens 4096 --ranks 16,64,128 --adapters 1,8,64 --impls ours,gather --time-budget 310 \
-      --out "$OUT/atomic" ;;
+  atomic)  # decode shrink: atomic split-K, persistent (ours[16]) and static grid (ours[20..22])
+    step atomic 360 "${OPS[@]}" --sweep --candidates 16,20,21,22 --ops shrink \
+      --tokens 1,16,64,256 --hiddens 4096 --ranks 16,64,128 --adapters 1,8,64 \
+      --impls ours,gather --time-budget 330 --out "$OUT/atomic" ;;
   atomic_p)  # prefill shrink: atomic split-K candidates (ours[14..16]) vs the default
     step atomic_p 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 14,15,16 --ops shrink \
       --tokens 1024,4096 --hiddens 4096 --ranks 16,64,128 --adapters 64 --impls ours \
@@ -84,7 +95,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -388,6 +388,34 @@ SWEEP = {
         BlockSizes(
             block_m=16, block_r=64, block_k=128, num_stages=2, split_k=32, atomic_programs=132
         ),
+        # 20-22: atomic split-K on the static (block, slice, split) grid
+        BlockSizes(
+            block_m=16,
+            block_r=64,
+            block_k=128,
+            num_stages=2,
+            split_k=32,
+            atomic_programs=528,
+            persistent=False,
+        ),  # fmt: skip
+        BlockSizes(
+            block_m=16,
+            block_r=64,
+            block_k=128,
+            num_stages=2,
+            split_k=32,
+            atomic_programs=264,
+            persistent=False,
+        ),  # fmt: skip
+        BlockSizes(
+            block_m=16,
+            block_r=64,
+            block_k=64,
+            num_stages=3,
+            split_k=64,
+            atomic_programs=528,
+            persistent=False,
+        ),  # fmt: skip
     ],
     "expand": [
         BlockSizes(block_m=16, block_n=64, num_stages=1),

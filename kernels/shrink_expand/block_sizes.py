@@ -19,6 +19,9 @@ LONG_PREFILL_TOKENS = 2048
 LONG_PREFILL_TARGET_PROGRAMS = 528
 """From LONG_PREFILL_TOKENS tokens the prefill shrink aims for 4 programs per SM (the
 session-5 trace-timed sweep: T = 4096 split 4 ways beat 2 by 12-20 % at R <= 64)."""
+ATOMIC_PROGRAMS = 528
+"""Atomic split-K shrinks aim for this many (block, k range) items: 4 per SM of an H200
+(the session-6 sweep: 528 beat 264 by up to 18 % at T = 64, n = 64)."""
 PREFILL_MAX_SPLIT_K = 8
 """Most hidden splits above the decode regime (the H200 sweep went up to 8)."""
 
@@ -65,6 +68,10 @@ class BlockSizes:
     item (``split_k`` caps it): 8 live blocks get 8 times the split of 64. The f32
     summation order, not what is read, varies from run to run (as in vLLM's split-K).
     """
+    persistent: bool = True
+    """Shrink with ``atomic_programs``: about that many programs walk the (block, k range)
+    items in turn; if False, the grid is (block, slice, ``split_k`` x rank block) and
+    programs past the live blocks or the picked split return at once."""
     tiles_n: int = 1
     """Expand: ``block_n`` column tiles one program walks, in a loop.
 
@@ -119,19 +126,20 @@ class BlockSizes:
         if op == "shrink":
             if num_tokens <= DECODE_MAX_TOKENS:
                 # Decode: a few token blocks, A dominates the bytes. Split the hidden
-                # reduction over programs (split_k) until ~2 programs per SM carry
-                # work, assuming about max(T / 16, min(T, 8)) live token blocks.
-                block_r = min(rank_p, 64)
-                live = max(-(-num_tokens // 16), min(num_tokens, 8)) * (rank_p // block_r)
-                split_k = next_pow2(max(1, TARGET_PROGRAMS // live))
-                split_k = max(1, min(split_k, hidden // 128))
+                # reduction over programs, the split picked when the kernel runs from
+                # the step's live blocks (atomic adds, no partial-sum kernel): up to one
+                # 128-column step per item. H200 trace-timed sweep (RESULTS.md, session
+                # 6): T = 64, n = 8 at R = 64 7.8 -> 5.5 us; persistent programs from 16
+                # tokens, the (block, split) grid below (T = 1: 2.6-3.5 -> 2.5-3.2 us).
                 return cls(
                     block_m=16,
-                    block_r=block_r,
+                    block_r=min(rank_p, 64),
                     block_k=128,
                     num_warps=4,
                     num_stages=2,
-                    split_k=split_k,
+                    split_k=max(1, hidden // 128),
+                    atomic_programs=ATOMIC_PROGRAMS,
+                    persistent=num_tokens >= 16,
                 )
             # Prefill: x dominates; wide rank blocks read each x tile from HBM once
             # (a second rank block finds it in L2). Up to a few thousand tokens the
@@ -150,6 +158,9 @@ class BlockSizes:
             )
             want = max(1, target // live)
             split_k = min(1 << (want.bit_length() - 1), PREFILL_MAX_SPLIT_K, max(1, hidden // 512))
+            # Below LONG_PREFILL_TOKENS the split's partials are added atomically (T = 1024:
+            # 3 % faster, session 6); at 4096 tokens that was up to 2 % slower.
+            short = num_tokens < LONG_PREFILL_TOKENS
             return cls(
                 block_m=32,
                 block_r=block_r,
@@ -157,6 +168,7 @@ class BlockSizes:
                 num_warps=4,
                 num_stages=3,
                 split_k=split_k,
+                atomic_programs=ATOMIC_PROGRAMS if short and split_k > 1 else 0,
             )
         if op == "expand":
             # H200 trace-timed sweeps (benchmarks/RESULTS.md, session 5). Several column

@@ -195,57 +195,74 @@ def _shrink_atomic_kernel(
     compute_dtype,
     bs: BlockSizes,
     workers: int,
+    persistent: bool,
     interpret: bool,
 ):
-    """Persistent split-K: worker w takes items w, w + workers, ... of the step's
-    n_live x split (block, k range) items, the split picked here from n_live."""
+    """Split-K with atomic adds; the split is picked here from the step's n_live blocks
+    so that about ``workers`` (block, k range) items exist per (slice, rank block).
+
+    persistent: worker w (grid axis 0) takes items w, w + workers, ... in turn.
+    Otherwise the grid is (block, slice, k split x rank block), as `_shrink_kernel`'s,
+    and programs past n_live blocks or the picked split return at once.
+    """
     if has_ranks:
         ranks_ref, x_ref, *rest = refs  # [S, L], [T, H]
     else:
         ranks_ref, (x_ref, *rest) = None, refs
     # rest[num_slices] is the zeroed input that the output aliases.
     a_refs, o_ref = rest[:num_slices], rest[num_slices + 1]  # S x [L, R, H]; [S, T, R]
-    wid, sid, rb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    pid, sid, p2 = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm, bk, br = bs.block_m, bs.block_k, bs.block_r
+    n_rb = max(16, 1 << (rank - 1).bit_length()) // br
+    rb = p2 if persistent else p2 % n_rb  # persistent grid: (worker, slice, rank block)
     steps = -(-hidden // bk)
     precision = _dot_precision(compute_dtype)
     n_live = tab_ref[3, 0]
     split = jnp.clip(jax.lax.div(jnp.int32(workers), jnp.maximum(n_live, 1)), 1, bs.split_k)
     chunk = jax.lax.div(steps + split - 1, split)  # k steps per item
-    n_mine = jax.lax.div(jnp.maximum(n_live * split - wid, 0) + workers - 1, workers)
     r = rb * br + jnp.arange(br, dtype=jnp.int32)  # [br]
 
-    for s in range(num_slices):
+    def do_item(s: int, blk, ks):
+        slot, nrows, rows = _block_rows(tab_ref, ids_ref, blk, bm)
+        r_lim = _true_rank(ranks_ref, s, slot, rank)
+        first = ks * chunk
+        n_steps = jnp.clip(steps - first, 0, chunk)
 
-        @pl.when(sid == s)
-        def _(s=s):
-            def item(j, carry):
-                i = wid + j * workers
-                b, ks = jax.lax.div(i, split), jax.lax.rem(i, split)
-                slot, nrows, rows = _block_rows(tab_ref, ids_ref, b, bm)
-                r_lim = _true_rank(ranks_ref, s, slot, rank)
-                first = ks * chunk
-                n_steps = jnp.clip(steps - first, 0, chunk)
+        def body(kk, acc):
+            k = (first + kk) * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
+            return acc + _shrink_tile(
+                x_ref, a_refs[s], rows, slot, r, r < r_lim, k, hidden, compute_dtype, precision
+            )
 
-                def body(kk, acc):
-                    k = (first + kk) * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
-                    return acc + _shrink_tile(
-                        x_ref, a_refs[s], rows, slot, r, r < r_lim, k, hidden,
-                        compute_dtype, precision,
-                    )  # fmt: skip
+        @pl.when(rb * br < r_lim)  # a rank block wholly past the slot's rank: 0
+        def _():
+            acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((bm, br), jnp.float32))
+            mask = jnp.broadcast_to((r < rank)[None, :], (bm, br))
+            if not interpret:  # rows past the count repeat the last token: add it once
+                mask = mask & (jnp.arange(bm, dtype=jnp.int32) < nrows)[:, None]
+            idx = (s, rows[:, None], r[None, :])
+            _add_to(o_ref, idx, acc * jnp.float32(scale), mask, interpret)
 
-                @pl.when(rb * br < r_lim)  # a rank block wholly past the slot's rank: 0
-                def _():
-                    acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((bm, br), jnp.float32))
-                    mask = jnp.broadcast_to((r < rank)[None, :], (bm, br))
-                    if not interpret:  # rows past the count repeat the last token: add it once
-                        mask = mask & (jnp.arange(bm, dtype=jnp.int32) < nrows)[:, None]
-                    idx = (s, rows[:, None], r[None, :])
-                    _add_to(o_ref, idx, acc * jnp.float32(scale), mask, interpret)
+    if persistent:
+        n_mine = jax.lax.div(jnp.maximum(n_live * split - pid, 0) + workers - 1, workers)
+        for s in range(num_slices):
 
-                return carry
+            @pl.when(sid == s)
+            def _(s=s):
+                def item(j, carry):
+                    i = pid + j * workers
+                    do_item(s, jax.lax.div(i, split), jax.lax.rem(i, split))
+                    return carry
 
-            jax.lax.fori_loop(0, n_mine, item, 0)
+                jax.lax.fori_loop(0, n_mine, item, 0)
+
+    else:
+        ks = p2 // n_rb
+        for s in range(num_slices):
+
+            @pl.when((sid == s) & (pid < n_live) & (ks < split))
+            def _(s=s):
+                do_item(s, pid, ks)
 
 
 def shrink(
@@ -279,13 +296,21 @@ def shrink(
         n_rb = rank_p // br
         workers = max(1, -(-bs.atomic_programs // (num_slices * n_rb)))
         kernel = functools.partial(
-            _shrink_atomic_kernel, **params, workers=workers, interpret=interpret
+            _shrink_atomic_kernel,
+            **params,
+            workers=workers,
+            persistent=bs.persistent,
+            interpret=interpret,
         )
         zeros = jnp.zeros((num_slices, num_tokens, rank), jnp.float32)
+        if bs.persistent:
+            grid = (workers, num_slices, n_rb)
+        else:
+            grid = (tab.shape[1], num_slices, bs.split_k * n_rb)
         return pl.pallas_call(
             kernel,
             out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
-            grid=(workers, num_slices, n_rb),
+            grid=grid,
             input_output_aliases={len(inputs): 0},
             compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
             interpret=interpret,

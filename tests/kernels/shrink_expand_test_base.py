@@ -88,6 +88,7 @@ class Case:
             f"T{self.num_tokens}-H{self.hidden}-R{self.rank}-S{len(self.widths)}-{name}-"
             f"{self.mapping}{'-ranked' if self.ranked else ''}"
             f"{'-atomic' if self.block_sizes and self.block_sizes.atomic_programs else ''}"
+            f"{'-grid' if self.block_sizes and not self.block_sizes.persistent else ''}"
         )
 
 
@@ -98,6 +99,9 @@ _TILES2 = BlockSizes(block_m=16, block_n=16, tiles_n=2, num_stages=2)
 # Atomic split-K: few workers (each walks several items) and many (a split of up to 5)
 _ATOMIC8 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=4, atomic_programs=8)
 _ATOMIC64 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=8, atomic_programs=64)
+_ATOMIC_GRID = BlockSizes(
+    block_m=16, block_k=32, block_r=16, split_k=4, atomic_programs=16, persistent=False
+)
 
 # Small grids: interpret mode runs every program through XLA on the CPU.
 CPU_CASES = [
@@ -122,6 +126,9 @@ CPU_CASES = [
     Case(40, 64, 16, (24, 8), jnp.bfloat16, "sorted", max_loras=8, block_sizes=_ATOMIC8),
     Case(3, 130, 32, (16, 16, 8), jnp.float16, "distinct", block_sizes=_ATOMIC64),
     Case(8, 64, 16, (32,), jnp.float32, "none", block_sizes=_ATOMIC64),
+    # the same on the static (block, slice, split x rank block) grid
+    Case(9, 130, 32, (16, 16), jnp.float32, "unsorted", ranked=True, block_sizes=_ATOMIC_GRID),
+    Case(40, 64, 16, (24, 8), jnp.bfloat16, "sorted", max_loras=8, block_sizes=_ATOMIC_GRID),
     # expand: 2 column tiles per program. Slice 0 has 3 tiles (2 groups, the second
     # group's second tile past the slice, over the next one), slices 1-2 have 2 (1 group,
     # the grid's second group idle); the last slice's tail lies past y: all masked.

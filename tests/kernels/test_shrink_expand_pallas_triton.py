@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +32,7 @@ from shrink_expand_test_base import (
 _DECODE_ATOMIC = BlockSizes(
     block_m=16, block_r=64, block_k=128, num_stages=2, split_k=32, atomic_programs=264
 )
+_DECODE_GRID = dataclasses.replace(_DECODE_ATOMIC, persistent=False)
 
 
 class TestPallasTritonInterpret(ShrinkExpandTestBase):
@@ -54,6 +57,8 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(64, 4096, 64, (4096,), jnp.bfloat16, "unsorted", 64, block_sizes=_DECODE_ATOMIC),
             Case(5, 2049, 16, (1024, 256, 256), jnp.float16, "one", 8, True, _DECODE_ATOMIC),
             Case(256, 4096, 128, (512,), jnp.bfloat16, "distinct", 256, block_sizes=_DECODE_ATOMIC),
+            Case(64, 4096, 64, (4096,), jnp.bfloat16, "unsorted", 64, block_sizes=_DECODE_GRID),
+            Case(16, 2049, 128, (512, 64), jnp.float16, "unsorted", 8, True, _DECODE_GRID),
         ],
         ids=str,
     )
@@ -83,9 +88,13 @@ def _abstract_gpu_context():
     return jax.sharding.use_abstract_mesh(mesh)
 
 
-@pytest.mark.parametrize("atomic", [False, True], ids=["split", "atomic"])
+@pytest.mark.parametrize(
+    "tiles",
+    [dataclasses.replace(_DECODE_ATOMIC, atomic_programs=0), _DECODE_ATOMIC, _DECODE_GRID, None],
+    ids=["split", "atomic", "grid", "default"],
+)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_lowers_for_cuda(dtype, atomic):
+def test_lowers_for_cuda(dtype, tiles):
     if not hasattr(jax.jit(lambda v: v), "trace"):
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
     num_tokens, hidden, rank, max_loras = 64, 2049, 8, 4
@@ -98,8 +107,7 @@ def test_lowers_for_cuda(dtype, atomic):
     ranks = jnp.full((3, max_loras), 4, jnp.int32)
 
     def step(x, lora_a, lora_b, y, meta):
-        bs = _DECODE_ATOMIC if atomic else None
-        h = lora_shrink(x, lora_a, **meta, slot_ranks=ranks, block_sizes=bs)
+        h = lora_shrink(x, lora_a, **meta, slot_ranks=ranks, block_sizes=tiles)
         return lora_expand(y, h[:2], lora_b, offsets=(0, 110), **meta, slot_ranks=ranks[:2])
 
     with _abstract_gpu_context():
@@ -110,7 +118,8 @@ def test_lowers_for_cuda(dtype, atomic):
             .as_text()
         )
     assert text.count("triton") >= 2
-    assert ("lora_shrink_atomic" in text) == atomic
+    # the decode default (64 tokens) adds its split's partials atomically
+    assert ("lora_shrink_atomic" in text) == (tiles is None or tiles.atomic_programs > 0)
 
 
 def test_work_list_covers_every_token_once():
