@@ -22,7 +22,7 @@ OPS=(python3 -P benchmarks/ops.py --timer trace --compile-budget 15)
 for what in "$@"; do
   case "$what" in
   tests)  # kernel GPU tests (f32 cases need full-precision dots)
-    JAX_DEFAULT_MATMUL_PRECISION=highest step tests 200 \
+    JAX_DEFAULT_MATMUL_PRECISION=highest step tests 220 \
       python3 -P -m pytest tests/kernels -m gpu -q -p no:cacheprovider ;;
   decode)  # decode cells, H = 4096
     step decode 200 "${OPS[@]}" --tokens 1,16,64,256 --hiddens 4096 --ranks 16,64,128 \
