@@ -20,6 +20,11 @@ shrink->expand kernel launch (`lora_jax.kernels.lora_shrink_expand`, made for de
 the single ops `lora_shrink` / `lora_expand` treat it as "pallas". Measured on an H200 it
 is 2-5x slower than the shrink + expand pair (each program walks the whole hidden dim
 serially; benchmarks/RESULTS.md, "ops"), so it stays opt-in, for experiments.
+
+Reproducibility: the "pallas" shrink splits its hidden reduction at decode and adds the
+partial sums with atomics, so its f32 results may differ in the last bits from run to run
+(as vLLM's split-K shrink does). "xla" is bit-reproducible, and so is
+`lora_jax.kernels.lora_shrink` given ``BlockSizes(atomic_programs=0, ...)``.
 """
 
 from __future__ import annotations
@@ -35,9 +40,9 @@ from lora_jax.mapping import LoRAMapping
 
 BACKENDS = ("xla", "pallas", "pallas_fused")
 # Below this many tokens (per shard) the GPU default is XLA: at decode a kernel call has a
-# floor of ~2-3 us of GPU time (shrink: kernel + partial-sum fusion), and on an H200 XLA's
-# gather einsum was faster for the shrink up to 64 tokens (benchmarks/RESULTS.md, ops,
-# session 5) and as fast in a whole decode step at 64 tokens ("model").
+# floor of ~2.5-3 us of GPU time, and on an H200 XLA's gather einsum was still faster for
+# the shrink at 1-16 tokens and at 64 tokens with 64 adapters (benchmarks/RESULTS.md, ops,
+# session 6), and as fast in a whole decode step at 64 tokens ("model", session 4).
 PALLAS_MIN_TOKENS = 128
 _default_backend: str | None = os.environ.get("LORA_JAX_OPS_BACKEND") or None
 PALLAS_INTERPRET = False

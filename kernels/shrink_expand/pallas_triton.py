@@ -1,9 +1,12 @@
 """Pallas Triton backend for shrink and expand (SGMV style, one launch for all slices).
 
-Grid: (work block, slice, k split x rank block | column block). Decode shrink
-splits the hidden reduction over ``split_k`` programs that write f32
-partials [KS, S, T, R], summed in XLA afterwards (deterministic; the buffer is
-small at decode, and ``split_k`` is 1 for prefill). A work block is up to
+Grid: (work block, slice, k split x rank block | column block). A shrink that
+splits the hidden reduction over ``split_k`` programs either writes f32
+partials [KS, S, T, R] that XLA sums afterwards (deterministic, a second
+kernel), or, with ``BlockSizes.atomic_programs`` (the decode default), adds
+them atomically into a zeroed output and picks the split when it runs, from
+the step's live block count (one launch; the f32 summation order varies from
+run to run). A work block is up to
 ``block_m`` tokens of one adapter slot, taken from ``sorted_token_ids``
 (see work_list.py), so an adapter's weights are read once per token block,
 not once per token. Tokens are gathered by row index.
