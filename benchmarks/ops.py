@@ -355,6 +355,11 @@ def cases(args):
 # The decode shrink tiles before split-K (commit 694f20a), for before/after rows.
 OLD_DECODE_SHRINK = BlockSizes(block_m=16, block_r=16, block_k=128, num_warps=4, num_stages=4)
 
+# The session-6 decode shrink default at H = 4096 (persistent from 16 tokens), for variants.
+ATOMIC_DECODE = BlockSizes(
+    block_m=16, block_r=64, block_k=128, num_stages=2, split_k=32, atomic_programs=528
+)
+
 SWEEP = {
     "shrink": [
         OLD_DECODE_SHRINK,
@@ -373,49 +378,15 @@ SWEEP = {
         BlockSizes(block_m=64, block_r=128, block_k=32, num_stages=3, num_warps=8),
         BlockSizes(block_m=16, block_r=64, block_k=128, num_stages=2),
         # 15-19: atomic split-K (one launch, the split picked from the live blocks)
-        BlockSizes(
-            block_m=16, block_r=64, block_k=128, num_stages=2, split_k=32, atomic_programs=264
-        ),
-        BlockSizes(
-            block_m=16, block_r=64, block_k=128, num_stages=2, split_k=32, atomic_programs=528
-        ),
-        BlockSizes(
-            block_m=16, block_r=64, block_k=64, num_stages=3, split_k=64, atomic_programs=528
-        ),
-        BlockSizes(
-            block_m=16, block_r=64, block_k=256, num_stages=2, split_k=16, atomic_programs=264
-        ),
-        BlockSizes(
-            block_m=16, block_r=64, block_k=128, num_stages=2, split_k=32, atomic_programs=132
-        ),
+        dataclasses.replace(ATOMIC_DECODE, atomic_programs=264),
+        ATOMIC_DECODE,
+        dataclasses.replace(ATOMIC_DECODE, block_k=64, num_stages=3, split_k=64),
+        dataclasses.replace(ATOMIC_DECODE, block_k=256, split_k=16, atomic_programs=264),
+        dataclasses.replace(ATOMIC_DECODE, atomic_programs=132),
         # 20-22: atomic split-K on the static (block, slice, split) grid
-        BlockSizes(
-            block_m=16,
-            block_r=64,
-            block_k=128,
-            num_stages=2,
-            split_k=32,
-            atomic_programs=528,
-            persistent=False,
-        ),  # fmt: skip
-        BlockSizes(
-            block_m=16,
-            block_r=64,
-            block_k=128,
-            num_stages=2,
-            split_k=32,
-            atomic_programs=264,
-            persistent=False,
-        ),  # fmt: skip
-        BlockSizes(
-            block_m=16,
-            block_r=64,
-            block_k=64,
-            num_stages=3,
-            split_k=64,
-            atomic_programs=528,
-            persistent=False,
-        ),  # fmt: skip
+        dataclasses.replace(ATOMIC_DECODE, persistent=False),
+        dataclasses.replace(ATOMIC_DECODE, atomic_programs=264, persistent=False),
+        dataclasses.replace(ATOMIC_DECODE, block_k=64, num_stages=3, split_k=64, persistent=False),
     ],
     "expand": [
         BlockSizes(block_m=16, block_n=64, num_stages=1),

@@ -109,6 +109,12 @@ def _shrink_tile(x_ref, a_ref, rows, slot, r, r_mask, k, hidden: int, dtype, pre
     return plgpu.dot(xt.astype(dtype), at.astype(dtype), trans_b=True, precision=precision)
 
 
+def _shrink_refs(refs, has_ranks: bool, num_slices: int):
+    """(slot_ranks [S, L] or None, x [T, H], S x A [L, R, H], the refs after them)."""
+    ranks_ref, refs = (refs[0], refs[1:]) if has_ranks else (None, refs)
+    return ranks_ref, refs[0], refs[1 : 1 + num_slices], refs[1 + num_slices :]
+
+
 def _shrink_kernel(
     tab_ref,  # [4, NB] int32 (work_list.py)
     ids_ref,  # [T] int32
@@ -121,11 +127,7 @@ def _shrink_kernel(
     compute_dtype,
     bs: BlockSizes,
 ):
-    if has_ranks:
-        ranks_ref, x_ref, *rest = refs  # [S, L], [T, H]
-    else:
-        ranks_ref, (x_ref, *rest) = None, refs
-    a_refs, o_ref = rest[:num_slices], rest[num_slices]  # S x [L, R, H]; [KS, S, T, R]
+    ranks_ref, x_ref, a_refs, (o_ref,) = _shrink_refs(refs, has_ranks, num_slices)  # [KS, S, T, R]
     pid, sid, p2 = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm, bk, br = bs.block_m, bs.block_k, bs.block_r
     n_rb = max(16, 1 << (rank - 1).bit_length()) // br
@@ -208,12 +210,8 @@ def _shrink_atomic_kernel(
     Otherwise the grid is (block, slice, k split x rank block), as `_shrink_kernel`'s,
     and programs past n_live blocks or the picked split return at once.
     """
-    if has_ranks:
-        ranks_ref, x_ref, *rest = refs  # [S, L], [T, H]
-    else:
-        ranks_ref, (x_ref, *rest) = None, refs
-    # rest[num_slices] is the zeroed input that the output aliases.
-    a_refs, o_ref = rest[:num_slices], rest[num_slices + 1]  # S x [L, R, H]; [S, T, R]
+    # The zeroed input that the output [S, T, R] aliases comes before it.
+    ranks_ref, x_ref, a_refs, (_, o_ref) = _shrink_refs(refs, has_ranks, num_slices)
     pid, sid, p2 = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm, bk, br = bs.block_m, bs.block_k, bs.block_r
     n_rb = max(16, 1 << (rank - 1).bit_length()) // br

@@ -226,6 +226,24 @@ def test_prefill_shrink_default_fills_the_gpu(num_tokens, rank):
     assert small.split_k == 1
 
 
+def test_split_partials_are_added_atomically_where_measured_faster():
+    """Decode (persistent programs from 16 tokens, the static grid below) and prefill
+    below LONG_PREFILL_TOKENS add their split's partials atomically; long prefills keep
+    the partial-sum kernel, and a shrink with no split needs neither."""
+    from lora_jax.kernels.shrink_expand import block_sizes as B
+
+    def get(t, h=4096):
+        return BlockSizes.get_default("shrink", num_tokens=t, hidden=h, rank=64)
+
+    for t in (1, 8, 16, 64, 256):
+        bs = get(t)
+        assert bs.atomic_programs == B.ATOMIC_PROGRAMS and bs.persistent == (t >= 16)
+        assert bs.split_k == 4096 // bs.block_k  # the cap: one k step per item
+    assert get(1024).atomic_programs and get(1024).split_k > 1
+    assert get(B.LONG_PREFILL_TOKENS).atomic_programs == 0
+    assert get(16384).atomic_programs == 0 and get(1024, h=256).atomic_programs == 0
+
+
 def test_prefill_default_split_matches_reference():
     """The default tiles at T = 300 (prefill regime: the shrink split over the hidden dim,
     the expand walking column tiles) vs the oracle."""
