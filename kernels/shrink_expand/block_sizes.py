@@ -55,17 +55,18 @@ class BlockSizes:
     split_k: int = 1
     """Shrink: programs that share the hidden reduction of one (block, rank block).
 
-    Each writes an f32 partial [T, R]; the partials are summed in XLA (deterministic).
-    Decode uses it to fill the GPU: a handful of token blocks x 32 k steps each
-    leaves most SMs idle.
+    Each writes an f32 partial [T, R]; the partials are summed in XLA (deterministic),
+    unless ``atomic_programs`` is set (then this is the most the split may be). Decode
+    uses it to fill the GPU: a handful of token blocks x 32 k steps each leaves most SMs
+    idle.
     """
     atomic_programs: int = 0
-    """Shrink: when > 0, about this many persistent programs add their f32 partial sums
-    into a zeroed output with atomics, so no second kernel sums partials.
+    """Shrink: when > 0, the split's programs add their f32 partial sums into a zeroed
+    output with atomics, so no second kernel sums partials.
 
     The hidden split is then picked at run time from the step's count of live token
-    blocks (the work list's row 3) to give every program about one (block, k range)
-    item (``split_k`` caps it): 8 live blocks get 8 times the split of 64. The f32
+    blocks (the work list's row 3) so that about ``atomic_programs`` (block, k range)
+    items exist (``split_k`` caps it): 8 live blocks get 8 times the split of 64. The f32
     summation order, not what is read, varies from run to run (as in vLLM's split-K).
     """
     persistent: bool = True
