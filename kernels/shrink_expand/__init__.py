@@ -1,7 +1,8 @@
 """Punica's two batched per-token adapter ops: shrink (x @ A.T) and expand (y += h @ B.T).
 
 One folder per op, Tokamax style: ``reference.py`` is the jnp oracle,
-``pallas_triton.py`` the Pallas Triton backend, ``block_sizes.py`` the tile
+``pallas_triton.py`` the Pallas Triton backend's shared pieces and expand,
+``pallas_triton_shrink.py`` its shrink, ``block_sizes.py`` the tile
 config and its H200 tuning table, ``work_list.py`` the (slot, token block)
 schedule shared by backends, and ``api.py`` the jitted public functions.
 ``pallas_triton_fused.py`` holds the fused decode op `lora_shrink_expand`

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from lora_jax.kernels.shrink_expand import pallas_triton
+from lora_jax.kernels.shrink_expand import pallas_triton, pallas_triton_shrink
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 from lora_jax.kernels.shrink_expand.work_list import get_work_list
 
@@ -145,7 +145,7 @@ def lora_shrink(
         num_tokens=num_tokens,
         block_m=block_sizes.block_m,
     )
-    return pallas_triton.shrink(
+    return pallas_triton_shrink.shrink(
         x,
         lora_a,
         tab,

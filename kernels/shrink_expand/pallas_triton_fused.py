@@ -62,10 +62,10 @@ from lora_jax.kernels.shrink_expand.pallas_triton import (
     SMEM_BUDGET,
     _block_rows,
     _dot_precision,
-    _shrink_tile,
     _true_rank,
     expand_tile,
 )
+from lora_jax.kernels.shrink_expand.pallas_triton_shrink import _shrink_tile
 from lora_jax.kernels.shrink_expand.work_list import get_work_list
 
 

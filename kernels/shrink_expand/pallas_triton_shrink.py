@@ -1,0 +1,284 @@
+"""Pallas Triton shrink: ``out[s, t] = scale * x[t] @ A_s[idx[t]].T`` in f32, all slices
+in one launch (exactness rules as in pallas_triton.py).
+
+Grid: (work block, slice, k split x rank block). A shrink that splits the
+hidden reduction over ``split_k`` programs either writes f32 partials
+[KS, S, T, R] that XLA sums afterwards (deterministic, a second kernel), or,
+with ``BlockSizes.atomic_programs`` (the decode default), adds them
+atomically into a zeroed output and picks the split when it runs, from the
+step's live block count (one launch; the f32 summation order varies from run
+to run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
+from lora_jax.kernels.shrink_expand.pallas_triton import (
+    SMEM_BUDGET,
+    _block_rows,
+    _dot_precision,
+    _true_rank,
+)
+
+
+def fit_shrink_tiles(bs: BlockSizes, rank: int, itemsize: int) -> BlockSizes:
+    """Fewer pipeline stages, then a shorter k step, until the buffers fit SMEM_BUDGET."""
+    bs = dataclasses.replace(bs, block_r=min(bs.block_r, max(16, 1 << (rank - 1).bit_length())))
+    stages, bk = bs.num_stages, bs.block_k
+    while stages * (bs.block_m + bs.block_r) * bk * itemsize > SMEM_BUDGET:
+        if stages > 2:
+            stages -= 1
+        elif bk > 32:
+            bk //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            break
+    return dataclasses.replace(bs, num_stages=stages, block_k=bk)
+
+
+def _shrink_tile(x_ref, a_ref, rows, slot, r, r_mask, k, hidden: int, dtype, precision):
+    """``x[rows, k] @ A[slot, r, k].T`` in f32 for one k step: x gathered by token row,
+    columns past ``hidden`` and rank rows outside ``r_mask`` masked (no traffic)."""
+    k_mask = k < hidden
+    xt = plgpu.load(
+        x_ref.at[rows[:, None], k[None, :]],
+        mask=jnp.broadcast_to(k_mask[None, :], (rows.shape[0], k.shape[0])),
+        other=0,
+    )  # [bm, bk]
+    at = plgpu.load(
+        a_ref.at[slot, r[:, None], k[None, :]],
+        mask=r_mask[:, None] & k_mask[None, :],
+        other=0,
+    )  # [br, bk]
+    return plgpu.dot(xt.astype(dtype), at.astype(dtype), trans_b=True, precision=precision)
+
+
+def _shrink_refs(refs, has_ranks: bool, num_slices: int):
+    """(slot_ranks [S, L] or None, x [T, H], S x A [L, R, H], the refs after them)."""
+    ranks_ref, refs = (refs[0], refs[1:]) if has_ranks else (None, refs)
+    return ranks_ref, refs[0], refs[1 : 1 + num_slices], refs[1 + num_slices :]
+
+
+def _shrink_kernel(
+    tab_ref,  # [4, NB] int32 (work_list.py)
+    ids_ref,  # [T] int32
+    *refs,
+    num_slices: int,
+    has_ranks: bool,
+    hidden: int,
+    rank: int,
+    scale: float,
+    compute_dtype,
+    bs: BlockSizes,
+):
+    ranks_ref, x_ref, a_refs, (o_ref,) = _shrink_refs(refs, has_ranks, num_slices)  # [KS, S, T, R]
+    pid, sid, p2 = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bm, bk, br = bs.block_m, bs.block_k, bs.block_r
+    n_rb = max(16, 1 << (rank - 1).bit_length()) // br
+    ks, rb = p2 // n_rb, p2 % n_rb
+    # Program ks reduces hidden columns [ks * chunk, (ks + 1) * chunk).
+    chunk = -(-hidden // (bs.split_k * bk)) * bk
+    num_k = chunk // bk
+    precision = _dot_precision(compute_dtype)
+
+    for s in range(num_slices):
+
+        @pl.when((sid == s) & (tab_ref[2, pid] > 0))
+        def _(s=s):
+            slot, _, rows = _block_rows(tab_ref, ids_ref, pid, bm)
+            r = rb * br + jnp.arange(br, dtype=jnp.int32)  # [br]
+            r_lim = _true_rank(ranks_ref, s, slot, rank)
+            live = (slot >= 0) & (rb * br < r_lim) & (ks * chunk < hidden)
+            r_mask = r < r_lim
+            safe_slot = jnp.maximum(slot, 0)
+
+            def body(kk, acc):
+                k = ks * chunk + kk * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
+                return acc + _shrink_tile(
+                    x_ref,
+                    a_refs[s],
+                    rows,
+                    safe_slot,
+                    r,
+                    r_mask,
+                    k,
+                    hidden,
+                    compute_dtype,
+                    precision,
+                )
+
+            r_store = jnp.broadcast_to((r < rank)[None, :], (bm, br))
+            o_at = o_ref.at[ks, s, rows[:, None], r[None, :]]
+
+            # Two branches rather than a loop with a dynamic trip count: Triton's
+            # scf.for rejects the mixed bound types that lowering produces for it.
+            @pl.when(live)
+            def _():
+                acc = jax.lax.fori_loop(0, num_k, body, jnp.zeros((bm, br), jnp.float32))
+                plgpu.store(o_at, acc * jnp.float32(scale), mask=r_store)
+
+            @pl.when(jnp.logical_not(live))
+            def _():
+                plgpu.store(o_at, jnp.zeros((bm, br), jnp.float32), mask=r_store)
+
+
+def _add_to(o_ref, idx, val, mask, interpret: bool):
+    """``o_ref[idx] += val`` where ``mask``: an atomic add on the GPU. Interpret mode runs
+    the programs one after another, so there a read-modify-write is the same thing."""
+    if interpret:
+        at = o_ref.at[idx]
+        plgpu.store(at, plgpu.load(at, mask=mask, other=0) + val, mask=mask)
+    else:
+        plgpu.atomic_add(o_ref, idx, val, mask=mask)
+
+
+def _shrink_atomic_kernel(
+    tab_ref,  # [4, NB] int32 (work_list.py; row 3: live block count)
+    ids_ref,  # [T] int32
+    *refs,
+    num_slices: int,
+    has_ranks: bool,
+    hidden: int,
+    rank: int,
+    scale: float,
+    compute_dtype,
+    bs: BlockSizes,
+    workers: int,
+    persistent: bool,
+    interpret: bool,
+):
+    """Split-K with atomic adds; the split is picked here from the step's n_live blocks
+    so that about ``workers`` (block, k range) items exist per (slice, rank block).
+
+    persistent: worker w (grid axis 0) takes items w, w + workers, ... in turn.
+    Otherwise the grid is (block, slice, k split x rank block), as `_shrink_kernel`'s,
+    and programs past n_live blocks or the picked split return at once.
+    """
+    # The zeroed input that the output [S, T, R] aliases comes before it.
+    ranks_ref, x_ref, a_refs, (_, o_ref) = _shrink_refs(refs, has_ranks, num_slices)
+    pid, sid, p2 = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bm, bk, br = bs.block_m, bs.block_k, bs.block_r
+    n_rb = max(16, 1 << (rank - 1).bit_length()) // br
+    rb = p2 if persistent else p2 % n_rb  # persistent grid: (worker, slice, rank block)
+    steps = -(-hidden // bk)
+    precision = _dot_precision(compute_dtype)
+    n_live = tab_ref[3, 0]
+    split = jnp.clip(jax.lax.div(jnp.int32(workers), jnp.maximum(n_live, 1)), 1, bs.split_k)
+    chunk = jax.lax.div(steps + split - 1, split)  # k steps per item
+    r = rb * br + jnp.arange(br, dtype=jnp.int32)  # [br]
+
+    def do_item(s: int, blk, ks):
+        slot, nrows, rows = _block_rows(tab_ref, ids_ref, blk, bm)
+        r_lim = _true_rank(ranks_ref, s, slot, rank)
+        first = ks * chunk
+        n_steps = jnp.clip(steps - first, 0, chunk)
+
+        def body(kk, acc):
+            k = (first + kk) * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
+            return acc + _shrink_tile(
+                x_ref, a_refs[s], rows, slot, r, r < r_lim, k, hidden, compute_dtype, precision
+            )
+
+        @pl.when(rb * br < r_lim)  # a rank block wholly past the slot's rank: 0
+        def _():
+            acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((bm, br), jnp.float32))
+            mask = jnp.broadcast_to((r < rank)[None, :], (bm, br))
+            if not interpret:  # rows past the count repeat the last token: add it once
+                mask = mask & (jnp.arange(bm, dtype=jnp.int32) < nrows)[:, None]
+            idx = (s, rows[:, None], r[None, :])
+            _add_to(o_ref, idx, acc * jnp.float32(scale), mask, interpret)
+
+    if persistent:
+        n_mine = jax.lax.div(jnp.maximum(n_live * split - pid, 0) + workers - 1, workers)
+        for s in range(num_slices):
+
+            @pl.when(sid == s)
+            def _(s=s):
+                def item(j, carry):
+                    i = pid + j * workers
+                    do_item(s, jax.lax.div(i, split), jax.lax.rem(i, split))
+                    return carry
+
+                jax.lax.fori_loop(0, n_mine, item, 0)
+
+    else:
+        ks = p2 // n_rb
+        for s in range(num_slices):
+
+            @pl.when((sid == s) & (pid < n_live) & (ks < split))
+            def _(s=s):
+                do_item(s, pid, ks)
+
+
+def shrink(
+    x, lora_a, tab, sorted_token_ids, slot_ranks, *, scale: float, bs: BlockSizes, interpret: bool
+):
+    """f32 [S, T, R]. ``tab`` is the work list of work_list.build_work_list."""
+    num_tokens, hidden = x.shape
+    num_slices = len(lora_a)
+    rank = lora_a[0].shape[1]
+    rank_p = max(16, 1 << (rank - 1).bit_length())
+    br = min(bs.block_r, rank_p)
+    compute_dtype = jnp.promote_types(x.dtype, lora_a[0].dtype)
+    if compute_dtype not in (jnp.bfloat16, jnp.float16):
+        compute_dtype = jnp.float32
+    # More splits than k steps would leave programs with nothing to reduce.
+    split_k = max(1, min(bs.split_k, -(-hidden // bs.block_k)))
+    bs = dataclasses.replace(bs, block_r=br, split_k=split_k)
+    bs = fit_shrink_tiles(bs, rank, jnp.dtype(compute_dtype).itemsize)
+    has_ranks = slot_ranks is not None
+    params = dict(
+        num_slices=num_slices,
+        has_ranks=has_ranks,
+        hidden=hidden,
+        rank=rank,
+        scale=scale,
+        compute_dtype=compute_dtype,
+        bs=bs,
+    )
+    inputs = [tab, sorted_token_ids] + ([slot_ranks] if has_ranks else []) + [x, *lora_a]
+    if bs.atomic_programs:
+        n_rb = rank_p // br
+        workers = max(1, -(-bs.atomic_programs // (num_slices * n_rb)))
+        kernel = functools.partial(
+            _shrink_atomic_kernel,
+            **params,
+            workers=workers,
+            persistent=bs.persistent,
+            interpret=interpret,
+        )
+        zeros = jnp.zeros((num_slices, num_tokens, rank), jnp.float32)
+        if bs.persistent:
+            grid = (workers, num_slices, n_rb)
+        else:
+            grid = (tab.shape[1], num_slices, bs.split_k * n_rb)
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
+            grid=grid,
+            input_output_aliases={len(inputs): 0},
+            compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+            interpret=interpret,
+            name="lora_shrink_atomic",
+        )(*inputs, zeros)
+    split_k = bs.split_k
+    kernel = functools.partial(_shrink_kernel, **params)
+    grid = (tab.shape[1], num_slices, split_k * (rank_p // br))
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((split_k, num_slices, num_tokens, rank), jnp.float32),
+        grid=grid,
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        name="lora_shrink",
+    )(*inputs)
+    # Every (row, k split) is written (zeros where dead), so a plain sum is exact.
+    return out[0] if split_k == 1 else jnp.sum(out, axis=0)
