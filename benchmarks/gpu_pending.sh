@@ -88,6 +88,15 @@ for what in "$@"; do
         --hiddens 8192 --ranks 64 --adapters 8,64 --impls ours,gather,onehot \
         --time-budget 85 --out "$OUT/wide_$op"
     done ;;
+  smem)  # prefill shrink: 64-128-token / 128-rank tiles over 48 KiB of shared memory (ours[17..24])
+    LORA_JAX_TRITON_SMEM_BUDGET=200000 step smem 300 "${OPS[@]}" --sweep --sweep-set prefill \
+      --candidates 17,18,19,20,21,22,23,24 --ops shrink --tokens 4096,16384 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 1,64 --impls ours --time-budget 280 --out "$OUT/smem" ;;
+  decode_x)  # decode shrink: warps, k steps, rank blocks, deeper pipelines (ours[23..28])
+    LORA_JAX_TRITON_SMEM_BUDGET=200000 step decode_x 220 "${OPS[@]}" --sweep \
+      --candidates 16,23,24,25,26,27,28 --ops shrink --tokens 1,16,64 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 1,8,64 --impls ours,gather --time-budget 200 \
+      --out "$OUT/decode_x" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -95,7 +104,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x tp1 two" >&2
     exit 2 ;;
   esac
 done

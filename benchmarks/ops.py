@@ -56,6 +56,7 @@ from lora_jax.kernels import (
     lora_shrink_expand,
     lora_shrink_reference,
 )
+from lora_jax.kernels.shrink_expand.work_list import build_work_list
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,6 +81,10 @@ def metadata(idx: np.ndarray, max_loras: int) -> dict[str, jax.Array]:
     # The work lists are per-step metadata like the sort (lora_jax.mapping builds them once
     # per step for every layer), so they are made here, outside the timed calls.
     lists = build_work_lists(jnp.asarray(counts), jnp.asarray(starts), num_tokens=len(idx))
+    # and one for the 128-token blocks that only sweep candidates use
+    lists[128] = build_work_list(
+        jnp.asarray(counts), jnp.asarray(starts), num_tokens=len(idx), block_m=128
+    )
     return dict(
         token_lora_indices=jnp.asarray(idx.astype(np.int32)),
         sorted_token_ids=jnp.asarray(sorted_ids),
@@ -387,6 +392,14 @@ SWEEP = {
         dataclasses.replace(ATOMIC_DECODE, persistent=False),
         dataclasses.replace(ATOMIC_DECODE, atomic_programs=264, persistent=False),
         dataclasses.replace(ATOMIC_DECODE, block_k=64, num_stages=3, split_k=64, persistent=False),
+        # 23-26 (session 8): fewer warps per program, longer k steps, narrower rank blocks
+        dataclasses.replace(ATOMIC_DECODE, num_warps=2),
+        dataclasses.replace(ATOMIC_DECODE, block_k=256, split_k=16),
+        dataclasses.replace(ATOMIC_DECODE, num_warps=2, atomic_programs=1056),
+        dataclasses.replace(ATOMIC_DECODE, block_r=32),
+        # 27-28: deeper pipelines, over 48 KiB of shared memory (LORA_JAX_TRITON_SMEM_BUDGET)
+        dataclasses.replace(ATOMIC_DECODE, block_k=256, num_stages=3, split_k=16),
+        dataclasses.replace(ATOMIC_DECODE, num_stages=4),
     ],
     "expand": [
         BlockSizes(block_m=16, block_n=64, num_stages=1),
@@ -404,6 +417,18 @@ SWEEP = {
     ],
 }
 
+
+# A 64-token, 128-rank prefill shrink tile, 3 stages of 64-column k steps (72 KiB of
+# shared memory), 8 warps, atomic split-K: the base of the session-8 prefill candidates.
+PREFILL_BIG = BlockSizes(
+    block_m=64,
+    block_r=128,
+    block_k=64,
+    num_warps=8,
+    num_stages=3,
+    split_k=8,
+    atomic_programs=528,
+)
 
 # Prefill / mid-size tile candidates for `--sweep --sweep-set prefill` (T > 256): the
 # prefill shrink had no split-K, so at T = 1024 it ran ~40 programs on 132 SMs.
@@ -433,6 +458,17 @@ PREFILL_SWEEP = {
         BlockSizes(
             block_m=64, block_r=64, block_k=64, num_stages=2, split_k=8, atomic_programs=528
         ),
+        # 17-24 (session 8): 64-128-token blocks and wide rank blocks (fewer L2 re-reads of
+        # x and A per output), most over 48 KiB of shared memory: run them with
+        # LORA_JAX_TRITON_SMEM_BUDGET raised, or they are shrunk to fit 45 KiB.
+        dataclasses.replace(PREFILL_BIG, num_warps=4),
+        PREFILL_BIG,
+        dataclasses.replace(PREFILL_BIG, block_m=128),
+        dataclasses.replace(PREFILL_BIG, block_m=128, num_stages=4, atomic_programs=264),
+        dataclasses.replace(PREFILL_BIG, block_r=64, block_k=128, num_warps=4),
+        dataclasses.replace(PREFILL_BIG, block_m=128, block_r=64),
+        dataclasses.replace(PREFILL_BIG, block_m=32, block_r=64, block_k=128, num_warps=4),
+        dataclasses.replace(PREFILL_BIG, block_m=128, split_k=4, atomic_programs=0),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),

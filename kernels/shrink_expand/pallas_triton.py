@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +34,11 @@ from jax.experimental.pallas import triton as plgpu
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 
 # Keep a program's shared memory under the 48 KiB that a kernel may use without
-# opting in: the launch through XLA's Triton custom call does not opt in, and
-# larger requests fail at run time with INVALID_ARGUMENT.
-SMEM_BUDGET = 45 * 1024
+# opting in: the launch through XLA's Triton custom call did not opt in (session 2, jax
+# 0.11), and larger requests failed at run time with INVALID_ARGUMENT. The environment
+# variable LORA_JAX_TRITON_SMEM_BUDGET (bytes, read at import) overrides it, for tile
+# experiments on a stack that opts in (benchmarks/gpu_pending.sh, step "smem").
+SMEM_BUDGET = int(os.environ.get("LORA_JAX_TRITON_SMEM_BUDGET", 45 * 1024))
 
 
 def fit_expand_tiles(bs: BlockSizes, rank: int, itemsize: int) -> BlockSizes:
