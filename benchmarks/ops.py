@@ -56,7 +56,6 @@ from lora_jax.kernels import (
     lora_shrink_expand,
     lora_shrink_reference,
 )
-from lora_jax.kernels.shrink_expand.work_list import build_work_list
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,10 +80,6 @@ def metadata(idx: np.ndarray, max_loras: int) -> dict[str, jax.Array]:
     # The work lists are per-step metadata like the sort (lora_jax.mapping builds them once
     # per step for every layer), so they are made here, outside the timed calls.
     lists = build_work_lists(jnp.asarray(counts), jnp.asarray(starts), num_tokens=len(idx))
-    # and one for the 128-token blocks that only sweep candidates use
-    lists[128] = build_work_list(
-        jnp.asarray(counts), jnp.asarray(starts), num_tokens=len(idx), block_m=128
-    )
     return dict(
         token_lora_indices=jnp.asarray(idx.astype(np.int32)),
         sorted_token_ids=jnp.asarray(sorted_ids),

@@ -132,14 +132,17 @@ class BlockSizes:
                 # 128-column step per item. H200 trace-timed sweep (RESULTS.md, session
                 # 6): T = 64, n = 8 at R = 64 7.8 -> 5.5 us; persistent programs from 16
                 # tokens, the (block, split) grid below (T = 1: 2.6-3.5 -> 2.5-3.2 us).
+                # Rank 16 from 16 tokens: 2 warps and twice the items (session 8: T = 64,
+                # n = 64 7.8 -> 6.8 us, the other cells equal).
+                narrow = rank_p <= 16 and num_tokens >= 16
                 return cls(
                     block_m=16,
                     block_r=min(rank_p, 64),
                     block_k=128,
-                    num_warps=4,
+                    num_warps=2 if narrow else 4,
                     num_stages=2,
                     split_k=max(1, hidden // 128),
-                    atomic_programs=ATOMIC_PROGRAMS,
+                    atomic_programs=2 * ATOMIC_PROGRAMS if narrow else ATOMIC_PROGRAMS,
                     persistent=num_tokens >= 16,
                 )
             # Prefill: x dominates; wide rank blocks read each x tile from HBM once
@@ -147,6 +150,10 @@ class BlockSizes:
             # token blocks alone leave SMs idle (T = 1024: ~40 programs on 132 SMs), so
             # split the hidden reduction until about TARGET_PROGRAMS carry work
             # (H200 sweep, benchmarks/RESULTS.md: T = 1024 36-52 -> 24-39 us).
+            if num_tokens >= LONG_PREFILL_TOKENS:
+                long = long_prefill_shrink(num_tokens, hidden, rank_p)
+                if long is not None:
+                    return long
             block_r = min(rank_p, 64)
             if num_tokens >= 8192 and rank_p >= 128:
                 # Long prompts, wide ranks: 64-row blocks halve the re-reads of A.
@@ -187,6 +194,53 @@ class BlockSizes:
         raise ValueError(
             f"BlockSizes.get_default: op={op!r}; expected 'shrink', 'expand' or 'fused'."
         )
+
+
+def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes | None:
+    """Long-prompt shrink tiles from the session-8 H200 sweep (benchmarks/RESULTS.md), or
+    None for the general prefill rule. Two of them need more than 48 KiB of shared memory
+    and are used only where the GPU lets the kernel opt in to it."""
+    from lora_jax.kernels.shrink_expand.pallas_triton import shrink_smem_budget
+
+    max_split = max(1, min(PREFILL_MAX_SPLIT_K, hidden // 512))  # >= 8 k steps per split
+    if rank_p <= 16:
+        # x-bound: 128-column k steps, 3 stages (36 KiB), the split added atomically.
+        # T = 4096 / 16384: 14.1 / 40.0 -> 12.5 / 36.7 us (n = 1), 15.6 / 41.3 -> 14.6 / 38.6
+        # (n = 64).
+        return BlockSizes(
+            block_m=32,
+            block_r=16,
+            block_k=128,
+            num_stages=3,
+            split_k=max_split,
+            atomic_programs=ATOMIC_PROGRAMS,
+        )
+    budget = shrink_smem_budget()
+    if rank_p == 64 and num_tokens >= 8192 and budget >= 3 * 128 * 64 * 2:
+        # 64-token blocks, 8 warps, 3 stages (48 KiB). T = 16384: 47.8 -> 43.7 us (n = 1),
+        # 52.0 -> 51.6 (n = 64).
+        return BlockSizes(
+            block_m=64,
+            block_r=64,
+            block_k=64,
+            num_warps=8,
+            num_stages=3,
+            split_k=max_split,
+            atomic_programs=ATOMIC_PROGRAMS,
+        )
+    if rank_p == 128 and num_tokens < 8192 and budget >= 3 * 256 * 64 * 2:
+        # 128 x 128 output tiles (A and x re-read a quarter as often from L2), 8 warps, 3
+        # stages (96 KiB), 4-way split summed in XLA. T = 4096: 30.1 -> 22.5 us at n = 1;
+        # 35.2 -> 36.6 at n = 64 (64 tokens per adapter half-fill a block).
+        return BlockSizes(
+            block_m=128,
+            block_r=128,
+            block_k=64,
+            num_warps=8,
+            num_stages=3,
+            split_k=min(4, max_split),
+        )
+    return None
 
 
 FUSED_TARGET_PROGRAMS = 132

@@ -33,12 +33,35 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 
-# Keep a program's shared memory under the 48 KiB that a kernel may use without
-# opting in: the launch through XLA's Triton custom call did not opt in (session 2, jax
-# 0.11), and larger requests failed at run time with INVALID_ARGUMENT. The environment
-# variable LORA_JAX_TRITON_SMEM_BUDGET (bytes, read at import) overrides it, for tile
-# experiments on a stack that opts in (benchmarks/gpu_pending.sh, step "smem").
-SMEM_BUDGET = int(os.environ.get("LORA_JAX_TRITON_SMEM_BUDGET", 45 * 1024))
+# The portable shared-memory budget of one program: under the 48 KiB that a kernel may use
+# without opting in. The expand and the fused kernel keep to it (their tiles were tuned
+# under it); the shrink's tiles may use what `shrink_smem_budget` allows.
+SMEM_BUDGET = 45 * 1024
+
+# Per-block shared memory a kernel may opt in to, by CUDA compute capability, less a
+# margin for what Triton adds (barriers, layout conversions): H100/H200/B200 227 KiB,
+# A100 163 KiB, other Ampere/Ada 99 KiB.
+_OPT_IN_SMEM = {(9, 0): 200 * 1024, (10, 0): 200 * 1024, (8, 0): 150 * 1024}
+_OPT_IN_SMEM_MAJOR = {8: 90 * 1024}
+
+
+@functools.cache
+def shrink_smem_budget() -> int:
+    """Shared memory the shrink's tiles may use: ``LORA_JAX_TRITON_SMEM_BUDGET`` (bytes) if
+    set, else by the first GPU's compute capability, else (no GPU) `SMEM_BUDGET`.
+
+    Kernels over 48 KiB launch through jax 0.11.2's Triton custom call on an H200
+    (benchmarks/RESULTS.md, session 8: 72-128 KiB shrink tiles ran and checked).
+    """
+    env = os.environ.get("LORA_JAX_TRITON_SMEM_BUDGET")
+    if env:
+        return int(env)
+    try:
+        cc = str(jax.devices("gpu")[0].compute_capability)
+        major, minor = (int(v) for v in cc.split(".")[:2])
+    except Exception:  # noqa: BLE001 - no GPU (interpret mode, CUDA lowering on CPU)
+        return SMEM_BUDGET
+    return _OPT_IN_SMEM.get((major, minor), _OPT_IN_SMEM_MAJOR.get(major, SMEM_BUDGET))
 
 
 def fit_expand_tiles(bs: BlockSizes, rank: int, itemsize: int) -> BlockSizes:

@@ -21,18 +21,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 from lora_jax.kernels.shrink_expand.pallas_triton import (
-    SMEM_BUDGET,
     _block_rows,
     _dot_precision,
     _true_rank,
+    shrink_smem_budget,
 )
 
 
-def fit_shrink_tiles(bs: BlockSizes, rank: int, itemsize: int) -> BlockSizes:
-    """Fewer pipeline stages, then a shorter k step, until the buffers fit SMEM_BUDGET."""
+def shrink_smem_bytes(bs: BlockSizes, itemsize: int) -> int:
+    """The shrink's pipelined x and A tiles in shared memory."""
+    return bs.num_stages * (bs.block_m + bs.block_r) * bs.block_k * itemsize
+
+
+def fit_shrink_tiles(
+    bs: BlockSizes, rank: int, itemsize: int, budget: int | None = None
+) -> BlockSizes:
+    """Fewer pipeline stages, then a shorter k step, until the buffers fit ``budget``
+    (default: `shrink_smem_budget`, what this GPU lets a kernel opt in to)."""
+    budget = shrink_smem_budget() if budget is None else budget
     bs = dataclasses.replace(bs, block_r=min(bs.block_r, max(16, 1 << (rank - 1).bit_length())))
     stages, bk = bs.num_stages, bs.block_k
-    while stages * (bs.block_m + bs.block_r) * bk * itemsize > SMEM_BUDGET:
+    while stages * (bs.block_m + bs.block_r) * bk * itemsize > budget:
         if stages > 2:
             stages -= 1
         elif bk > 32:

@@ -23,8 +23,8 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-WORK_LIST_BLOCK_MS = (16, 32, 64)
-"""The token-block sizes the default tiles use (block_sizes.py): decode 16, prefill 32/64."""
+WORK_LIST_BLOCK_MS = (16, 32, 64, 128)
+"""The token-block sizes the default tiles use (block_sizes.py): decode 16, prefill 32-128."""
 
 
 def num_work_blocks(num_tokens: int, max_loras: int, block_m: int) -> int:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,25 @@ _DECODE_ATOMIC = BlockSizes(
     block_m=16, block_r=64, block_k=128, num_stages=2, split_k=32, atomic_programs=264
 )
 _DECODE_GRID = dataclasses.replace(_DECODE_ATOMIC, persistent=False)
+_BIG_SMEM = 200 * 1024  # what an H100/H200 lets the shrink opt in to (pallas_triton.py)
+
+
+@contextlib.contextmanager
+def shrink_smem(budget: int):
+    """Runs with `shrink_smem_budget()` == ``budget``, as on a GPU that allows it."""
+    from lora_jax.kernels.shrink_expand import pallas_triton
+
+    old = os.environ.get("LORA_JAX_TRITON_SMEM_BUDGET")
+    os.environ["LORA_JAX_TRITON_SMEM_BUDGET"] = str(budget)
+    pallas_triton.shrink_smem_budget.cache_clear()
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["LORA_JAX_TRITON_SMEM_BUDGET"]
+        else:
+            os.environ["LORA_JAX_TRITON_SMEM_BUDGET"] = old
+        pallas_triton.shrink_smem_budget.cache_clear()
 
 
 class TestPallasTritonInterpret(ShrinkExpandTestBase):
@@ -59,6 +80,11 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(256, 4096, 128, (512,), jnp.bfloat16, "distinct", 256, block_sizes=_DECODE_ATOMIC),
             Case(64, 4096, 64, (4096,), jnp.bfloat16, "unsorted", 64, block_sizes=_DECODE_GRID),
             Case(16, 2049, 128, (512, 64), jnp.float16, "unsorted", 8, True, _DECODE_GRID),
+            # long prompts (block_sizes.long_prefill_shrink): rank 16's 128-column k
+            # steps, rank 64's 64-token blocks (over 48 KiB); T = 4096 R = 128 above has
+            # the 128 x 128 tiles (96 KiB)
+            Case(4096, 4096, 16, (4096,), jnp.bfloat16, "unsorted", max_loras=64),
+            Case(8192, 4096, 64, (1024,), jnp.bfloat16, "one", max_loras=2),
         ],
         ids=str,
     )
@@ -90,8 +116,14 @@ def _abstract_gpu_context():
 
 @pytest.mark.parametrize(
     "tiles",
-    [dataclasses.replace(_DECODE_ATOMIC, atomic_programs=0), _DECODE_ATOMIC, _DECODE_GRID, None],
-    ids=["split", "atomic", "grid", "default"],
+    [
+        dataclasses.replace(_DECODE_ATOMIC, atomic_programs=0),
+        _DECODE_ATOMIC,
+        _DECODE_GRID,
+        None,
+        BlockSizes(block_m=128, block_r=128, block_k=64, num_warps=8, num_stages=3, split_k=4),
+    ],
+    ids=["split", "atomic", "grid", "default", "long128"],
 )
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowers_for_cuda(dtype, tiles):
@@ -205,25 +237,34 @@ def test_block_sizes_validated():
     assert BlockSizes.get_default("shrink", num_tokens=16384, hidden=4096, rank=8).block_r == 16
 
 
+@pytest.mark.parametrize("budget", [45 * 1024, _BIG_SMEM], ids=["45k", "200k"])
 @pytest.mark.parametrize("num_tokens", [300, 1024, 4096, 16384])
 @pytest.mark.parametrize("rank", [16, 64, 128])
-def test_prefill_shrink_default_fills_the_gpu(num_tokens, rank):
+def test_prefill_shrink_default_fills_the_gpu(num_tokens, rank, budget):
     """Above the decode regime the hidden split brings the live programs to about
-    TARGET_PROGRAMS (never past it by more than 2x), and never splits a long prompt."""
+    TARGET_PROGRAMS (never past it by more than 2x), and never splits a long prompt.
+    An atomic split is picked at run time from the live blocks (here all full: one
+    adapter), capped by split_k."""
     from lora_jax.kernels.shrink_expand import block_sizes as B
 
-    bs = BlockSizes.get_default("shrink", num_tokens=num_tokens, hidden=4096, rank=rank)
+    with shrink_smem(budget):
+        bs = BlockSizes.get_default("shrink", num_tokens=num_tokens, hidden=4096, rank=rank)
+        small = BlockSizes.get_default("shrink", num_tokens=num_tokens, hidden=256, rank=rank)
     rank_blocks = max(16, rank) // bs.block_r
-    programs = -(-num_tokens // bs.block_m) * rank_blocks * bs.split_k
+    blocks = -(-num_tokens // bs.block_m)
+    split = bs.split_k
+    if bs.atomic_programs:  # as _shrink_atomic_kernel picks it
+        split = min(max(1, bs.atomic_programs // rank_blocks // blocks), bs.split_k)
+    programs = blocks * rank_blocks * split
     target = B.TARGET_PROGRAMS
     if num_tokens >= B.LONG_PREFILL_TOKENS:
         target = B.LONG_PREFILL_TARGET_PROGRAMS
-    assert bs.split_k == 1 or programs <= 2 * target  # no needless splits
-    assert bs.split_k == 8 or programs >= target // 2  # split until the GPU is busy
-    assert num_tokens < 8192 or bs.split_k == 1
-    assert bs.split_k <= 4096 // (bs.block_k * 8)  # every split keeps >= 8 k steps
-    small = BlockSizes.get_default("shrink", num_tokens=num_tokens, hidden=256, rank=rank)
-    assert small.split_k == 1
+    assert split == 1 or programs <= 2 * target  # no needless splits
+    # split until the GPU is busy (a 128 x 128 tile of 8 warps fills an SM about alone)
+    assert split == 8 or programs >= target // 2 or bs.block_m * bs.block_r >= 128 * 128
+    assert num_tokens < 8192 or split <= 2
+    assert split <= 4096 // (bs.block_k * 8)  # every split keeps >= 8 k steps
+    assert small.split_k == 1 or small.atomic_programs
 
 
 def test_split_partials_are_added_atomically_where_measured_faster():
@@ -241,7 +282,38 @@ def test_split_partials_are_added_atomically_where_measured_faster():
         assert bs.split_k == 4096 // bs.block_k  # the cap: one k step per item
     assert get(1024).atomic_programs and get(1024).split_k > 1
     assert get(B.LONG_PREFILL_TOKENS).atomic_programs == 0
-    assert get(16384).atomic_programs == 0 and get(1024, h=256).atomic_programs == 0
+    with shrink_smem(45 * 1024):  # no opt-in shared memory: the partial sums
+        assert get(16384).atomic_programs == 0 and get(1024, h=256).atomic_programs == 0
+    with shrink_smem(_BIG_SMEM):  # 64-token blocks over 48 KiB add atomically
+        assert get(16384).atomic_programs == B.ATOMIC_PROGRAMS and get(16384).block_m == 64
+
+
+@pytest.mark.parametrize("rank", [16, 64, 128])
+def test_long_prefill_shrink_tiles(rank):
+    """The session-8 long-prompt tiles: chosen only where the GPU allows their shared
+    memory, and right (interpret mode, ragged hidden size, ranks needing padding)."""
+    from lora_jax.kernels.shrink_expand import block_sizes as B
+    from lora_jax.kernels.shrink_expand.pallas_triton_shrink import shrink_smem_bytes
+
+    t_long = 16384 if rank == 64 else 4096
+    with shrink_smem(45 * 1024):
+        small = B.long_prefill_shrink(t_long, 4096, max(16, rank))
+    with shrink_smem(_BIG_SMEM):
+        tiles = B.long_prefill_shrink(t_long, 4096, max(16, rank))
+        assert BlockSizes.get_default("shrink", num_tokens=t_long, hidden=4096, rank=rank) == tiles
+        assert shrink_smem_bytes(tiles, 2) <= _BIG_SMEM
+        assert (small is None) == (shrink_smem_bytes(tiles, 2) > 45 * 1024)
+        rng = np.random.default_rng(rank)
+        num_tokens, hidden, max_loras = 300, 520, 4
+        idx = make_mapping("unsorted", num_tokens, max_loras, rng)
+        idx[:200] = 1  # a long run of one adapter: full blocks
+        meta = make_metadata(idx, max_loras)
+        r = rank - 3  # padded inside the kernel
+        x = jnp.asarray(rng.standard_normal((num_tokens, hidden)), jnp.bfloat16)
+        a = jnp.asarray(rng.standard_normal((max_loras, r, hidden)) / 16, jnp.bfloat16)
+        got = lora_shrink(x, (a,), **meta, scale=0.5, block_sizes=tiles, interpret=True)
+    want = lora_shrink_reference(x, (a,), **meta, scale=0.5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)
 
 
 def test_prefill_default_split_matches_reference():
