@@ -15,6 +15,7 @@ set -uo pipefail
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+python3 -P -c "from lora_jax.kernels.shrink_expand import pallas_triton as p; print('shrink smem budget', p.shrink_smem_budget())"
 step() { local name=$1 limit=$2; shift 2; mkdir -p "$OUT/$name"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$?"; tail -3 "$OUT/$name.log"; }
 OPS=(python3 -P benchmarks/ops.py --timer trace --compile-budget 15)
@@ -97,6 +98,13 @@ for what in "$@"; do
       --candidates 16,23,24,25,26,27,28 --ops shrink --tokens 1,16,64 --hiddens 4096 \
       --ranks 16,64,128 --adapters 1,8,64 --impls ours,gather --time-budget 200 \
       --out "$OUT/decode_x" ;;
+  long)  # prefill shrink with the session-8 long-prompt defaults, n = 1 and 64
+    step long 190 "${OPS[@]}" --ops shrink --tokens 1024,4096,16384 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 1,64 --impls ours,onehot --time-budget 175 \
+      --out "$OUT/long" ;;
+  narrow)  # rank-16 decode shrink with the session-8 default (2 warps, 1056 items)
+    step narrow 60 "${OPS[@]}" --ops shrink --tokens 16,64 --hiddens 4096 --ranks 16 \
+      --adapters 1,8,64 --impls ours,gather --time-budget 50 --out "$OUT/narrow" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -104,7 +112,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow tp1 two" >&2
     exit 2 ;;
   esac
 done
