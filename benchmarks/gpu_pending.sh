@@ -105,6 +105,10 @@ for what in "$@"; do
   narrow)  # rank-16 decode shrink with the session-8 default (2 warps, 1056 items)
     step narrow 60 "${OPS[@]}" --ops shrink --tokens 16,64 --hiddens 4096 --ranks 16 \
       --adapters 1,8,64 --impls ours,gather --time-budget 50 --out "$OUT/narrow" ;;
+  n1_r128)  # one adapter, rank 128 expand cells the session-6 time budget cut
+    step n1_r128 130 "${OPS[@]}" --ops expand --tokens 64,256,4096,16384 --hiddens 4096 \
+      --ranks 128 --adapters 1 --impls ours,gather,onehot --time-budget 115 \
+      --out "$OUT/n1_r128" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -112,7 +116,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 tp1 two" >&2
     exit 2 ;;
   esac
 done
