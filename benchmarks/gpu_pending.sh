@@ -15,7 +15,7 @@ set -uo pipefail
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-python3 -P -c "from lora_jax.kernels.shrink_expand import pallas_triton as p; print('shrink smem budget', p.shrink_smem_budget())"
+python3 -P -c "from lora_jax.kernels.shrink_expand import pallas_triton as p; print('shrink smem budget', p.opt_in_smem_budget())"
 step() { local name=$1 limit=$2; shift 2; mkdir -p "$OUT/$name"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$?"; tail -3 "$OUT/$name.log"; }
 OPS=(python3 -P benchmarks/ops.py --timer trace --compile-budget 15)
@@ -109,6 +109,10 @@ for what in "$@"; do
     step n1_r128 130 "${OPS[@]}" --ops expand --tokens 64,256,4096,16384 --hiddens 4096 \
       --ranks 128 --adapters 1 --impls ours,gather,onehot --time-budget 115 \
       --out "$OUT/n1_r128" ;;
+  smem_e)  # prefill expand: tiles over 48 KiB of shared memory (ours[7..12]) vs the default
+    step smem_e 280 "${OPS[@]}" --sweep --sweep-set prefill --candidates 7,8,9,10,11,12 \
+      --ops expand --tokens 4096,16384 --hiddens 4096 --ranks 16,64,128 --adapters 1,64 \
+      --impls ours --time-budget 260 --out "$OUT/smem_e" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -116,7 +120,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -200,7 +200,7 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
     """Long-prompt shrink tiles from the session-8 H200 sweep (benchmarks/RESULTS.md), or
     None for the general prefill rule. Two of them need more than 48 KiB of shared memory
     and are used only where the GPU lets the kernel opt in to it."""
-    from lora_jax.kernels.shrink_expand.pallas_triton import shrink_smem_budget
+    from lora_jax.kernels.shrink_expand.pallas_triton import opt_in_smem_budget
 
     max_split = max(1, min(PREFILL_MAX_SPLIT_K, hidden // 512))  # >= 8 k steps per split
     if rank_p <= 16:
@@ -215,7 +215,7 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
             split_k=max_split,
             atomic_programs=ATOMIC_PROGRAMS,
         )
-    budget = shrink_smem_budget()
+    budget = opt_in_smem_budget()
     if rank_p == 64 and num_tokens >= 8192 and budget >= 3 * 128 * 64 * 2:
         # 64-token blocks, 8 warps, 3 stages (48 KiB). T = 16384: 47.8 -> 43.7 us (n = 1),
         # 52.0 -> 51.6 (n = 64).

@@ -34,8 +34,8 @@ from jax.experimental.pallas import triton as plgpu
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 
 # The portable shared-memory budget of one program: under the 48 KiB that a kernel may use
-# without opting in. The expand and the fused kernel keep to it (their tiles were tuned
-# under it); the shrink's tiles may use what `shrink_smem_budget` allows.
+# without opting in. The fused kernel keeps to it; the shrink's and the expand's tiles may
+# use what `opt_in_smem_budget` allows.
 SMEM_BUDGET = 45 * 1024
 
 # Per-block shared memory a kernel may opt in to, by CUDA compute capability, less a
@@ -46,9 +46,9 @@ _OPT_IN_SMEM_MAJOR = {8: 90 * 1024}
 
 
 @functools.cache
-def shrink_smem_budget() -> int:
-    """Shared memory the shrink's tiles may use: ``LORA_JAX_TRITON_SMEM_BUDGET`` (bytes) if
-    set, else by the first GPU's compute capability, else (no GPU) `SMEM_BUDGET`.
+def opt_in_smem_budget() -> int:
+    """Shared memory the shrink's and expand's tiles may use: ``LORA_JAX_TRITON_SMEM_BUDGET``
+    (bytes) if set, else by the first GPU's compute capability, else (no GPU) `SMEM_BUDGET`.
 
     Kernels over 48 KiB launch through jax 0.11.2's Triton custom call on an H200
     (benchmarks/RESULTS.md, session 8: 72-128 KiB shrink tiles ran and checked).
@@ -64,11 +64,15 @@ def shrink_smem_budget() -> int:
     return _OPT_IN_SMEM.get((major, minor), _OPT_IN_SMEM_MAJOR.get(major, SMEM_BUDGET))
 
 
-def fit_expand_tiles(bs: BlockSizes, rank: int, itemsize: int) -> BlockSizes:
-    """Narrower column (then token) tiles until both dot operands fit SMEM_BUDGET."""
+def fit_expand_tiles(
+    bs: BlockSizes, rank: int, itemsize: int, budget: int | None = None
+) -> BlockSizes:
+    """Narrower column (then token) tiles until both dot operands fit ``budget``
+    (default: `opt_in_smem_budget`, what this GPU lets a kernel opt in to)."""
+    budget = opt_in_smem_budget() if budget is None else budget
     rank_p = max(16, 1 << (rank - 1).bit_length())
     bm, bn = bs.block_m, bs.block_n
-    while (bm + bn) * rank_p * itemsize > SMEM_BUDGET and (bn > 16 or bm > 16):
+    while (bm + bn) * rank_p * itemsize > budget and (bn > 16 or bm > 16):
         if bn > 16 and bn >= bm:
             bn //= 2
         else:

@@ -24,7 +24,7 @@ from lora_jax.kernels.shrink_expand.pallas_triton import (
     _block_rows,
     _dot_precision,
     _true_rank,
-    shrink_smem_budget,
+    opt_in_smem_budget,
 )
 
 
@@ -37,8 +37,8 @@ def fit_shrink_tiles(
     bs: BlockSizes, rank: int, itemsize: int, budget: int | None = None
 ) -> BlockSizes:
     """Fewer pipeline stages, then a shorter k step, until the buffers fit ``budget``
-    (default: `shrink_smem_budget`, what this GPU lets a kernel opt in to)."""
-    budget = shrink_smem_budget() if budget is None else budget
+    (default: `opt_in_smem_budget`, what this GPU lets a kernel opt in to)."""
+    budget = opt_in_smem_budget() if budget is None else budget
     bs = dataclasses.replace(bs, block_r=min(bs.block_r, max(16, 1 << (rank - 1).bit_length())))
     stages, bk = bs.num_stages, bs.block_k
     while stages * (bs.block_m + bs.block_r) * bk * itemsize > budget:
