@@ -113,6 +113,10 @@ for what in "$@"; do
     step smem_e 280 "${OPS[@]}" --sweep --sweep-set prefill --candidates 7,8,9,10,11,12 \
       --ops expand --tokens 4096,16384 --hiddens 4096 --ranks 16,64,128 --adapters 1,64 \
       --impls ours --time-budget 260 --out "$OUT/smem_e" ;;
+  r128s)  # the R = 128 long-prompt shrink default: its split, and 2048 tokens
+    step r128s 120 "${OPS[@]}" --sweep --sweep-set prefill --candidates 25,26,27 \
+      --ops shrink --tokens 2048,4096 --hiddens 4096 --ranks 128 --adapters 1,64 \
+      --impls ours --time-budget 100 --out "$OUT/r128s" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -120,7 +124,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s tp1 two" >&2
     exit 2 ;;
   esac
 done

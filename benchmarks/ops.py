@@ -464,6 +464,10 @@ PREFILL_SWEEP = {
         dataclasses.replace(PREFILL_BIG, block_m=128, block_r=64),
         dataclasses.replace(PREFILL_BIG, block_m=32, block_r=64, block_k=128, num_warps=4),
         dataclasses.replace(PREFILL_BIG, block_m=128, split_k=4, atomic_programs=0),
+        # 25-27: the R = 128 default ([24]) with other splits
+        dataclasses.replace(PREFILL_BIG, block_m=128, split_k=8),
+        dataclasses.replace(PREFILL_BIG, block_m=128, split_k=8, atomic_programs=0),
+        dataclasses.replace(PREFILL_BIG, block_m=128, split_k=2, atomic_programs=0),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
