@@ -110,7 +110,7 @@ for what in "$@"; do
       --ranks 128 --adapters 1 --impls ours,gather,onehot --time-budget 115 \
       --out "$OUT/n1_r128" ;;
   smem_e)  # prefill expand: tiles over 48 KiB of shared memory (ours[7..12]) vs the default
-    step smem_e 280 "${OPS[@]}" --sweep --sweep-set prefill --candidates 7,8,9,10,11,12 \
+    LORA_JAX_TRITON_SMEM_BUDGET=200000 step smem_e 280 "${OPS[@]}" --sweep --sweep-set prefill --candidates 7,8,9,10,11,12 \
       --ops expand --tokens 4096,16384 --hiddens 4096 --ranks 16,64,128 --adapters 1,64 \
       --impls ours --time-budget 260 --out "$OUT/smem_e" ;;
   r128s)  # the R = 128 long-prompt shrink default: its split, and 2048 tokens

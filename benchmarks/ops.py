@@ -477,8 +477,8 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4),
         BlockSizes(block_m=128, block_n=64, num_stages=2, num_warps=8, tiles_n=4),
         BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8),
-        # 7-12 (session 8): wider tiles over 48 KiB of shared memory (the expand's tiles
-        # are fitted to opt_in_smem_budget(): raise LORA_JAX_TRITON_SMEM_BUDGET off-GPU)
+        # 7-12 (session 8): wider tiles over 48 KiB of shared memory (run them with
+        # LORA_JAX_TRITON_SMEM_BUDGET set, or they are fitted to 45 KiB)
         BlockSizes(block_m=64, block_n=128, num_stages=2, tiles_n=4),
         BlockSizes(block_m=64, block_n=128, num_stages=3, num_warps=8, tiles_n=4),
         BlockSizes(block_m=128, block_n=128, num_stages=2, num_warps=8, tiles_n=4),

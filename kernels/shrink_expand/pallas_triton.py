@@ -34,8 +34,8 @@ from jax.experimental.pallas import triton as plgpu
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 
 # The portable shared-memory budget of one program: under the 48 KiB that a kernel may use
-# without opting in. The fused kernel keeps to it; the shrink's and the expand's tiles may
-# use what `opt_in_smem_budget` allows.
+# without opting in. The expand and the fused kernel keep to it; the shrink's tiles may use
+# what `opt_in_smem_budget` allows.
 SMEM_BUDGET = 45 * 1024
 
 # Per-block shared memory a kernel may opt in to, by CUDA compute capability, less a
@@ -47,7 +47,7 @@ _OPT_IN_SMEM_MAJOR = {8: 90 * 1024}
 
 @functools.cache
 def opt_in_smem_budget() -> int:
-    """Shared memory the shrink's and expand's tiles may use: ``LORA_JAX_TRITON_SMEM_BUDGET``
+    """Shared memory the shrink's tiles may use: ``LORA_JAX_TRITON_SMEM_BUDGET``
     (bytes) if set, else by the first GPU's compute capability, else (no GPU) `SMEM_BUDGET`.
 
     Kernels over 48 KiB launch through jax 0.11.2's Triton custom call on an H200
@@ -67,9 +67,15 @@ def opt_in_smem_budget() -> int:
 def fit_expand_tiles(
     bs: BlockSizes, rank: int, itemsize: int, budget: int | None = None
 ) -> BlockSizes:
-    """Narrower column (then token) tiles until both dot operands fit ``budget``
-    (default: `opt_in_smem_budget`, what this GPU lets a kernel opt in to)."""
-    budget = opt_in_smem_budget() if budget is None else budget
+    """Narrower column (then token) tiles until both dot operands fit ``budget``.
+
+    The default is `SMEM_BUDGET`: wider expand tiles over 48 KiB were slower or equal in
+    the session-8 H200 sweep (benchmarks/RESULTS.md). Setting LORA_JAX_TRITON_SMEM_BUDGET
+    makes it `opt_in_smem_budget()`, for such sweeps.
+    """
+    if budget is None:
+        env = os.environ.get("LORA_JAX_TRITON_SMEM_BUDGET")
+        budget = opt_in_smem_budget() if env else SMEM_BUDGET
     rank_p = max(16, 1 << (rank - 1).bit_length())
     bm, bn = bs.block_m, bs.block_n
     while (bm + bn) * rank_p * itemsize > budget and (bn > 16 or bm > 16):

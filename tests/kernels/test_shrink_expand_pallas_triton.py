@@ -40,8 +40,8 @@ _BIG_SMEM = 200 * 1024  # what an H100/H200 lets the shrink opt in to (pallas_tr
 
 @contextlib.contextmanager
 def shrink_smem(budget: int):
-    """Runs with `opt_in_smem_budget()` == ``budget`` (the shrink's and expand's tiles are
-    fitted to it), as on a GPU that allows that much shared memory."""
+    """Runs with `opt_in_smem_budget()` == ``budget`` (the shrink's tiles, and with the
+    variable set the expand's, are fitted to it), as on a GPU that allows that much."""
     from lora_jax.kernels.shrink_expand import pallas_triton
 
     old = os.environ.get("LORA_JAX_TRITON_SMEM_BUDGET")
