@@ -117,6 +117,9 @@ for what in "$@"; do
     step r128s 120 "${OPS[@]}" --sweep --sweep-set prefill --candidates 25,26,27 \
       --ops shrink --tokens 2048,4096 --hiddens 4096 --ranks 128 --adapters 1,64 \
       --impls ours --time-budget 100 --out "$OUT/r128s" ;;
+  n8)  # eight adapters at prefill, H = 4096 (the grid's n = 8 row)
+    step n8 220 "${OPS[@]}" --tokens 1024,4096,16384 --hiddens 4096 --ranks 16,64,128 \
+      --adapters 8 --impls ours,onehot --time-budget 190 --out "$OUT/n8" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -124,7 +127,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 tp1 two" >&2
     exit 2 ;;
   esac
 done
