@@ -289,6 +289,42 @@ def test_split_partials_are_added_atomically_where_measured_faster():
         assert get(16384).atomic_programs == B.ATOMIC_PROGRAMS and get(16384).block_m == 64
 
 
+@pytest.mark.parametrize(
+    "cc, want",
+    [
+        ("9.0", 200 * 1024),
+        ("8.0", 150 * 1024),
+        ("8.6", 90 * 1024),
+        ("7.5", 45 * 1024),
+        (None, 45 * 1024),
+    ],
+)
+def test_opt_in_smem_budget_by_compute_capability(monkeypatch, cc, want):
+    """The shrink's shared-memory budget follows the first GPU's compute capability (none:
+    the portable 45 KiB), and LORA_JAX_TRITON_SMEM_BUDGET overrides it."""
+    from lora_jax.kernels.shrink_expand import pallas_triton
+
+    class FakeGpu:
+        compute_capability = cc
+
+    def devices(backend=None):
+        if cc is None:
+            raise RuntimeError("Unknown backend: 'gpu' requested, but no platforms are found")
+        assert backend == "gpu"
+        return [FakeGpu()]
+
+    monkeypatch.delenv("LORA_JAX_TRITON_SMEM_BUDGET", raising=False)
+    monkeypatch.setattr(pallas_triton.jax, "devices", devices)
+    pallas_triton.opt_in_smem_budget.cache_clear()
+    try:
+        assert pallas_triton.opt_in_smem_budget() == want
+        pallas_triton.opt_in_smem_budget.cache_clear()
+        monkeypatch.setenv("LORA_JAX_TRITON_SMEM_BUDGET", "65536")
+        assert pallas_triton.opt_in_smem_budget() == 65536
+    finally:
+        pallas_triton.opt_in_smem_budget.cache_clear()
+
+
 @pytest.mark.parametrize("rank", [16, 64, 128])
 def test_long_prefill_shrink_tiles(rank):
     """The session-8 long-prompt tiles: chosen only where the GPU allows their shared
