@@ -21,9 +21,9 @@ the single ops `lora_shrink` / `lora_expand` treat it as "pallas". Measured on a
 is 2-5x slower than the shrink + expand pair (each program walks the whole hidden dim
 serially; benchmarks/RESULTS.md, "ops"), so it stays opt-in, for experiments.
 
-Reproducibility: the "pallas" shrink splits its hidden reduction at decode and adds the
-partial sums with atomics, so its f32 results may differ in the last bits from run to run
-(as vLLM's split-K shrink does). "xla" is bit-reproducible, and so is
+Reproducibility: the "pallas" shrink splits its hidden reduction at decode and in most
+prefills and adds the partial sums with atomics, so its f32 results may differ in the last
+bits from run to run (as vLLM's split-K shrink does). "xla" is bit-reproducible, and so is
 `lora_jax.kernels.lora_shrink` given ``BlockSizes(atomic_programs=0, ...)``.
 """
 

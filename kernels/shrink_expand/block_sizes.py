@@ -231,7 +231,8 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
     if rank_p == 128 and num_tokens < 8192 and budget >= 3 * 256 * 64 * 2:
         # 128 x 128 output tiles (A and x re-read a quarter as often from L2), 8 warps, 3
         # stages (96 KiB), 4-way split summed in XLA. T = 4096: 30.1 -> 22.5 us at n = 1;
-        # 35.2 -> 36.6 at n = 64 (64 tokens per adapter half-fill a block).
+        # 35.2 -> 36.6 at n = 64 (64 tokens per adapter half-fill a block); T = 2048:
+        # 26.3 / 26.4 / 32.9 -> 18.9 / 19.7 / 30.0 at n = 1 / 8 / 64.
         return BlockSizes(
             block_m=128,
             block_r=128,
