@@ -120,6 +120,21 @@ for what in "$@"; do
   n8)  # eight adapters at prefill, H = 4096 (the grid's n = 8 row)
     step n8 220 "${OPS[@]}" --tokens 1024,4096,16384 --hiddens 4096 --ranks 16,64,128 \
       --adapters 8 --impls ours,onehot --time-budget 190 --out "$OUT/n8" ;;
+  rows)  # session 9: work lists carry each block's token positions (one round trip less)
+    step rows_decode 150 "${OPS[@]}" --ops shrink,expand --tokens 1,16,64 --hiddens 4096 \
+      --ranks 16,64 --adapters 1,8,64 --impls ours,gather --time-budget 135 \
+      --out "$OUT/rows_decode"
+    step rows_prefill 80 "${OPS[@]}" --ops shrink,expand --tokens 4096 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 1,64 --impls ours --time-budget 65 \
+      --out "$OUT/rows_prefill" ;;
+  static16)  # session 9: rank-16 prefill shrink on the static grid, k steps, stages (ours[28..33])
+    step static16 170 "${OPS[@]}" --sweep --sweep-set prefill --candidates 28,29,30,31,32,33 \
+      --ops shrink --tokens 2048,4096,16384 --hiddens 4096 --ranks 16 --adapters 1,64 \
+      --impls ours,onehot --time-budget 155 --out "$OUT/static16" ;;
+  static64)  # session 9: rank 64 / 128 prefill shrink on the static grid (ours[34..37])
+    step static64 200 "${OPS[@]}" --sweep --sweep-set prefill --candidates 18,24,34,35,36,37 \
+      --ops shrink --tokens 4096,16384 --hiddens 4096 --ranks 64,128 --adapters 1,64 \
+      --impls ours --time-budget 185 --out "$OUT/static64" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -127,7 +142,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 tp1 two" >&2
     exit 2 ;;
   esac
 done

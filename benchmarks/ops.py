@@ -79,7 +79,7 @@ def metadata(idx: np.ndarray, max_loras: int) -> dict[str, jax.Array]:
     active[: len(used)] = used
     # The work lists are per-step metadata like the sort (lora_jax.mapping builds them once
     # per step for every layer), so they are made here, outside the timed calls.
-    lists = build_work_lists(jnp.asarray(counts), jnp.asarray(starts), num_tokens=len(idx))
+    lists = build_work_lists(jnp.asarray(counts), jnp.asarray(starts), jnp.asarray(sorted_ids))
     return dict(
         token_lora_indices=jnp.asarray(idx.astype(np.int32)),
         sorted_token_ids=jnp.asarray(sorted_ids),
@@ -425,6 +425,11 @@ PREFILL_BIG = BlockSizes(
     atomic_programs=528,
 )
 
+# The session-8 long-prompt rank-16 shrink default: 128-column k steps, 3 stages (36 KiB).
+PREFILL_R16 = BlockSizes(
+    block_m=32, block_r=16, block_k=128, num_stages=3, split_k=8, atomic_programs=528
+)
+
 # Prefill / mid-size tile candidates for `--sweep --sweep-set prefill` (T > 256): the
 # prefill shrink had no split-K, so at T = 1024 it ran ~40 programs on 132 SMs.
 PREFILL_SWEEP = {
@@ -468,6 +473,26 @@ PREFILL_SWEEP = {
         dataclasses.replace(PREFILL_BIG, block_m=128, split_k=8),
         dataclasses.replace(PREFILL_BIG, block_m=128, split_k=8, atomic_programs=0),
         dataclasses.replace(PREFILL_BIG, block_m=128, split_k=2, atomic_programs=0),
+        # 28-33 (session 9), rank 16: the default on the static (block, split) grid (no
+        # dependent load of the live count before a block's), longer k steps, deeper pipelines
+        dataclasses.replace(PREFILL_R16, persistent=False),
+        dataclasses.replace(PREFILL_R16, block_k=256, persistent=False),
+        dataclasses.replace(PREFILL_R16, block_k=256, num_stages=4, persistent=False),
+        dataclasses.replace(PREFILL_R16, block_m=64, block_k=256, num_warps=8, persistent=False),
+        dataclasses.replace(PREFILL_R16, num_stages=5, persistent=False),
+        dataclasses.replace(
+            PREFILL_R16,
+            block_m=16,
+            block_k=256,
+            num_stages=4,
+            atomic_programs=1056,
+            persistent=False,
+        ),  # fmt: skip
+        # 34-37 (session 9), ranks 64 and 128 on the static grid
+        dataclasses.replace(PREFILL_BIG, block_r=64, persistent=False),
+        dataclasses.replace(PREFILL_BIG, block_r=64, block_k=128, persistent=False),
+        dataclasses.replace(PREFILL_BIG, block_m=128, persistent=False),
+        dataclasses.replace(PREFILL_BIG, num_stages=4, persistent=False),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),

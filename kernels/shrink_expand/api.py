@@ -142,14 +142,13 @@ def lora_shrink(
         work_lists,
         slot_token_counts,
         slot_token_starts,
-        num_tokens=num_tokens,
+        sorted_token_ids,
         block_m=block_sizes.block_m,
     )
     return pallas_triton_shrink.shrink(
         x,
         lora_a,
         tab,
-        sorted_token_ids.astype(jnp.int32),
         None if slot_ranks is None else slot_ranks.astype(jnp.int32),
         scale=float(scale),
         bs=block_sizes,
@@ -229,7 +228,7 @@ def lora_expand(
         work_lists,
         slot_token_counts,
         slot_token_starts,
-        num_tokens=num_tokens,
+        sorted_token_ids,
         block_m=block_sizes.block_m,
     )
     return pallas_triton.expand(
@@ -237,7 +236,6 @@ def lora_expand(
         h,
         lora_b,
         tab,
-        sorted_token_ids.astype(jnp.int32),
         None if slot_ranks is None else slot_ranks.astype(jnp.int32),
         offsets=offsets,
         bs=block_sizes,

@@ -91,14 +91,12 @@ def _dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def _block_rows(tab_ref, ids_ref, pid, block_m: int):
-    """Slot, row count and the token ids [block_m] of work block ``pid``."""
+def _block_rows(tab_ref, pid, block_m: int):
+    """Slot, row count and the token positions [block_m] of work block ``pid`` (the last
+    one repeated), all from the work list's column ``pid``: independent loads."""
     slot = tab_ref[0, pid]
-    first = tab_ref[1, pid]
     nrows = tab_ref[2, pid]
-    m = jnp.arange(block_m, dtype=jnp.int32)
-    pos = first + jnp.minimum(m, jnp.maximum(nrows - 1, 0))
-    rows = ids_ref[pos]  # [block_m] token positions (last one repeated)
+    rows = tab_ref[4 + jnp.arange(block_m, dtype=jnp.int32), pid]
     return slot, nrows, rows
 
 
@@ -131,8 +129,7 @@ def expand_tile(
 
 
 def _expand_kernel(
-    tab_ref,  # [4, NB] int32 (work_list.py)
-    ids_ref,  # [T] int32
+    tab_ref,  # [4 + block_m, NB] int32 (work_list.py)
     *refs,
     num_slices: int,
     has_ranks: bool,
@@ -162,7 +159,7 @@ def _expand_kernel(
             (sid == s) & (grp * tiles < blocks_s) & (tab_ref[2, pid] > 0) & (tab_ref[0, pid] >= 0)
         )
         def _(s=s, n_s=n_s, off=off):
-            slot, nrows, rows = _block_rows(tab_ref, ids_ref, pid, bm)
+            slot, nrows, rows = _block_rows(tab_ref, pid, bm)
             r = jnp.arange(rank_p, dtype=jnp.int32)
             r_mask = r < _true_rank(ranks_ref, s, slot, rank)
             # The tokens' h, loaded once for all of this program's column tiles.
@@ -208,7 +205,6 @@ def expand(
     h,
     lora_b,
     tab,
-    sorted_token_ids,
     slot_ranks,
     *,
     offsets: tuple[int, ...],
@@ -241,7 +237,7 @@ def expand(
     tiles = max(1, min(bs.tiles_n, max_tiles))
     kernel = functools.partial(kernel, bs=dataclasses.replace(bs, tiles_n=tiles))
     grid = (tab.shape[1], num_slices, -(-max_tiles // tiles))
-    inputs = [tab, sorted_token_ids] + ([slot_ranks] if has_ranks else []) + [h, *lora_b, y]
+    inputs = [tab] + ([slot_ranks] if has_ranks else []) + [h, *lora_b, y]
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),

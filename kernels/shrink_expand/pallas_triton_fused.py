@@ -11,7 +11,7 @@ Grid: (work block, slice s, column group). A work block is a run of up to
 ``block_m`` tokens of one adapter slot (work_list.py, shared with the other
 kernels). Each program
 
-1. gathers its tokens' x rows through ``sorted_token_ids`` and streams its
+1. gathers its tokens' x rows (positions from the work list) and streams its
    slot's ``A_s`` in ``block_k`` chunks (a pipelined loop), accumulating
    ``h [block_m, R]`` in f32 registers;
 2. scales h and rounds it to B's dtype (as the expand kernel does);
@@ -99,8 +99,7 @@ def fit_fused_tiles(bs: BlockSizes, rank: int, itemsize: int) -> BlockSizes:
 
 
 def _fused_kernel(
-    tab_ref,  # [4, NB] int32 (work_list.py)
-    ids_ref,  # [T] int32
+    tab_ref,  # [4 + block_m, NB] int32 (work_list.py)
     *refs,
     num_slices: int,
     has_ranks: bool,
@@ -137,7 +136,7 @@ def _fused_kernel(
             (sid == s) & (first_tile < tiles_s) & (tab_ref[2, pid] > 0) & (tab_ref[0, pid] >= 0)
         )
         def _(s=s, n_s=n_s, off=off, first_tile=first_tile):
-            slot, _, rows = _block_rows(tab_ref, ids_ref, pid, bm)
+            slot, _, rows = _block_rows(tab_ref, pid, bm)
             r = jnp.arange(rank_p, dtype=jnp.int32)  # [rank_p]
             r_mask = r < _true_rank(ranks_ref, s, slot, rank)
 
@@ -181,7 +180,6 @@ def shrink_expand(
     lora_a,
     lora_b,
     tab,
-    sorted_token_ids,
     slot_ranks,
     *,
     offsets: tuple[int, ...],
@@ -218,9 +216,7 @@ def shrink_expand(
         bs=bs,
     )
     grid = (tab.shape[1], num_slices, groups)
-    inputs = (
-        [tab, sorted_token_ids] + ([slot_ranks] if has_ranks else []) + [x, *lora_a, *lora_b, y]
-    )
+    inputs = [tab] + ([slot_ranks] if has_ranks else []) + [x, *lora_a, *lora_b, y]
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
@@ -313,7 +309,7 @@ def lora_shrink_expand(
         work_lists,
         slot_token_counts,
         slot_token_starts,
-        num_tokens=num_tokens,
+        sorted_token_ids,
         block_m=block_sizes.block_m,
     )
     return shrink_expand(
@@ -322,7 +318,6 @@ def lora_shrink_expand(
         lora_a,
         lora_b,
         tab,
-        sorted_token_ids.astype(jnp.int32),
         None if slot_ranks is None else slot_ranks.astype(jnp.int32),
         offsets=offsets,
         scale=float(scale),

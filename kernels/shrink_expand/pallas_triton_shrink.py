@@ -53,18 +53,23 @@ def fit_shrink_tiles(
     return dataclasses.replace(bs, num_stages=stages, block_k=bk)
 
 
-def _shrink_tile(x_ref, a_ref, rows, slot, r, r_mask, k, hidden: int, dtype, precision):
+def _shrink_tile(x_ref, a_ref, rows, slot, r, r_mask, k, hidden: int | None, dtype, precision):
     """``x[rows, k] @ A[slot, r, k].T`` in f32 for one k step: x gathered by token row,
-    columns past ``hidden`` and rank rows outside ``r_mask`` masked (no traffic)."""
-    k_mask = k < hidden
-    xt = plgpu.load(
-        x_ref.at[rows[:, None], k[None, :]],
-        mask=jnp.broadcast_to(k_mask[None, :], (rows.shape[0], k.shape[0])),
-        other=0,
-    )  # [bm, bk]
+    columns past ``hidden`` (None: no step reaches past it, no mask) and rank rows
+    outside ``r_mask`` masked (no traffic)."""
+    x_at = x_ref.at[rows[:, None], k[None, :]]
+    if hidden is None:
+        xt = plgpu.load(x_at)  # [bm, bk]
+        a_mask = r_mask[:, None]
+    else:
+        k_mask = k < hidden
+        xt = plgpu.load(
+            x_at, mask=jnp.broadcast_to(k_mask[None, :], (rows.shape[0], k.shape[0])), other=0
+        )
+        a_mask = r_mask[:, None] & k_mask[None, :]
     at = plgpu.load(
         a_ref.at[slot, r[:, None], k[None, :]],
-        mask=r_mask[:, None] & k_mask[None, :],
+        mask=jnp.broadcast_to(a_mask, (r.shape[0], k.shape[0])),
         other=0,
     )  # [br, bk]
     return plgpu.dot(xt.astype(dtype), at.astype(dtype), trans_b=True, precision=precision)
@@ -77,8 +82,7 @@ def _shrink_refs(refs, has_ranks: bool, num_slices: int):
 
 
 def _shrink_kernel(
-    tab_ref,  # [4, NB] int32 (work_list.py)
-    ids_ref,  # [T] int32
+    tab_ref,  # [4 + block_m, NB] int32 (work_list.py)
     *refs,
     num_slices: int,
     has_ranks: bool,
@@ -102,7 +106,7 @@ def _shrink_kernel(
 
         @pl.when((sid == s) & (tab_ref[2, pid] > 0))
         def _(s=s):
-            slot, _, rows = _block_rows(tab_ref, ids_ref, pid, bm)
+            slot, _, rows = _block_rows(tab_ref, pid, bm)
             r = rb * br + jnp.arange(br, dtype=jnp.int32)  # [br]
             r_lim = _true_rank(ranks_ref, s, slot, rank)
             live = (slot >= 0) & (rb * br < r_lim) & (ks * chunk < hidden)
@@ -119,7 +123,7 @@ def _shrink_kernel(
                     r,
                     r_mask,
                     k,
-                    hidden,
+                    None if hidden % chunk == 0 else hidden,  # no split runs past it
                     compute_dtype,
                     precision,
                 )
@@ -150,8 +154,7 @@ def _add_to(o_ref, idx, val, mask, interpret: bool):
 
 
 def _shrink_atomic_kernel(
-    tab_ref,  # [4, NB] int32 (work_list.py; row 3: live block count)
-    ids_ref,  # [T] int32
+    tab_ref,  # [4 + block_m, NB] int32 (work_list.py; row 3: live block count)
     *refs,
     num_slices: int,
     has_ranks: bool,
@@ -178,6 +181,7 @@ def _shrink_atomic_kernel(
     n_rb = max(16, 1 << (rank - 1).bit_length()) // br
     rb = p2 if persistent else p2 % n_rb  # persistent grid: (worker, slice, rank block)
     steps = -(-hidden // bk)
+    k_lim = None if hidden % bk == 0 else hidden  # no k step runs past hidden: no mask
     precision = _dot_precision(compute_dtype)
     n_live = tab_ref[3, 0]
     split = jnp.clip(jax.lax.div(jnp.int32(workers), jnp.maximum(n_live, 1)), 1, bs.split_k)
@@ -185,7 +189,7 @@ def _shrink_atomic_kernel(
     r = rb * br + jnp.arange(br, dtype=jnp.int32)  # [br]
 
     def do_item(s: int, blk, ks):
-        slot, nrows, rows = _block_rows(tab_ref, ids_ref, blk, bm)
+        slot, nrows, rows = _block_rows(tab_ref, blk, bm)
         r_lim = _true_rank(ranks_ref, s, slot, rank)
         first = ks * chunk
         n_steps = jnp.clip(steps - first, 0, chunk)
@@ -193,7 +197,7 @@ def _shrink_atomic_kernel(
         def body(kk, acc):
             k = (first + kk) * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
             return acc + _shrink_tile(
-                x_ref, a_refs[s], rows, slot, r, r < r_lim, k, hidden, compute_dtype, precision
+                x_ref, a_refs[s], rows, slot, r, r < r_lim, k, k_lim, compute_dtype, precision
             )
 
         @pl.when(rb * br < r_lim)  # a rank block wholly past the slot's rank: 0
@@ -227,9 +231,7 @@ def _shrink_atomic_kernel(
                 do_item(s, pid, ks)
 
 
-def shrink(
-    x, lora_a, tab, sorted_token_ids, slot_ranks, *, scale: float, bs: BlockSizes, interpret: bool
-):
+def shrink(x, lora_a, tab, slot_ranks, *, scale: float, bs: BlockSizes, interpret: bool):
     """f32 [S, T, R]. ``tab`` is the work list of work_list.build_work_list."""
     num_tokens, hidden = x.shape
     num_slices = len(lora_a)
@@ -253,7 +255,7 @@ def shrink(
         compute_dtype=compute_dtype,
         bs=bs,
     )
-    inputs = [tab, sorted_token_ids] + ([slot_ranks] if has_ranks else []) + [x, *lora_a]
+    inputs = [tab] + ([slot_ranks] if has_ranks else []) + [x, *lora_a]
     if bs.atomic_programs:
         n_rb = rank_p // br
         workers = max(1, -(-bs.atomic_programs // (num_slices * n_rb)))

@@ -10,6 +10,11 @@ entries have zero rows and their programs return at once. The blocks of
 mapped tokens come first, and row 3 holds their count (in every column), so
 that a kernel can size its work to the step's live blocks at run time.
 
+Rows 4 ... 4 + block_m - 1 hold each block's token positions (the last real one
+repeated past its count), gathered from ``sorted_token_ids`` here rather than by
+the kernel: a program then reads its slot and its rows in one round trip to
+memory instead of two dependent ones (the sorted ids at an offset read first).
+
 The list depends only on the step's mapping and ``block_m``, so it is a per-step
 cost like the sort: `build_work_lists` makes one per ``WORK_LIST_BLOCK_MS`` entry
 (the token blocks the default tiles use) and `lora_jax.mapping` keeps them, so
@@ -36,12 +41,14 @@ def num_work_blocks(num_tokens: int, max_loras: int, block_m: int) -> int:
 def build_work_list(
     slot_token_counts: jax.Array,  # [L] int32
     slot_token_starts: jax.Array,  # [L] int32
+    sorted_token_ids: jax.Array,  # [T] int32
     *,
-    num_tokens: int,
     block_m: int,
 ) -> jax.Array:
-    """Returns int32 [4, NB]: per block (slot or -1 for unmapped, first row, row count),
-    and in row 3 the number of blocks of mapped tokens (the list's first entries)."""
+    """Returns int32 [4 + block_m, NB]: per block (slot or -1 for unmapped, first row,
+    row count), in row 3 the number of blocks of mapped tokens (the list's first
+    entries), then the block's ``block_m`` token positions (last one repeated)."""
+    num_tokens = sorted_token_ids.shape[0]
     num_slots = slot_token_counts.shape[0]
     counts = slot_token_counts.astype(jnp.int32)
     mapped = jnp.sum(counts)
@@ -62,21 +69,25 @@ def build_work_list(
     rows = jnp.where(in_range, rows, 0)
     first = starts_g[gc] + j * block_m
     live = jnp.broadcast_to(cum[num_slots - 1], (nb,))  # blocks of slots 0..L-1
-    return jnp.stack([slots_g[gc], first, rows, live]).astype(jnp.int32)
+    m = jnp.arange(block_m, dtype=jnp.int32)
+    pos = first[None, :] + jnp.minimum(m[:, None], jnp.maximum(rows - 1, 0)[None, :])
+    tokens = sorted_token_ids.astype(jnp.int32)[jnp.clip(pos, 0, num_tokens - 1)]  # [bm, NB]
+    head = jnp.stack([slots_g[gc], first, rows, live]).astype(jnp.int32)
+    return jnp.concatenate([head, tokens])
 
 
 def build_work_lists(
-    slot_token_counts: jax.Array, slot_token_starts: jax.Array, *, num_tokens: int
+    slot_token_counts: jax.Array, slot_token_starts: jax.Array, sorted_token_ids: jax.Array
 ) -> dict[int, jax.Array]:
     """One work list per ``WORK_LIST_BLOCK_MS`` entry, keyed by ``block_m``.
 
     Example::
 
-        lists = build_work_lists(counts, starts, num_tokens=64)
+        lists = build_work_lists(counts, starts, sorted_ids)
         h = lora_shrink(x, (a,), **meta, work_lists=lists)
     """
     return {
-        bm: build_work_list(slot_token_counts, slot_token_starts, num_tokens=num_tokens, block_m=bm)
+        bm: build_work_list(slot_token_counts, slot_token_starts, sorted_token_ids, block_m=bm)
         for bm in WORK_LIST_BLOCK_MS
     }
 
@@ -85,17 +96,18 @@ def get_work_list(
     work_lists: Mapping[int, jax.Array] | None,
     slot_token_counts: jax.Array,
     slot_token_starts: jax.Array,
+    sorted_token_ids: jax.Array,
     *,
-    num_tokens: int,
     block_m: int,
 ) -> jax.Array:
     """The ready-made list for ``block_m`` from ``work_lists``, else a new one."""
     tab = None if work_lists is None else work_lists.get(block_m)
     if tab is None:
         return build_work_list(
-            slot_token_counts, slot_token_starts, num_tokens=num_tokens, block_m=block_m
+            slot_token_counts, slot_token_starts, sorted_token_ids, block_m=block_m
         )
-    expected = (4, num_work_blocks(num_tokens, slot_token_counts.shape[0], block_m))
+    num_tokens = sorted_token_ids.shape[0]
+    expected = (4 + block_m, num_work_blocks(num_tokens, slot_token_counts.shape[0], block_m))
     if tuple(tab.shape) != expected or tab.dtype != jnp.int32:
         raise ValueError(
             f"work_lists[{block_m}] is {tab.dtype}{list(tab.shape)}; expected int32"

@@ -164,11 +164,11 @@ def test_work_list_covers_every_token_once():
             build_work_list(
                 meta["slot_token_counts"],
                 meta["slot_token_starts"],
-                num_tokens=num_tokens,
+                meta["sorted_token_ids"],
                 block_m=block_m,
             )
         )
-        assert tab.shape == (4, num_work_blocks(num_tokens, max_loras, block_m))
+        assert tab.shape == (4 + block_m, num_work_blocks(num_tokens, max_loras, block_m))
         # Row 3: the count of mapped blocks, which come first in the list.
         counts = np.asarray(meta["slot_token_counts"])
         n_live = int(np.sum(-(-counts // block_m)))
@@ -177,12 +177,17 @@ def test_work_list_covers_every_token_once():
         assert not np.any((tab[0, n_live:] >= 0) & (tab[2, n_live:] > 0))
         sorted_ids = np.asarray(meta["sorted_token_ids"])
         seen = np.zeros(num_tokens, int)
-        for slot, first, rows, _ in tab.T:
+        for slot, first, rows, _, *tokens in tab.T:
             assert 0 <= rows <= block_m
             for p in range(first, first + rows):
                 tok = sorted_ids[p]
                 seen[tok] += 1
                 assert idx[tok] == slot
+            if rows:  # rows 4...: the block's tokens, the last one repeated past its count
+                want = [sorted_ids[first + min(m, rows - 1)] for m in range(block_m)]
+                assert tokens == want
+            else:
+                assert all(0 <= t < num_tokens for t in tokens)
         assert np.all(seen == 1)
 
 
@@ -209,7 +214,7 @@ def test_ready_made_work_lists():
         want = build_work_list(
             meta["slot_token_counts"],
             meta["slot_token_starts"],
-            num_tokens=num_tokens,
+            meta["sorted_token_ids"],
             block_m=bm,
         )
         np.testing.assert_array_equal(np.asarray(tab), np.asarray(want))
@@ -224,7 +229,7 @@ def test_ready_made_work_lists():
     y2 = lora_expand(y, h, (b,), offsets=(0,), **meta, work_lists=lists, interpret=True)
     np.testing.assert_array_equal(np.asarray(y2), np.asarray(y1))
     stale = build_work_lists(
-        meta["slot_token_counts"][:4], meta["slot_token_starts"][:4], num_tokens=num_tokens
+        meta["slot_token_counts"][:4], meta["slot_token_starts"][:4], meta["sorted_token_ids"]
     )  # built for 4 slots, not 5
     with pytest.raises(ValueError, match=r"work_lists\[16\].*build_work_lists"):
         lora_shrink(x, (a,), **meta, work_lists=stale, interpret=True)
