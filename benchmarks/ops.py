@@ -273,6 +273,22 @@ def ragged(c: Case):
     return per_call(c, shrink_one, expand_one)
 
 
+def dense(c: Case):
+    """A floor, not a multi-LoRA method: every token uses slot 0's weights in one plain
+    XLA dot (cuBLAS on a GPU), with no per-token gather. Right only where n = 1."""
+
+    def shrink_one(x, a, m):
+        del m
+        return jnp.einsum("th,rh->tr", x, a[0], preferred_element_type=jnp.float32)
+
+    def expand_one(y, h, b, m):
+        del m
+        d = jnp.einsum("tr,nr->tn", h[0].astype(y.dtype), b[0], preferred_element_type=jnp.float32)
+        return (y.astype(jnp.float32) + d).astype(y.dtype)
+
+    return per_call(c, shrink_one, expand_one)
+
+
 def compile_with_budget(fn, args, budget_s: float, donate: bool = False):
     """``donate``: the first argument is donated (the expand's y buffers, updated in place)."""
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
@@ -808,6 +824,8 @@ def main(argv=None):
             variants.append(("ours_inline", ours(c, None, ready_work_lists=False), w))
         if "onehot" in impls:
             variants.append(("onehot", one_hot_einsum(c), w))
+        if "dense" in impls and c.adapters == 1:
+            variants.append(("dense", dense(c), w))
         if "ragged" in impls:
             wt = [jnp.swapaxes(v, 1, 2) for v in w]
             variants.append(("ragged", ragged(c), wt))
