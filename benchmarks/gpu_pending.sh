@@ -138,6 +138,10 @@ for what in "$@"; do
   dense)  # session 9: a floor for n = 1: one plain XLA dot per call (cuBLAS), no gather
     step dense 150 "${OPS[@]}" --tokens 1024,2048,4096,16384 --hiddens 4096 --ranks 16,64,128 \
       --adapters 1 --impls ours,dense --time-budget 135 --out "$OUT/dense" ;;
+  mid)  # session 9: ranks 64 / 128 at 1024-4096 tokens, where a plain dot is 1.2-1.8x faster
+    step mid 290 "${OPS[@]}" --sweep --sweep-set prefill --candidates 14,16,18,23,24,34,36,38 \
+      --ops shrink --tokens 1024,2048,4096 --hiddens 4096 --ranks 64,128 --adapters 1,64 \
+      --impls ours --time-budget 270 --out "$OUT/mid" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -145,7 +149,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid tp1 two" >&2
     exit 2 ;;
   esac
 done

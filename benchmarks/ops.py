@@ -509,6 +509,8 @@ PREFILL_SWEEP = {
         dataclasses.replace(PREFILL_BIG, block_r=64, block_k=128, persistent=False),
         dataclasses.replace(PREFILL_BIG, block_m=128, persistent=False),
         dataclasses.replace(PREFILL_BIG, num_stages=4, persistent=False),
+        # 38 (session 9): 64-token, 64-rank blocks with twice the atomic items
+        dataclasses.replace(PREFILL_BIG, block_r=64, atomic_programs=1056),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
