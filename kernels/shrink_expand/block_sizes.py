@@ -165,18 +165,20 @@ class BlockSizes:
                 else TARGET_PROGRAMS
             )
             want = max(1, target // live)
-            split_k = min(1 << (want.bit_length() - 1), PREFILL_MAX_SPLIT_K, max(1, hidden // 512))
-            # Below LONG_PREFILL_TOKENS the split's partials are added atomically (T = 1024:
-            # 3 % faster, session 6); at 4096 tokens that was up to 2 % slower.
-            short = num_tokens < LONG_PREFILL_TOKENS
+            max_split = min(PREFILL_MAX_SPLIT_K, max(1, hidden // 512))  # >= 8 k steps each
+            split_k = min(1 << (want.bit_length() - 1), max_split)
+            # The split's partials are added atomically, the split picked at run time up
+            # to max_split (sessions 6 and 9: T = 1024 3 % faster; T = 2048, R = 64
+            # 16.8 / 22.3 -> 13.3 / 19.4 us at n = 1 / 64, no partial-sum kernel; T = 1024,
+            # R = 128 14.6 -> 13.1 us with the cap at 8; T = 4096 equal).
             return cls(
                 block_m=32,
                 block_r=block_r,
                 block_k=64,
                 num_warps=4,
                 num_stages=3,
-                split_k=split_k,
-                atomic_programs=ATOMIC_PROGRAMS if short and split_k > 1 else 0,
+                split_k=max_split if split_k > 1 else 1,
+                atomic_programs=ATOMIC_PROGRAMS if split_k > 1 else 0,
             )
         if op == "expand":
             # H200 trace-timed sweeps (benchmarks/RESULTS.md, session 5). Several column
@@ -197,9 +199,9 @@ class BlockSizes:
 
 
 def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes | None:
-    """Long-prompt shrink tiles from the session-8 H200 sweep (benchmarks/RESULTS.md), or
-    None for the general prefill rule. Two of them need more than 48 KiB of shared memory
-    and are used only where the GPU lets the kernel opt in to it."""
+    """Long-prompt shrink tiles from the session-8 and -9 H200 sweeps
+    (benchmarks/RESULTS.md), or None for the general prefill rule. Those of ranks 64 and
+    128 need 48 KiB of shared memory, used only where the GPU lets the kernel opt in."""
     from lora_jax.kernels.shrink_expand.pallas_triton import opt_in_smem_budget
 
     max_split = max(1, min(PREFILL_MAX_SPLIT_K, hidden // 512))  # >= 8 k steps per split
@@ -215,10 +217,12 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
             split_k=max_split,
             atomic_programs=ATOMIC_PROGRAMS,
         )
-    budget = opt_in_smem_budget()
-    if rank_p == 64 and num_tokens >= 8192 and budget >= 3 * 128 * 64 * 2:
-        # 64-token blocks, 8 warps, 3 stages (48 KiB). T = 16384: 47.8 -> 43.7 us (n = 1),
-        # 52.0 -> 51.6 (n = 64).
+    if rank_p in (64, 128) and opt_in_smem_budget() >= 3 * 128 * 64 * 2:
+        # 64 x 64 output tiles, 8 warps, 3 stages (48 KiB), the split added atomically,
+        # on the static (block, split) grid. Session 9 (n = 1 / 64): R = 128, T = 2048
+        # 18.6 / 30.1 -> 16.0 / 27.7 us and T = 4096 21.6 / 36.0 -> 21.3 / 34.3 (vs
+        # session 8's 128 x 128 tiles); R = 64 and T = 16384 within 2 % of the tiles
+        # they replace (session 8: T = 16384, R = 64 47.8 -> 43.7 us at n = 1).
         return BlockSizes(
             block_m=64,
             block_r=64,
@@ -227,19 +231,7 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
             num_stages=3,
             split_k=max_split,
             atomic_programs=ATOMIC_PROGRAMS,
-        )
-    if rank_p == 128 and num_tokens < 8192 and budget >= 3 * 256 * 64 * 2:
-        # 128 x 128 output tiles (A and x re-read a quarter as often from L2), 8 warps, 3
-        # stages (96 KiB), 4-way split summed in XLA. T = 4096: 30.1 -> 22.5 us at n = 1;
-        # 35.2 -> 36.6 at n = 64 (64 tokens per adapter half-fill a block); T = 2048:
-        # 26.3 / 26.4 / 32.9 -> 18.9 / 19.7 / 30.0 at n = 1 / 8 / 64.
-        return BlockSizes(
-            block_m=128,
-            block_r=128,
-            block_k=64,
-            num_warps=8,
-            num_stages=3,
-            split_k=min(4, max_split),
+            persistent=False,
         )
     return None
 

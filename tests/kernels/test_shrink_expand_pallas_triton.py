@@ -82,8 +82,8 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(64, 4096, 64, (4096,), jnp.bfloat16, "unsorted", 64, block_sizes=_DECODE_GRID),
             Case(16, 2049, 128, (512, 64), jnp.float16, "unsorted", 8, True, _DECODE_GRID),
             # long prompts (block_sizes.long_prefill_shrink): rank 16's 128-column k
-            # steps, rank 64's 64-token blocks (over 48 KiB); T = 4096 R = 128 above has
-            # the 128 x 128 tiles (96 KiB)
+            # steps; ranks 64 and 128 (T = 4096 above) 64 x 64 tiles of 8 warps on the
+            # static grid (48 KiB, over the portable budget)
             Case(4096, 4096, 16, (4096,), jnp.bfloat16, "unsorted", max_loras=64),
             Case(8192, 4096, 64, (1024,), jnp.bfloat16, "one", max_loras=2),
         ],
@@ -123,8 +123,18 @@ def _abstract_gpu_context():
         _DECODE_GRID,
         None,
         BlockSizes(block_m=128, block_r=128, block_k=64, num_warps=8, num_stages=3, split_k=4),
+        BlockSizes(
+            block_m=64,
+            block_r=64,
+            block_k=64,
+            num_warps=8,
+            num_stages=3,
+            split_k=8,
+            atomic_programs=528,
+            persistent=False,
+        ),  # fmt: skip
     ],
-    ids=["split", "atomic", "grid", "default", "long128"],
+    ids=["split", "atomic", "grid", "default", "long128", "long64"],
 )
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowers_for_cuda(dtype, tiles):
@@ -274,9 +284,9 @@ def test_prefill_shrink_default_fills_the_gpu(num_tokens, rank, budget):
 
 
 def test_split_partials_are_added_atomically_where_measured_faster():
-    """Decode (persistent programs from 16 tokens, the static grid below) and prefill
-    below LONG_PREFILL_TOKENS add their split's partials atomically; long prefills keep
-    the partial-sum kernel, and a shrink with no split needs neither."""
+    """Decode (persistent programs from 16 tokens, the static grid below) and every split
+    prefill add their split's partials atomically (session 9: at 2048 tokens the
+    partial-sum kernel cost 3 us); a shrink with no split needs neither."""
     from lora_jax.kernels.shrink_expand import block_sizes as B
 
     def get(t, h=4096):
@@ -286,12 +296,14 @@ def test_split_partials_are_added_atomically_where_measured_faster():
         bs = get(t)
         assert bs.atomic_programs == B.ATOMIC_PROGRAMS and bs.persistent == (t >= 16)
         assert bs.split_k == 4096 // bs.block_k  # the cap: one k step per item
-    assert get(1024).atomic_programs and get(1024).split_k > 1
-    assert get(B.LONG_PREFILL_TOKENS).atomic_programs == 0
-    with shrink_smem(45 * 1024):  # no opt-in shared memory: the partial sums
-        assert get(16384).atomic_programs == 0 and get(1024, h=256).atomic_programs == 0
+    for t in (300, 1024, B.LONG_PREFILL_TOKENS, 4096):
+        assert get(t).atomic_programs == B.ATOMIC_PROGRAMS and get(t).split_k > 1
+    with shrink_smem(45 * 1024):  # 16384 tokens fill the GPU unsplit; a short H is not split
+        assert get(16384).atomic_programs == 0 and get(16384).split_k == 1
+        assert get(1024, h=256).atomic_programs == 0 and get(1024, h=256).split_k == 1
     with shrink_smem(_BIG_SMEM):  # 64-token blocks over 48 KiB add atomically
-        assert get(16384).atomic_programs == B.ATOMIC_PROGRAMS and get(16384).block_m == 64
+        for t in (B.LONG_PREFILL_TOKENS, 16384):
+            assert get(t).atomic_programs == B.ATOMIC_PROGRAMS and get(t).block_m == 64
 
 
 @pytest.mark.parametrize(
@@ -332,12 +344,12 @@ def test_opt_in_smem_budget_by_compute_capability(monkeypatch, cc, want):
 
 @pytest.mark.parametrize("rank", [16, 64, 128])
 def test_long_prefill_shrink_tiles(rank):
-    """The session-8 long-prompt tiles: chosen only where the GPU allows their shared
+    """The long-prompt tiles (sessions 8-9): chosen only where the GPU allows their shared
     memory, and right (interpret mode, ragged hidden size, ranks needing padding)."""
     from lora_jax.kernels.shrink_expand import block_sizes as B
     from lora_jax.kernels.shrink_expand.pallas_triton_shrink import shrink_smem_bytes
 
-    t_long = 16384 if rank == 64 else 4096
+    t_long = 16384 if rank == 64 else B.LONG_PREFILL_TOKENS
     with shrink_smem(45 * 1024):
         small = B.long_prefill_shrink(t_long, 4096, max(16, rank))
     with shrink_smem(_BIG_SMEM):
