@@ -528,6 +528,12 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=128, block_n=64, num_stages=3, num_warps=8, tiles_n=8),
         BlockSizes(block_m=64, block_n=256, num_stages=2, num_warps=8, tiles_n=2),
         BlockSizes(block_m=32, block_n=256, num_stages=3, num_warps=8, tiles_n=2),
+        # 13-16 (session 9, not yet run): fewer column tiles per program at 1024-2048
+        # tokens, where the R = 128 default's 8 tiles leave ~128 programs on 132 SMs
+        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=2),
+        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=4),
+        BlockSizes(block_m=32, block_n=64, num_stages=2, tiles_n=4),
+        BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=2),
     ],
 }
 
