@@ -79,7 +79,12 @@ def metadata(idx: np.ndarray, max_loras: int) -> dict[str, jax.Array]:
     active[: len(used)] = used
     # The work lists are per-step metadata like the sort (lora_jax.mapping builds them once
     # per step for every layer), so they are made here, outside the timed calls.
-    lists = build_work_lists(jnp.asarray(counts), jnp.asarray(starts), jnp.asarray(sorted_ids))
+    lists = build_work_lists(
+        jnp.asarray(counts),
+        jnp.asarray(starts),
+        jnp.asarray(sorted_ids),
+        jnp.asarray(idx.astype(np.int32)),
+    )
     return dict(
         token_lora_indices=jnp.asarray(idx.astype(np.int32)),
         sorted_token_ids=jnp.asarray(sorted_ids),

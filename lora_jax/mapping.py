@@ -41,7 +41,7 @@ class LoRAMapping:
     seq_lora_indices: jax.Array | None = None  # i32[B]
     # The kernels' (slot, token block) schedules, one per token-block size
     # (`lora_jax.kernels` work_list.py); `None` when the kernels are not installed.
-    work_lists: dict[int, jax.Array] | None = None  # block_m -> i32[4 + block_m, NB]
+    work_lists: dict | None = None  # block_m -> i32[4 + block_m, NB]; "segments" -> dict
 
     @property
     def num_tokens(self) -> int:
@@ -112,14 +112,14 @@ def make_lora_mapping(
         active_slots=active,
         num_active=jnp.sum(is_active).astype(jnp.int32),
         seq_lora_indices=seq,
-        work_lists=_work_lists(counts, starts, sorted_ids),
+        work_lists=_work_lists(counts, starts, sorted_ids, idx),
     )
 
 
-def _work_lists(counts: jax.Array, starts: jax.Array, sorted_ids: jax.Array):
+def _work_lists(counts: jax.Array, starts: jax.Array, sorted_ids: jax.Array, idx: jax.Array):
     """The kernels' work lists, built once per step (unused ones vanish under jit)."""
     try:
         from lora_jax.kernels.shrink_expand.work_list import build_work_lists
     except ImportError:  # pragma: no cover - only when the kernels package is absent
         return None
-    return build_work_lists(counts, starts, sorted_ids)
+    return build_work_lists(counts, starts, sorted_ids, idx)

@@ -20,9 +20,15 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from lora_jax.kernels.shrink_expand import pallas_triton, pallas_triton_shrink
+from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink, pallas_triton, pallas_triton_shrink
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
-from lora_jax.kernels.shrink_expand.work_list import get_work_list
+from lora_jax.kernels.shrink_expand.work_list import (
+    SEGMENT_BLOCK_M,
+    SEGMENT_MIN_ROWS,
+    SEGMENT_MIN_TOKENS,
+    build_segments,
+    get_work_list,
+)
 
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -87,7 +93,27 @@ def _check_b_slices(
             )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "interpret"))
+def _segment_tiles(mosaic, x, lora_a, interpret: bool):
+    """The Mosaic GPU segment shrink's tiles for this call, or None (Triton only)."""
+    if mosaic is False or (mosaic is None and interpret):
+        return None
+    num_tokens, hidden = x.shape
+    tiles = mosaic_gpu_shrink.MosaicTiles(block_m=SEGMENT_BLOCK_M)
+    why = mosaic_gpu_shrink.supported(
+        x.dtype, lora_a[0].dtype, num_tokens, hidden, lora_a[0].shape[1], tiles
+    )
+    if why is None and num_tokens < SEGMENT_MIN_TOKENS:
+        why = f"{num_tokens} tokens < {SEGMENT_MIN_TOKENS}"
+    if why is None and interpret:
+        why = "interpret mode (Mosaic GPU kernels need a Hopper GPU)"
+    if mosaic is None:
+        return tiles if why is None and mosaic_gpu_shrink.available() else None
+    if why is not None:
+        raise ValueError(f"lora_shrink: mosaic=True, but {why}.")
+    return tiles
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "mosaic", "interpret"))
 def lora_shrink(
     x: jax.Array,
     lora_a: Sequence[jax.Array],
@@ -100,14 +126,22 @@ def lora_shrink(
     num_active: jax.Array,
     scale: float = 1.0,
     slot_ranks: jax.Array | None = None,
-    work_lists: Mapping[int, jax.Array] | None = None,
+    work_lists: Mapping | None = None,
     block_sizes: BlockSizes | None = None,
+    mosaic: bool | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """``out[s, t] = scale * x[t] @ lora_a[s][idx[t]].T``, f32 [S, T, R], one launch.
+    """``out[s, t] = scale * x[t] @ lora_a[s][idx[t]].T``, f32 [S, T, R], one launch
+    (two on Hopper from ``SEGMENT_MIN_TOKENS`` tokens, see ``mosaic``).
 
     x: [T, H]; lora_a: tuple of S arrays [max_loras, R, H]. Rows whose token
     has idx -1 are exactly 0, and so are rank columns past ``slot_ranks``.
+
+    ``mosaic``: None (default) runs, on a Hopper GPU from ``SEGMENT_MIN_TOKENS`` tokens
+    with bf16/fp16 x and A and a rank that is a multiple of 32, the pieces of runs of one
+    adapter (prompts) through the Mosaic GPU TMA + WGMMA kernel (mosaic_gpu_shrink.py)
+    and the other tokens through the Triton kernel; True forces that split (an error
+    where the shapes do not allow it), False the Triton kernel alone.
 
     Example::
 
@@ -138,22 +172,56 @@ def lora_shrink(
         block_sizes = BlockSizes.get_default(
             "shrink", num_tokens=num_tokens, hidden=hidden, rank=rank
         )
-    tab = get_work_list(
+    ranks = None if slot_ranks is None else slot_ranks.astype(jnp.int32)
+    tiles = _segment_tiles(mosaic, x, lora_a, interpret)
+    if tiles is None:
+        tab = get_work_list(
+            work_lists,
+            slot_token_counts,
+            slot_token_starts,
+            sorted_token_ids,
+            block_m=block_sizes.block_m,
+        )
+        return pallas_triton_shrink.shrink(
+            x, lora_a, tab, ranks, scale=float(scale), bs=block_sizes, interpret=interpret
+        )
+    seg = _get_segments(
         work_lists,
+        token_lora_indices,
         slot_token_counts,
         slot_token_starts,
         sorted_token_ids,
         block_m=block_sizes.block_m,
     )
-    return pallas_triton_shrink.shrink(
+    # The Triton kernel writes (or zeroes) every row, then the Mosaic kernel its pieces.
+    out = pallas_triton_shrink.shrink(
         x,
         lora_a,
-        tab,
-        None if slot_ranks is None else slot_ranks.astype(jnp.int32),
+        seg["rest"][block_sizes.block_m],
+        ranks,
         scale=float(scale),
         bs=block_sizes,
         interpret=interpret,
     )
+    return mosaic_gpu_shrink.shrink(
+        x, lora_a, seg["items"], out, ranks, scale=float(scale), tiles=tiles
+    )
+
+
+def _get_segments(work_lists, token_lora_indices, counts, starts, sorted_ids, *, block_m: int):
+    """The step's ready-made segment schedule (`build_segments`) if it has this
+    ``block_m``'s rest list, else a new one."""
+    seg = None if work_lists is None else work_lists.get("segments")
+    if seg is None or block_m not in seg["rest"]:
+        return build_segments(token_lora_indices, counts, starts, sorted_ids, block_ms=(block_m,))
+    num_tokens = sorted_ids.shape[0]
+    cap = -(-num_tokens // SEGMENT_BLOCK_M) * (SEGMENT_BLOCK_M // SEGMENT_MIN_ROWS)
+    if tuple(seg["items"].shape) != (4, cap):
+        raise ValueError(
+            f"work_lists['segments']['items'] has shape {tuple(seg['items'].shape)}; "
+            f"expected (4, {cap}) for {num_tokens} tokens (build it with build_work_lists)."
+        )
+    return seg
 
 
 @functools.partial(jax.jit, static_argnames=("offsets", "block_sizes", "interpret"))

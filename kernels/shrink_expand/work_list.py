@@ -15,6 +15,10 @@ repeated past its count), gathered from ``sorted_token_ids`` here rather than by
 the kernel: a program then reads its slot and its rows in one round trip to
 memory instead of two dependent ones (the sorted ids at an offset read first).
 
+The segment schedule (`segment_items`, `build_segments`) serves the Mosaic GPU shrink,
+which reads aligned tiles of x: the pieces of runs of one adapter inside each tile, and
+for the Triton shrink a work list of the tokens outside them.
+
 The list depends only on the step's mapping and ``block_m``, so it is a per-step
 cost like the sort: `build_work_lists` makes one per ``WORK_LIST_BLOCK_MS`` entry
 (the token blocks the default tiles use) and `lora_jax.mapping` keeps them, so
@@ -30,6 +34,14 @@ import jax.numpy as jnp
 
 WORK_LIST_BLOCK_MS = (16, 32, 64, 128)
 """The token-block sizes the default tiles use (block_sizes.py): decode 16, prefill 32-128."""
+SEGMENT_BLOCK_M = 128
+"""Rows of x per tile of the segment (Mosaic GPU) shrink: aligned tiles of this many."""
+SEGMENT_MIN_ROWS = 64
+"""Shortest piece of a run (inside one tile) that the segment shrink takes."""
+SEGMENT_MIN_TOKENS = 1024
+"""Static token counts from which `build_work_lists` adds the segment schedule."""
+SEGMENT_REST_BLOCK_MS = (32, 64)
+"""Token blocks of the prefill Triton shrink, which takes the tokens outside pieces."""
 
 
 def num_work_blocks(num_tokens: int, max_loras: int, block_m: int) -> int:
@@ -77,23 +89,33 @@ def build_work_list(
 
 
 def build_work_lists(
-    slot_token_counts: jax.Array, slot_token_starts: jax.Array, sorted_token_ids: jax.Array
-) -> dict[int, jax.Array]:
-    """One work list per ``WORK_LIST_BLOCK_MS`` entry, keyed by ``block_m``.
+    slot_token_counts: jax.Array,
+    slot_token_starts: jax.Array,
+    sorted_token_ids: jax.Array,
+    token_lora_indices: jax.Array | None = None,
+) -> dict:
+    """One work list per ``WORK_LIST_BLOCK_MS`` entry, keyed by ``block_m``, and, given
+    ``token_lora_indices`` and at least ``SEGMENT_MIN_TOKENS`` tokens, the segment
+    shrink's schedule under ``"segments"`` (`build_segments`).
 
     Example::
 
-        lists = build_work_lists(counts, starts, sorted_ids)
+        lists = build_work_lists(counts, starts, sorted_ids, idx)
         h = lora_shrink(x, (a,), **meta, work_lists=lists)
     """
-    return {
+    lists: dict = {
         bm: build_work_list(slot_token_counts, slot_token_starts, sorted_token_ids, block_m=bm)
         for bm in WORK_LIST_BLOCK_MS
     }
+    if token_lora_indices is not None and sorted_token_ids.shape[0] >= SEGMENT_MIN_TOKENS:
+        lists["segments"] = build_segments(
+            token_lora_indices, slot_token_counts, slot_token_starts, sorted_token_ids
+        )
+    return lists
 
 
 def get_work_list(
-    work_lists: Mapping[int, jax.Array] | None,
+    work_lists: Mapping | None,
     slot_token_counts: jax.Array,
     slot_token_starts: jax.Array,
     sorted_token_ids: jax.Array,
@@ -115,3 +137,78 @@ def get_work_list(
             f"{slot_token_counts.shape[0]} slots (build it with build_work_lists)."
         )
     return tab
+
+
+def segment_items(
+    token_lora_indices: jax.Array, *, block_m: int, min_rows: int
+) -> tuple[jax.Array, jax.Array]:
+    """This kernel's share of a step: the pieces of runs of one adapter that are at least
+    ``min_rows`` tokens long inside one aligned ``block_m``-row tile of x.
+
+    Returns ``(items, mine)``: items int32 [4, NI] holds per piece (tile, slot, first
+    token, row count), the count 0 in unused entries; mine bool [T] marks the tokens the
+    pieces cover (the Triton shrink takes the others). NI = tiles x (block_m // min_rows)
+    bounds the piece count, so the list has a static length.
+    """
+    num_tokens = token_lora_indices.shape[0]
+    idx = token_lora_indices.astype(jnp.int32)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    prev = jnp.concatenate([jnp.full((1,), -2, jnp.int32), idx[:-1]])
+    starts = (idx != prev) | (t % block_m == 0)
+    piece = jnp.cumsum(starts.astype(jnp.int32)) - 1  # [T]
+    length = jax.ops.segment_sum(jnp.ones_like(t), piece, num_segments=num_tokens)
+    mine = (idx >= 0) & (length[piece] >= min_rows)
+    cap = -(-num_tokens // block_m) * max(1, block_m // min_rows)
+    (first,) = jnp.nonzero(starts & mine, size=cap, fill_value=0)
+    first = first.astype(jnp.int32)
+    live = jnp.arange(cap) < jnp.sum((starts & mine).astype(jnp.int32))
+    count = jnp.where(live, length[piece[first]], 0)
+    items = jnp.stack([first // block_m, jnp.maximum(idx[first], 0), first, count])
+    return items.astype(jnp.int32), mine
+
+
+def rest_order(
+    token_lora_indices: jax.Array,
+    slot_token_counts: jax.Array,
+    sorted_token_ids: jax.Array,
+    mine: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The sort metadata of the tokens that ``mine`` does not mark, as if the marked ones
+    had no adapter: (counts, starts, sorted ids), the kept tokens in their order, then
+    the rest. O(T) (a stable partition of the sorted order), no second sort."""
+    num_tokens = sorted_token_ids.shape[0]
+    num_slots = slot_token_counts.shape[0]
+    sorted_ids = sorted_token_ids.astype(jnp.int32)
+    counts = slot_token_counts.astype(jnp.int32)
+    p = jnp.arange(num_tokens, dtype=jnp.int32)
+    keep = ((p < jnp.sum(counts)) & ~mine[sorted_ids]).astype(jnp.int32)
+    n_keep = jnp.sum(keep)
+    dest = jnp.where(keep > 0, jnp.cumsum(keep) - 1, n_keep + jnp.cumsum(1 - keep) - 1)
+    new_sorted = jnp.zeros_like(sorted_ids).at[dest].set(sorted_ids)
+    idx = token_lora_indices.astype(jnp.int32)
+    slot = jnp.where(mine & (idx >= 0), idx, num_slots)
+    taken = jax.ops.segment_sum(jnp.ones_like(idx), slot, num_segments=num_slots + 1)
+    new_counts = counts - taken[:num_slots]
+    new_starts = jnp.cumsum(new_counts) - new_counts
+    return new_counts, new_starts.astype(jnp.int32), new_sorted
+
+
+def build_segments(
+    token_lora_indices: jax.Array,
+    slot_token_counts: jax.Array,
+    slot_token_starts: jax.Array,
+    sorted_token_ids: jax.Array,
+    *,
+    block_ms: tuple[int, ...] = SEGMENT_REST_BLOCK_MS,
+) -> dict:
+    """The segment shrink's schedule for one step: ``{"items": [4, NI], "rest": {block_m:
+    work list of the other tokens}}`` (`segment_items`, `rest_order`)."""
+    items, mine = segment_items(
+        token_lora_indices, block_m=SEGMENT_BLOCK_M, min_rows=SEGMENT_MIN_ROWS
+    )
+    del slot_token_starts  # the kept tokens' starts are new
+    counts, starts, order = rest_order(
+        token_lora_indices, slot_token_counts, sorted_token_ids, mine
+    )
+    rest = {bm: build_work_list(counts, starts, order, block_m=bm) for bm in block_ms}
+    return {"items": items, "rest": rest}

@@ -1,0 +1,163 @@
+"""The Mosaic GPU (TMA + WGMMA) shrink alone against the Triton shrink and a plain dot.
+
+For each (T, R, layout): checks the Mosaic kernel's rows against the jnp oracle (and that
+it leaves every other row alone), then times, from a profiler trace (GPU busy time per
+call, ``calls`` different calls inside one jit, each with its own x and weights):
+
+* ``mosaic``: the Mosaic kernel over its pieces (`work_list.segment_items`, built outside the timing
+  like the work lists), writing into a zeroed buffer;
+* ``split``: `lora_shrink(mosaic=True)`, the library's Hopper default from 1024 tokens:
+  the Triton kernel over the tokens outside pieces, then the Mosaic kernel;
+* ``triton``: `lora_shrink(mosaic=False)`, the Triton kernel alone (all tokens);
+* ``dense``: one plain XLA dot with slot 0's weights for every token (a floor, n = 1 only).
+
+Layouts: ``one`` (every token one adapter), ``runs8`` (prompts of 256-2048 tokens, each
+one of 8 adapters, in order), ``shuffled64`` (64 adapters, tokens shuffled: no pieces).
+
+    python3 -P benchmarks/mosaic_probe.py --tokens 4096,16384 --ranks 16,64,128 --out out/m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ops as ops_bench  # noqa: E402  (the trace timer and the metadata helper)
+from lora_jax.kernels import lora_shrink, lora_shrink_reference  # noqa: E402
+from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink as mg  # noqa: E402
+from lora_jax.kernels.shrink_expand import work_list as wl  # noqa: E402
+
+MAX_LORAS = 64
+
+
+def layout(name: str, tokens: int, rng) -> np.ndarray:
+    if name == "one":
+        return np.full(tokens, 7, np.int64)
+    if name == "runs8":
+        chosen = rng.permutation(MAX_LORAS)[:8]
+        out, t = [], 0
+        while t < tokens:
+            n = min(int(rng.integers(256, 2049)), tokens - t)
+            out.append(np.full(n, chosen[rng.integers(8)]))
+            t += n
+        return np.concatenate(out)
+    if name == "shuffled64":
+        return rng.permutation(np.arange(tokens) % MAX_LORAS)
+    raise ValueError(f"layout {name!r}; expected one, runs8 or shuffled64")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", default="4096,16384")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ranks", default="16,64,128")
+    p.add_argument("--layouts", default="one,runs8,shuffled64")
+    p.add_argument("--calls", type=int, default=8)
+    p.add_argument("--block-m", type=int, default=128)
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--split", type=int, default=0)
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    ops_bench.TIMER = "trace"
+    tiles = mg.MosaicTiles(block_m=args.block_m, stages=args.stages, split_k=args.split)
+    rows = []
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, tiles {tiles}")
+    print(
+        "| T | R | layout | mosaic rows | max rel err (kernel / split) | mosaic µs | split µs "
+        "| triton µs | dense µs |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for t in map(int, args.tokens.split(",")):
+        for r in map(int, args.ranks.split(",")):
+            for lay in args.layouts.split(","):
+                rng = np.random.default_rng(0)
+                k = jax.random.key(0)
+                h = args.hidden
+                xs = [
+                    jax.random.normal(jax.random.fold_in(k, 100 + i), (t, h), jnp.bfloat16)
+                    for i in range(args.calls)
+                ]
+                ws = [
+                    jax.random.normal(jax.random.fold_in(k, i), (MAX_LORAS, r, h), jnp.bfloat16)
+                    * h**-0.5
+                    for i in range(args.calls)
+                ]
+                idxs = [layout(lay, t, rng) for _ in range(args.calls)]
+                metas = [ops_bench.metadata(i, MAX_LORAS) for i in idxs]
+                items = [
+                    wl.segment_items(
+                        m["token_lora_indices"], block_m=tiles.block_m, min_rows=wl.SEGMENT_MIN_ROWS
+                    )
+                    for m in metas
+                ]
+                zeros = jnp.zeros((1, t, r), jnp.float32)
+
+                def mosaic_one(x, a, it, zeros=zeros):
+                    return mg.shrink(x, (a,), it[0], zeros, None, scale=1.0, tiles=tiles)
+
+                # correctness of call 0: its rows vs the oracle, other rows untouched (0)
+                got = jax.jit(mosaic_one)(xs[0], ws[0], items[0])[0]
+                mine = items[0][1]
+                ref = lora_shrink_reference(
+                    xs[0], (ws[0],), token_lora_indices=metas[0]["token_lora_indices"]
+                )[0]
+                want = jnp.where(mine[:, None], ref, 0.0)
+                err = float(
+                    jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30)
+                )
+                n_mine = int(jnp.sum(mine))
+                split = lora_shrink(xs[0], (ws[0],), **metas[0], mosaic=True)[0]
+                err_s = float(
+                    jnp.max(jnp.abs(split - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30)
+                )
+
+                def timed(fn, *lists):
+                    f = jax.jit(lambda *ls: [fn(*z) for z in zip(*ls)]).lower(*lists).compile()
+                    return ops_bench.time_calls(f, lists, args.calls)
+
+                us_m = timed(mosaic_one, xs, ws, items)
+                us_s = timed(lambda x, a, m: lora_shrink(x, (a,), **m, mosaic=True), xs, ws, metas)
+                us_t = timed(lambda x, a, m: lora_shrink(x, (a,), **m, mosaic=False), xs, ws, metas)
+                us_d = (
+                    timed(
+                        lambda x, a: jnp.einsum(
+                            "th,rh->tr", x, a[0], preferred_element_type=jnp.float32
+                        ),
+                        xs,
+                        ws,
+                    )
+                    if lay == "one"
+                    else float("nan")
+                )
+                row = dict(
+                    tokens=t,
+                    rank=r,
+                    layout=lay,
+                    mosaic_rows=n_mine,
+                    max_rel_err=err,
+                    mosaic_us=us_m,
+                    triton_us=us_t,
+                    dense_us=us_d,
+                    tiles=str(tiles),
+                )
+                rows.append(row)
+                print(
+                    f"| {t} | {r} | {lay} | {n_mine} | {err:.1e} / {err_s:.1e} | {us_m:.1f} "
+                    f"| {us_s:.1f} | {us_t:.1f} | {us_d:.1f} |",
+                    flush=True,
+                )
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Mosaic GPU (Hopper: TMA + WGMMA) shrink for token blocks whose rows are contiguous in x.
+
+``out[s, t] = scale * x[t] @ A_s[slot].T`` in f32 for the blocks of the work list
+(work_list.py) whose ``block_m`` token positions are consecutive, which is what a
+prefill of long prompts gives: each prompt's tokens are adjacent in x, and a slot's
+sorted run lists them in order. Such a block is one rectangle of x, so the tensor
+memory accelerator (TMA) can stream it into shared memory for the warpgroup MMA,
+where the Triton kernels gather row by row.
+
+Tokens outside such pieces (decode, shuffled batches, unmapped tokens) are left to the
+Triton shrink: `work_list.build_segments` splits a step between the two, and
+`lora_jax.kernels.lora_shrink` runs the Triton kernel on its share first (it writes or
+zeroes every row), then this one writes its pieces in place.
+
+Each program takes one (block, slice, hidden split); the hidden reduction is split so
+that about ``TARGET_ITEMS`` programs exist, and split partials are added by TMA
+reduce-add stores. A block's tile is ``block_m`` rows from its first token (moved back
+to fit before the end of x); only its own rows are stored, by a ladder of power-of-two
+row copies, since a TMA box has a static shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+TARGET_ITEMS = 264
+"""Programs to aim for: 2 per SM of an H200 (132 SMs)."""
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the default path may use this kernel: Mosaic GPU imports, the first GPU is
+    a Hopper (WGMMA; compute capability 9.x), and ``LORA_JAX_MOSAIC_GPU`` is not "0"."""
+    if os.environ.get("LORA_JAX_MOSAIC_GPU", "1") == "0":
+        return False
+    try:
+        from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+
+        cc = str(jax.devices("gpu")[0].compute_capability)
+    except Exception:  # noqa: BLE001 - no GPU backend, or no Mosaic GPU in this jaxlib
+        return False
+    return cc.split(".")[0] == "9"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicTiles:
+    """Static tiling of the Mosaic GPU shrink.
+
+    Example::
+
+        out = shrink(x, (a,), meta, out, scale=1.0, tiles=MosaicTiles(block_m=128))
+    """
+
+    block_m: int = 128
+    """Tokens per block: a multiple of 64 (one WGMMA row group per 64)."""
+    block_k: int = 64
+    """Hidden columns per pipeline step (64 bf16 = one 128-byte swizzle row)."""
+    stages: int = 4
+    """TMA copies in flight (shared memory: stages x (block_m + R) x block_k x 2 bytes)."""
+    split_k: int = 0
+    """Hidden splits per block; 0 picks one from the block count (`pick_split`)."""
+
+    def __post_init__(self):
+        if self.block_m % 64 or self.block_m > 256:
+            raise ValueError(f"MosaicTiles.block_m={self.block_m}: use 64, 128, 192 or 256.")
+        if self.block_k not in (32, 64, 128):
+            raise ValueError(f"MosaicTiles.block_k={self.block_k}: use 32, 64 or 128.")
+        if self.stages < 2:
+            raise ValueError(f"MosaicTiles.stages={self.stages}: must be >= 2.")
+        if self.split_k < 0:
+            raise ValueError(f"MosaicTiles.split_k={self.split_k}: must be >= 0 (0: auto).")
+
+
+def supported(x_dtype, a_dtype, num_tokens: int, hidden: int, rank: int, tiles: MosaicTiles):
+    """None if this kernel can run the shapes, else why not (a sentence)."""
+    if x_dtype != a_dtype or x_dtype not in (jnp.bfloat16, jnp.float16):
+        return f"x and lora_a must share dtype bfloat16 or float16, got {x_dtype} / {a_dtype}"
+    if num_tokens < tiles.block_m:
+        return f"{num_tokens} tokens < block_m={tiles.block_m}"
+    if hidden % tiles.block_k:
+        return f"hidden={hidden} is not a multiple of block_k={tiles.block_k}"
+    if rank % 32 or not 32 <= rank <= 128:
+        # A TMA copy starts at a 128-byte aligned shared-memory row: a piece may start at
+        # any row of the f32 tile, so its rows must be 128 bytes (ranks 16: misaligned).
+        # Past 128, the f32 accumulator outgrows one warpgroup's registers.
+        return f"rank={rank} is not a multiple of 32 in [32, 128]"
+    return None
+
+
+def pick_split(num_blocks: int, num_slices: int, hidden: int, tiles: MosaicTiles) -> int:
+    """A power-of-two hidden split giving about TARGET_ITEMS programs, >= 4 k steps each."""
+    if tiles.split_k:
+        return tiles.split_k
+    steps = hidden // tiles.block_k
+    split = 1
+    while num_blocks * num_slices * split * 2 <= TARGET_ITEMS and steps % (split * 2) == 0:
+        if steps // (split * 2) < 4:
+            break
+        split *= 2
+    return split
+
+
+def _store_rows(
+    o_smem, out_at, src: jax.Array, dst: jax.Array, count: jax.Array, block_m: int, add: bool
+):
+    """Copies tile rows [src, src + count) to ``out_at`` rows [dst, dst + count): one TMA
+    copy per set bit of ``count``, largest first (a TMA box has a static row count)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    done = jnp.int32(0)
+    size = block_m
+    while size >= 1:
+
+        @pl.when((count & size) != 0)
+        def _(size=size, done=done):
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[pl.ds(src + done, size)],
+                out_at.at[pl.ds(dst + done, size)],
+                reduction_op="add" if add else None,
+            )
+
+        done = done + (count & size)
+        size //= 2
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _kernel_body(
+    items_ref,  # [4, NI] int32 (work_list.segment_items): tile, slot, first token, rows
+    *refs,
+    num_slices: int,
+    has_ranks: bool,
+    rank: int,
+    scale: float,
+    split: int,
+    chunk: int,
+    tiles: MosaicTiles,
+):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    ranks_ref, refs = (refs[0], refs[1:]) if has_ranks else (None, refs)
+    x_ref, a_refs, o_ref = refs[0], refs[1 : 1 + num_slices], refs[-1]
+    bm, bk = tiles.block_m, tiles.block_k
+    blk, p1 = jax.lax.axis_index("block"), jax.lax.axis_index("split")
+    sid, ks = p1 // split, p1 % split
+    tile, slot = items_ref[0, blk], items_ref[1, blk]
+    first, count = items_ref[2, blk], items_ref[3, blk]
+    steps = chunk // bk
+
+    for s in range(num_slices):
+
+        @pl.when((sid == s) & (count > 0))
+        def _(s=s):
+
+            def mma(acc_ref):
+                plgpu.emit_pipeline(
+                    lambda _, x_smem, a_smem: plgpu.wgmma(
+                        acc_ref, x_smem, plgpu.transpose_ref(a_smem, (1, 0))
+                    ),
+                    grid=(steps,),
+                    in_specs=[
+                        plgpu.BlockSpec(
+                            (bm, bk), lambda k: (tile, ks * steps + k), delay_release=1
+                        ),
+                        plgpu.BlockSpec((rank, bk), lambda k: (0, ks * steps + k), delay_release=1),
+                    ],
+                    max_concurrent_steps=tiles.stages,
+                )(x_ref, a_refs[s].at[slot])
+                return acc_ref[...]
+
+            acc = pl.run_scoped(mma, plgpu.ACC((bm, rank), jnp.float32)) * jnp.float32(scale)
+            if has_ranks:  # rank columns past the slot's true rank are exactly 0
+                col = jax.lax.broadcasted_iota(jnp.int32, (bm, rank), 1)
+                acc = jnp.where(col < ranks_ref[s, slot], acc, jnp.float32(0))
+
+            def store(o_smem):
+                o_smem[...] = acc
+                plgpu.commit_smem()
+                _store_rows(
+                    o_smem,
+                    o_ref.at[s],
+                    first - tile * bm,
+                    first,
+                    count,
+                    bm,
+                    add=split > 1,
+                )
+
+            pl.run_scoped(store, plgpu.SMEM((bm, rank), jnp.float32))
+
+
+def shrink(
+    x: jax.Array,
+    lora_a: tuple[jax.Array, ...],
+    items: jax.Array,
+    out: jax.Array,
+    slot_ranks: jax.Array | None,
+    *,
+    scale: float,
+    tiles: MosaicTiles,
+) -> jax.Array:
+    """Writes the pieces of ``items`` (`work_list.segment_items`) into ``out`` [S, T, R] f32, in
+    place (``out`` must be zero in their rows when the split is > 1), and returns it.
+    Every other row of ``out`` is left as it was."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    num_tokens, hidden = x.shape
+    num_slices = len(lora_a)
+    rank = lora_a[0].shape[1]
+    why = supported(x.dtype, lora_a[0].dtype, num_tokens, hidden, rank, tiles)
+    if why is not None:
+        raise ValueError(f"mosaic_gpu shrink: {why}.")
+    num_blocks = items.shape[1]
+    split = pick_split(num_blocks, num_slices, hidden, tiles)
+    has_ranks = slot_ranks is not None
+    body = functools.partial(
+        _kernel_body,
+        num_slices=num_slices,
+        has_ranks=has_ranks,
+        rank=rank,
+        scale=scale,
+        split=split,
+        chunk=hidden // split,
+        tiles=tiles,
+    )
+    inputs = [items] + ([slot_ranks] if has_ranks else []) + [x, *lora_a]
+    # A Ref argument is aliased in and out of the kernel: rows it does not store keep
+    # what `out` held (plgpu.kernel has no input_output_aliases).
+    out_ref = jax.new_ref(out)
+    pl.kernel(
+        body,
+        out_type=(),
+        mesh=plgpu.Mesh(grid=(num_blocks, num_slices * split), grid_names=("block", "split")),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(*inputs, out_ref)
+    return jax.freeze(out_ref)

@@ -1,0 +1,188 @@
+"""The segment shrink: its schedule (CPU, against numpy oracles), its CUDA lowering (on
+CPU), and the Mosaic GPU kernel against the jnp oracle (on a Hopper GPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from lora_jax.kernels import lora_shrink, lora_shrink_reference
+from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink, work_list
+from shrink_expand_test_base import make_metadata
+
+from lora_jax.mapping import make_lora_mapping
+
+
+def _runs(rng, num_tokens: int, max_loras: int, longest: int) -> np.ndarray:
+    """Prompt-like runs of one slot (or -1) of 1 ... longest tokens."""
+    out: list[int] = []
+    while len(out) < num_tokens:
+        out += [int(rng.integers(-1, max_loras))] * int(rng.integers(1, longest + 1))
+    return np.asarray(out[:num_tokens], np.int32)
+
+
+def _pieces_oracle(idx: np.ndarray, block_m: int, min_rows: int):
+    """(tile, slot, first, count) of each run piece inside one tile, at least min_rows
+    long and mapped; and the tokens they cover."""
+    mine = np.zeros(len(idx), bool)
+    pieces = []
+    t = 0
+    while t < len(idx):
+        e = t + 1
+        while e < len(idx) and idx[e] == idx[t] and e % block_m:
+            e += 1
+        if idx[t] >= 0 and e - t >= min_rows:
+            mine[t:e] = True
+            pieces.append((t // block_m, int(idx[t]), t, e - t))
+        t = e
+    return pieces, mine
+
+
+@pytest.mark.parametrize("block_m,min_rows", [(128, 64), (64, 16), (128, 32)])
+def test_segment_items_match_oracle(block_m, min_rows):
+    rng = np.random.default_rng(block_m + min_rows)
+    items_of = jax.jit(lambda idx: work_list.segment_items(idx, block_m=block_m, min_rows=min_rows))
+    for trial in range(16):
+        num_tokens = (1, 77, 300, 640)[trial % 4]  # a few shapes: a few compiles
+        idx = _runs(rng, num_tokens, 5, 200)
+        if trial % 8 == 3:
+            idx = rng.permutation(idx)  # shuffled: few or no pieces
+        items, mine = items_of(jnp.asarray(idx))
+        want, want_mine = _pieces_oracle(idx, block_m, min_rows)
+        items = np.asarray(items)
+        got = [tuple(int(v) for v in col) for col in items.T if col[3] > 0]
+        assert got == want, trial
+        np.testing.assert_array_equal(np.asarray(mine), want_mine)
+        assert items.shape == (4, -(-num_tokens // block_m) * (block_m // min_rows))
+
+
+def test_rest_order_is_the_mapping_without_the_pieces():
+    rng = np.random.default_rng(0)
+    max_loras = 6
+
+    @jax.jit
+    def rest(idx):
+        m = make_lora_mapping(idx, max_loras)
+        _, mine = work_list.segment_items(m.token_lora_indices, block_m=128, min_rows=64)
+        got = work_list.rest_order(
+            m.token_lora_indices, m.slot_token_counts, m.sorted_token_ids, mine
+        )
+        return got, mine
+
+    for trial in range(12):
+        num_tokens = (5, 333, 600)[trial % 3]
+        idx = _runs(rng, num_tokens, max_loras, 150)
+        if trial % 4 == 1:
+            idx = rng.permutation(idx)
+        (counts, starts, order), mine = rest(jnp.asarray(idx))
+        want = make_metadata(np.where(np.asarray(mine), -1, idx), max_loras)
+        np.testing.assert_array_equal(counts, want["slot_token_counts"])
+        np.testing.assert_array_equal(starts, want["slot_token_starts"])
+        kept = int(np.sum(np.asarray(counts)))
+        np.testing.assert_array_equal(order[:kept], want["sorted_token_ids"][:kept])
+        assert sorted(np.asarray(order).tolist()) == list(range(num_tokens))  # a permutation
+
+
+def test_mapping_carries_the_segment_schedule_from_min_tokens():
+    short = make_lora_mapping(jnp.zeros(work_list.SEGMENT_MIN_TOKENS - 8, jnp.int32), 4)
+    assert "segments" not in short.work_lists
+    long = make_lora_mapping(jnp.zeros(work_list.SEGMENT_MIN_TOKENS, jnp.int32), 4)
+    seg = long.work_lists["segments"]
+    assert int(jnp.sum(seg["items"][3])) == work_list.SEGMENT_MIN_TOKENS  # one run: all
+    assert set(seg["rest"]) == set(work_list.SEGMENT_REST_BLOCK_MS)
+
+
+def test_forced_mosaic_names_what_it_cannot_run():
+    meta = make_metadata(np.zeros(2048, np.int32), 2)
+    x = jnp.zeros((2048, 512), jnp.float32)
+    a = jnp.zeros((2, 64, 512), jnp.float32)
+    with pytest.raises(ValueError, match="mosaic=True.*bfloat16 or float16"):
+        lora_shrink(x, (a,), **meta, mosaic=True)
+    xb, ab = x.astype(jnp.bfloat16), jnp.zeros((2, 16, 512), jnp.bfloat16)
+    with pytest.raises(ValueError, match="rank=16 is not a multiple of 32"):
+        lora_shrink(xb, (ab,), **meta, mosaic=True)
+    with pytest.raises(ValueError, match="interpret mode"):
+        lora_shrink(xb, (a.astype(jnp.bfloat16),), **meta, mosaic=True, interpret=True)
+    with pytest.raises(ValueError, match="block_m"):
+        mosaic_gpu_shrink.MosaicTiles(block_m=96)
+
+
+def test_default_is_triton_only_off_hopper():
+    # CPU: no Hopper GPU, so the default never picks the Mosaic kernel
+    assert not mosaic_gpu_shrink.available()
+    meta = make_metadata(np.zeros(2048, np.int32), 2)
+    x = jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16)
+    a = jax.ShapeDtypeStruct((2, 64, 512), jnp.bfloat16)
+    text = jax.jit(lambda x, a: lora_shrink(x, (a,), **meta, interpret=True)).lower(x, a)
+    assert "mosaic" not in text.as_text()
+
+
+@pytest.mark.parametrize(
+    "num_tokens,hidden,rank,slices,ranked",
+    [(2048, 4096, 128, 1, False), (4104, 4096, 64, 3, True), (1024, 512, 32, 2, False)],
+)
+def test_segment_shrink_lowers_for_cuda(num_tokens, hidden, rank, slices, ranked):
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    max_loras = 8
+    idx = np.repeat(np.arange(max_loras), -(-num_tokens // max_loras))[:num_tokens]
+    meta = make_metadata(idx, max_loras)
+    sds = jax.ShapeDtypeStruct
+    x = sds((num_tokens, hidden), jnp.bfloat16)
+    lora_a = (sds((max_loras, rank, hidden), jnp.bfloat16),) * slices
+    ranks = jnp.full((slices, max_loras), rank // 2, jnp.int32) if ranked else None
+
+    def f(x, lora_a):
+        return lora_shrink(x, lora_a, **meta, slot_ranks=ranks, mosaic=True)
+
+    text = jax.jit(f).trace(x, lora_a).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text  # the segment kernel
+    assert "triton" in text  # the Triton kernel for the other tokens
+
+
+def _check(num_tokens, hidden, rank, slices, dtype, layout, ranked, seed=0):
+    rng = np.random.default_rng(seed)
+    max_loras = 16
+    if layout == "one":
+        idx = np.full(num_tokens, 3, np.int32)
+    elif layout == "runs":
+        idx = _runs(rng, num_tokens, max_loras, 700)
+    else:  # shuffled: no pieces, the Triton kernel takes every token
+        idx = rng.integers(-1, max_loras, num_tokens).astype(np.int32)
+    meta = make_metadata(idx, max_loras)
+    k = jax.random.key(seed)
+    x = jax.random.normal(k, (num_tokens, hidden), dtype)
+    lora_a = tuple(
+        (jax.random.normal(jax.random.fold_in(k, s + 1), (max_loras, rank, hidden)) * 0.05).astype(
+            dtype
+        )
+        for s in range(slices)
+    )
+    ranks = (
+        jnp.asarray(rng.integers(1, rank + 1, (slices, max_loras)), jnp.int32) if ranked else None
+    )
+    got = lora_shrink(x, lora_a, **meta, slot_ranks=ranks, scale=0.5, mosaic=True)
+    want = lora_shrink_reference(
+        x, lora_a, token_lora_indices=meta["token_lora_indices"], slot_ranks=ranks, scale=0.5
+    )
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_tokens,hidden,rank,slices,dtype,layout,ranked",
+    [
+        (2048, 4096, 128, 1, jnp.bfloat16, "one", False),
+        (4096, 4096, 64, 1, jnp.bfloat16, "runs", False),
+        (4104, 4096, 64, 3, jnp.bfloat16, "runs", True),  # a partial last tile, 3 slices
+        (2048, 2048, 96, 2, jnp.float16, "runs", True),
+        (1024, 4096, 32, 1, jnp.bfloat16, "shuffled", False),
+        (16384, 4096, 128, 1, jnp.bfloat16, "runs", False),  # split hidden: TMA reduce-add
+    ],
+    ids=str,
+)
+def test_segment_shrink_matches_reference(num_tokens, hidden, rank, slices, dtype, layout, ranked):
+    if not mosaic_gpu_shrink.available():
+        pytest.skip("needs a Hopper GPU (Mosaic GPU WGMMA)")
+    _check(num_tokens, hidden, rank, slices, dtype, layout, ranked)
