@@ -41,7 +41,8 @@ class LoRAMapping:
     seq_lora_indices: jax.Array | None = None  # i32[B]
     # The kernels' (slot, token block) schedules, one per token-block size
     # (`lora_jax.kernels` work_list.py); `None` when the kernels are not installed.
-    work_lists: dict | None = None  # block_m -> i32[4 + block_m, NB]; "segments" -> dict
+    # block_m -> i32[4 + block_m, NB]; from 1024 tokens also 0 -> work_list.Segments
+    work_lists: dict | None = None
 
     @property
     def num_tokens(self) -> int:

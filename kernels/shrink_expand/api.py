@@ -26,6 +26,7 @@ from lora_jax.kernels.shrink_expand.work_list import (
     SEGMENT_BLOCK_M,
     SEGMENT_MIN_ROWS,
     SEGMENT_MIN_TOKENS,
+    SEGMENTS_KEY,
     build_segments,
     get_work_list,
 )
@@ -197,28 +198,28 @@ def lora_shrink(
     out = pallas_triton_shrink.shrink(
         x,
         lora_a,
-        seg["rest"][block_sizes.block_m],
+        seg.rest[block_sizes.block_m],
         ranks,
         scale=float(scale),
         bs=block_sizes,
         interpret=interpret,
     )
     return mosaic_gpu_shrink.shrink(
-        x, lora_a, seg["items"], out, ranks, scale=float(scale), tiles=tiles
+        x, lora_a, seg.items, out, ranks, scale=float(scale), tiles=tiles
     )
 
 
 def _get_segments(work_lists, token_lora_indices, counts, starts, sorted_ids, *, block_m: int):
     """The step's ready-made segment schedule (`build_segments`) if it has this
     ``block_m``'s rest list, else a new one."""
-    seg = None if work_lists is None else work_lists.get("segments")
-    if seg is None or block_m not in seg["rest"]:
+    seg = None if work_lists is None else work_lists.get(SEGMENTS_KEY)
+    if seg is None or block_m not in seg.rest:
         return build_segments(token_lora_indices, counts, starts, sorted_ids, block_ms=(block_m,))
     num_tokens = sorted_ids.shape[0]
     cap = -(-num_tokens // SEGMENT_BLOCK_M) * (SEGMENT_BLOCK_M // SEGMENT_MIN_ROWS)
-    if tuple(seg["items"].shape) != (4, cap):
+    if tuple(seg.items.shape) != (4, cap):
         raise ValueError(
-            f"work_lists['segments']['items'] has shape {tuple(seg['items'].shape)}; "
+            f"work_lists[{SEGMENTS_KEY}].items has shape {tuple(seg.items.shape)}; "
             f"expected (4, {cap}) for {num_tokens} tokens (build it with build_work_lists)."
         )
     return seg

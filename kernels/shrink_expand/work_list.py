@@ -27,6 +27,7 @@ that a step's LoRA ops take them ready-made rather than each building its own.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import jax
@@ -42,6 +43,9 @@ SEGMENT_MIN_TOKENS = 1024
 """Static token counts from which `build_work_lists` adds the segment schedule."""
 SEGMENT_REST_BLOCK_MS = (32, 64)
 """Token blocks of the prefill Triton shrink, which takes the tokens outside pieces."""
+SEGMENTS_KEY = 0
+"""The key of the segment schedule in `build_work_lists`'s dict (no block_m is 0; an int,
+so that the dict's keys sort as a pytree)."""
 
 
 def num_work_blocks(num_tokens: int, max_loras: int, block_m: int) -> int:
@@ -96,19 +100,19 @@ def build_work_lists(
 ) -> dict:
     """One work list per ``WORK_LIST_BLOCK_MS`` entry, keyed by ``block_m``, and, given
     ``token_lora_indices`` and at least ``SEGMENT_MIN_TOKENS`` tokens, the segment
-    shrink's schedule under ``"segments"`` (`build_segments`).
+    shrink's schedule under ``SEGMENTS_KEY`` (`build_segments`).
 
     Example::
 
         lists = build_work_lists(counts, starts, sorted_ids, idx)
         h = lora_shrink(x, (a,), **meta, work_lists=lists)
     """
-    lists: dict = {
+    lists: dict[int, jax.Array | Segments] = {
         bm: build_work_list(slot_token_counts, slot_token_starts, sorted_token_ids, block_m=bm)
         for bm in WORK_LIST_BLOCK_MS
     }
     if token_lora_indices is not None and sorted_token_ids.shape[0] >= SEGMENT_MIN_TOKENS:
-        lists["segments"] = build_segments(
+        lists[SEGMENTS_KEY] = build_segments(
             token_lora_indices, slot_token_counts, slot_token_starts, sorted_token_ids
         )
     return lists
@@ -193,6 +197,17 @@ def rest_order(
     return new_counts, new_starts.astype(jnp.int32), new_sorted
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """The segment shrink's schedule for one step (`build_segments`)."""
+
+    items: jax.Array
+    """int32 [4, NI]: per piece (tile, slot, first token, rows); `segment_items`."""
+    rest: dict[int, jax.Array]
+    """block_m -> the Triton work list of the tokens outside the pieces."""
+
+
 def build_segments(
     token_lora_indices: jax.Array,
     slot_token_counts: jax.Array,
@@ -200,9 +215,9 @@ def build_segments(
     sorted_token_ids: jax.Array,
     *,
     block_ms: tuple[int, ...] = SEGMENT_REST_BLOCK_MS,
-) -> dict:
-    """The segment shrink's schedule for one step: ``{"items": [4, NI], "rest": {block_m:
-    work list of the other tokens}}`` (`segment_items`, `rest_order`)."""
+) -> Segments:
+    """The segment shrink's schedule for one step: its pieces and, per ``block_ms``
+    entry, the Triton work list of the other tokens (`segment_items`, `rest_order`)."""
     items, mine = segment_items(
         token_lora_indices, block_m=SEGMENT_BLOCK_M, min_rows=SEGMENT_MIN_ROWS
     )
@@ -211,4 +226,4 @@ def build_segments(
         token_lora_indices, slot_token_counts, sorted_token_ids, mine
     )
     rest = {bm: build_work_list(counts, starts, order, block_m=bm) for bm in block_ms}
-    return {"items": items, "rest": rest}
+    return Segments(items=items, rest=rest)

@@ -85,12 +85,18 @@ def test_rest_order_is_the_mapping_without_the_pieces():
 
 
 def test_mapping_carries_the_segment_schedule_from_min_tokens():
+    key = work_list.SEGMENTS_KEY
     short = make_lora_mapping(jnp.zeros(work_list.SEGMENT_MIN_TOKENS - 8, jnp.int32), 4)
-    assert "segments" not in short.work_lists
-    long = make_lora_mapping(jnp.zeros(work_list.SEGMENT_MIN_TOKENS, jnp.int32), 4)
-    seg = long.work_lists["segments"]
-    assert int(jnp.sum(seg["items"][3])) == work_list.SEGMENT_MIN_TOKENS  # one run: all
-    assert set(seg["rest"]) == set(work_list.SEGMENT_REST_BLOCK_MS)
+    assert key not in short.work_lists
+    long = jax.jit(make_lora_mapping, static_argnums=1)(
+        jnp.zeros(work_list.SEGMENT_MIN_TOKENS, jnp.int32), 4
+    )
+    seg = long.work_lists[key]
+    assert int(jnp.sum(seg.items[3])) == work_list.SEGMENT_MIN_TOKENS  # one run: all
+    assert set(seg.rest) == set(work_list.SEGMENT_REST_BLOCK_MS)
+    # the mapping, segments and all, is a pytree that passes through jit
+    live = jax.jit(lambda m: m.work_lists[key].rest[64][3, 0])(long)
+    assert int(live) == 0  # every token is in a piece: no mapped Triton blocks
 
 
 def test_forced_mosaic_names_what_it_cannot_run():
