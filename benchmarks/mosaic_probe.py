@@ -93,7 +93,9 @@ def main():
                 metas = [ops_bench.metadata(i, MAX_LORAS) for i in idxs]
                 items = [
                     wl.segment_items(
-                        m["token_lora_indices"], block_m=tiles.block_m, min_rows=wl.SEGMENT_MIN_ROWS
+                        m["token_lora_indices"],
+                        block_m=tiles.block_m,
+                        max_pieces=wl.SEGMENT_MAX_PIECES,
                     )
                     for m in metas
                 ]

@@ -24,7 +24,7 @@ from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink, pallas_triton, pal
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 from lora_jax.kernels.shrink_expand.work_list import (
     SEGMENT_BLOCK_M,
-    SEGMENT_MIN_ROWS,
+    SEGMENT_MAX_PIECES,
     SEGMENT_MIN_TOKENS,
     SEGMENTS_KEY,
     build_segments,
@@ -216,7 +216,7 @@ def _get_segments(work_lists, token_lora_indices, counts, starts, sorted_ids, *,
     if seg is None or block_m not in seg.rest:
         return build_segments(token_lora_indices, counts, starts, sorted_ids, block_ms=(block_m,))
     num_tokens = sorted_ids.shape[0]
-    cap = -(-num_tokens // SEGMENT_BLOCK_M) * (SEGMENT_BLOCK_M // SEGMENT_MIN_ROWS)
+    cap = -(-num_tokens // SEGMENT_BLOCK_M) * SEGMENT_MAX_PIECES
     if tuple(seg.items.shape) != (4, cap):
         raise ValueError(
             f"work_lists[{SEGMENTS_KEY}].items has shape {tuple(seg.items.shape)}; "

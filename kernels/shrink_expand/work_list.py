@@ -37,8 +37,8 @@ WORK_LIST_BLOCK_MS = (16, 32, 64, 128)
 """The token-block sizes the default tiles use (block_sizes.py): decode 16, prefill 32-128."""
 SEGMENT_BLOCK_M = 128
 """Rows of x per tile of the segment (Mosaic GPU) shrink: aligned tiles of this many."""
-SEGMENT_MIN_ROWS = 64
-"""Shortest piece of a run (inside one tile) that the segment shrink takes."""
+SEGMENT_MAX_PIECES = 4
+"""Most runs (pieces) a tile may hold for the segment shrink to take it."""
 SEGMENT_MIN_TOKENS = 1024
 """Static token counts from which `build_work_lists` adds the segment schedule."""
 SEGMENT_REST_BLOCK_MS = (32, 64)
@@ -144,25 +144,31 @@ def get_work_list(
 
 
 def segment_items(
-    token_lora_indices: jax.Array, *, block_m: int, min_rows: int
+    token_lora_indices: jax.Array, *, block_m: int, max_pieces: int
 ) -> tuple[jax.Array, jax.Array]:
-    """This kernel's share of a step: the pieces of runs of one adapter that are at least
-    ``min_rows`` tokens long inside one aligned ``block_m``-row tile of x.
+    """This kernel's share of a step: in each aligned ``block_m``-row tile of x cut into at
+    most ``max_pieces`` runs of one slot (or of unmapped tokens), the runs of a slot.
+
+    A tile of prompts holds one run, or a few where prompts meet; a tile of a shuffled
+    batch holds many, and goes to the Triton shrink whole. Every piece costs a full tile
+    of MMA and one read of its adapter, so ``max_pieces`` bounds that waste.
 
     Returns ``(items, mine)``: items int32 [4, NI] holds per piece (tile, slot, first
     token, row count), the count 0 in unused entries; mine bool [T] marks the tokens the
-    pieces cover (the Triton shrink takes the others). NI = tiles x (block_m // min_rows)
-    bounds the piece count, so the list has a static length.
+    pieces cover (the Triton shrink takes the others). NI = tiles x ``max_pieces`` bounds
+    the piece count, so the list has a static length.
     """
     num_tokens = token_lora_indices.shape[0]
+    num_tiles = -(-num_tokens // block_m)
     idx = token_lora_indices.astype(jnp.int32)
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     prev = jnp.concatenate([jnp.full((1,), -2, jnp.int32), idx[:-1]])
     starts = (idx != prev) | (t % block_m == 0)
     piece = jnp.cumsum(starts.astype(jnp.int32)) - 1  # [T]
     length = jax.ops.segment_sum(jnp.ones_like(t), piece, num_segments=num_tokens)
-    mine = (idx >= 0) & (length[piece] >= min_rows)
-    cap = -(-num_tokens // block_m) * max(1, block_m // min_rows)
+    tile_pieces = jax.ops.segment_sum(starts.astype(jnp.int32), t // block_m, num_tiles)
+    mine = (idx >= 0) & (tile_pieces[t // block_m] <= max_pieces)
+    cap = num_tiles * max_pieces
     (first,) = jnp.nonzero(starts & mine, size=cap, fill_value=0)
     first = first.astype(jnp.int32)
     live = jnp.arange(cap) < jnp.sum((starts & mine).astype(jnp.int32))
@@ -219,7 +225,7 @@ def build_segments(
     """The segment shrink's schedule for one step: its pieces and, per ``block_ms``
     entry, the Triton work list of the other tokens (`segment_items`, `rest_order`)."""
     items, mine = segment_items(
-        token_lora_indices, block_m=SEGMENT_BLOCK_M, min_rows=SEGMENT_MIN_ROWS
+        token_lora_indices, block_m=SEGMENT_BLOCK_M, max_pieces=SEGMENT_MAX_PIECES
     )
     del slot_token_starts  # the kept tokens' starts are new
     counts, starts, order = rest_order(

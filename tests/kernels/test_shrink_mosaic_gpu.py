@@ -22,39 +22,41 @@ def _runs(rng, num_tokens: int, max_loras: int, longest: int) -> np.ndarray:
     return np.asarray(out[:num_tokens], np.int32)
 
 
-def _pieces_oracle(idx: np.ndarray, block_m: int, min_rows: int):
-    """(tile, slot, first, count) of each run piece inside one tile, at least min_rows
-    long and mapped; and the tokens they cover."""
+def _pieces_oracle(idx: np.ndarray, block_m: int, max_pieces: int):
+    """(tile, slot, first, count) of each mapped run piece inside a tile cut into at most
+    max_pieces runs; and the tokens they cover."""
     mine = np.zeros(len(idx), bool)
     pieces = []
-    t = 0
-    while t < len(idx):
-        e = t + 1
-        while e < len(idx) and idx[e] == idx[t] and e % block_m:
-            e += 1
-        if idx[t] >= 0 and e - t >= min_rows:
-            mine[t:e] = True
-            pieces.append((t // block_m, int(idx[t]), t, e - t))
-        t = e
+    for lo in range(0, len(idx), block_m):
+        tile = idx[lo : lo + block_m]
+        cuts = [0] + [i for i in range(1, len(tile)) if tile[i] != tile[i - 1]] + [len(tile)]
+        if len(cuts) - 1 > max_pieces:
+            continue
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            if tile[a] >= 0:
+                mine[lo + a : lo + b] = True
+                pieces.append((lo // block_m, int(tile[a]), lo + a, b - a))
     return pieces, mine
 
 
-@pytest.mark.parametrize("block_m,min_rows", [(128, 64), (64, 16), (128, 32)])
-def test_segment_items_match_oracle(block_m, min_rows):
-    rng = np.random.default_rng(block_m + min_rows)
-    items_of = jax.jit(lambda idx: work_list.segment_items(idx, block_m=block_m, min_rows=min_rows))
+@pytest.mark.parametrize("block_m,max_pieces", [(128, 4), (64, 2), (128, 1)])
+def test_segment_items_match_oracle(block_m, max_pieces):
+    rng = np.random.default_rng(block_m + max_pieces)
+    items_of = jax.jit(
+        lambda idx: work_list.segment_items(idx, block_m=block_m, max_pieces=max_pieces)
+    )
     for trial in range(16):
         num_tokens = (1, 77, 300, 640)[trial % 4]  # a few shapes: a few compiles
         idx = _runs(rng, num_tokens, 5, 200)
         if trial % 8 == 3:
             idx = rng.permutation(idx)  # shuffled: few or no pieces
         items, mine = items_of(jnp.asarray(idx))
-        want, want_mine = _pieces_oracle(idx, block_m, min_rows)
+        want, want_mine = _pieces_oracle(idx, block_m, max_pieces)
         items = np.asarray(items)
         got = [tuple(int(v) for v in col) for col in items.T if col[3] > 0]
         assert got == want, trial
         np.testing.assert_array_equal(np.asarray(mine), want_mine)
-        assert items.shape == (4, -(-num_tokens // block_m) * (block_m // min_rows))
+        assert items.shape == (4, -(-num_tokens // block_m) * max_pieces)
 
 
 def test_rest_order_is_the_mapping_without_the_pieces():
@@ -64,7 +66,7 @@ def test_rest_order_is_the_mapping_without_the_pieces():
     @jax.jit
     def rest(idx):
         m = make_lora_mapping(idx, max_loras)
-        _, mine = work_list.segment_items(m.token_lora_indices, block_m=128, min_rows=64)
+        _, mine = work_list.segment_items(m.token_lora_indices, block_m=128, max_pieces=4)
         got = work_list.rest_order(
             m.token_lora_indices, m.slot_token_counts, m.sorted_token_ids, mine
         )
