@@ -149,6 +149,9 @@ for what in "$@"; do
     step expand_mid 200 "${OPS[@]}" --sweep --sweep-set prefill --candidates 4,6,13,14,15,16 \
       --ops expand --tokens 1024,2048 --hiddens 4096 --ranks 64,128 --adapters 1,64 \
       --impls ours,dense --time-budget 185 --out "$OUT/expand_mid" ;;
+  segments)  # session 10: the Mosaic GPU segment shrink alone / split / Triton / plain dot
+    step segments 300 python3 -P benchmarks/mosaic_probe.py --tokens 1024,2048,4096,16384 \
+      --ranks 64,128 --out "$OUT/segments/probe.json" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -156,7 +159,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments tp1 two" >&2
     exit 2 ;;
   esac
 done

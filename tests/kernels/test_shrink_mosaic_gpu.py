@@ -194,3 +194,21 @@ def test_segment_shrink_matches_reference(num_tokens, hidden, rank, slices, dtyp
     if not mosaic_gpu_shrink.available():
         pytest.skip("needs a Hopper GPU (Mosaic GPU WGMMA)")
     _check(num_tokens, hidden, rank, slices, dtype, layout, ranked)
+
+
+@pytest.mark.parametrize(
+    "num_tokens,rank,want",
+    [(2048, 64, True), (4096, 128, True), (512, 64, False), (8192, 64, False), (2048, 16, False)],
+)
+def test_default_picks_the_segment_shrink_where_measured(monkeypatch, num_tokens, rank, want):
+    """On a Hopper GPU (faked here) the default takes the Mosaic kernel at 1024-4096 tokens
+    with a rank that is a multiple of 32, the Triton kernel alone elsewhere."""
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    monkeypatch.setattr(mosaic_gpu_shrink, "available", lambda: True)
+    meta = make_metadata(np.zeros(num_tokens, np.int32), 2)
+    x = jax.ShapeDtypeStruct((num_tokens, 1024), jnp.bfloat16)
+    a = jax.ShapeDtypeStruct((2, rank, 1024), jnp.bfloat16)
+    lowered = jax.jit(lambda x, a: lora_shrink(x, (a,), **meta)).trace(x, a)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert ("mosaic_gpu" in text) == want
