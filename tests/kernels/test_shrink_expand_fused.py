@@ -146,7 +146,7 @@ def test_bad_shapes_are_named():
 def test_lowers_for_cuda(dtype):
     if not hasattr(jax.jit(lambda v: v), "trace"):
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
-    from test_shrink_expand_pallas_triton import _abstract_gpu_context
+    from shrink_expand_test_base import abstract_gpu_context
 
     num_tokens, hidden, rank, max_loras = 64, 2049, 8, 4
     meta = make_metadata(np.arange(num_tokens) % max_loras, max_loras)
@@ -162,7 +162,7 @@ def test_lowers_for_cuda(dtype):
             x, y, lora_a, lora_b, offsets=(0, 1000, 1300), **meta, slot_ranks=ranks, scale=0.5
         )
 
-    with _abstract_gpu_context():
+    with abstract_gpu_context():
         text = (
             jax.jit(step)
             .trace(x, lora_a, lora_b, y, meta)

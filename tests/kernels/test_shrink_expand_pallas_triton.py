@@ -27,6 +27,7 @@ from shrink_expand_test_base import (
     CPU_CASES,
     Case,
     ShrinkExpandTestBase,
+    abstract_gpu_context,
     make_mapping,
     make_metadata,
 )
@@ -94,27 +95,6 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
         self.test_expand(case)
 
 
-def _abstract_gpu_context():
-    """jax >= 0.12 needs an abstract GPU device to lower Pallas Triton without a GPU."""
-    import contextlib
-
-    try:
-        from jax._src.mesh import AbstractDevice
-    except ImportError:
-        return contextlib.nullcontext()
-    try:
-        mesh = jax.sharding.AbstractMesh(
-            (1,),
-            ("x",),
-            abstract_device=AbstractDevice(
-                device_kind="NVIDIA H200", num_cores=132, platform="gpu"
-            ),
-        )
-    except TypeError:  # older jax: no abstract_device, and none needed
-        return contextlib.nullcontext()
-    return jax.sharding.use_abstract_mesh(mesh)
-
-
 @pytest.mark.parametrize(
     "tiles",
     [
@@ -153,7 +133,7 @@ def test_lowers_for_cuda(dtype, tiles):
         h = lora_shrink(x, lora_a, **meta, slot_ranks=ranks, block_sizes=tiles)
         return lora_expand(y, h[:2], lora_b, offsets=(0, 110), **meta, slot_ranks=ranks[:2])
 
-    with _abstract_gpu_context():
+    with abstract_gpu_context():
         text = (
             jax.jit(step)
             .trace(x, lora_a, lora_b, y, meta)

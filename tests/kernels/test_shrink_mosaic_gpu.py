@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from lora_jax.kernels import lora_shrink, lora_shrink_reference
 from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink, work_list
-from shrink_expand_test_base import make_metadata
+from shrink_expand_test_base import abstract_gpu_context, make_metadata
 
 from lora_jax.mapping import make_lora_mapping
 
@@ -144,7 +144,8 @@ def test_segment_shrink_lowers_for_cuda(num_tokens, hidden, rank, slices, ranked
     def f(x, lora_a):
         return lora_shrink(x, lora_a, **meta, slot_ranks=ranks, mosaic=True)
 
-    text = jax.jit(f).trace(x, lora_a).lower(lowering_platforms=("cuda",)).as_text()
+    with abstract_gpu_context():
+        text = jax.jit(f).trace(x, lora_a).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text  # the segment kernel
     assert "triton" in text  # the Triton kernel for the other tokens
 
@@ -209,6 +210,7 @@ def test_default_picks_the_segment_shrink_where_measured(monkeypatch, num_tokens
     meta = make_metadata(np.zeros(num_tokens, np.int32), 2)
     x = jax.ShapeDtypeStruct((num_tokens, 1024), jnp.bfloat16)
     a = jax.ShapeDtypeStruct((2, rank, 1024), jnp.bfloat16)
-    lowered = jax.jit(lambda x, a: lora_shrink(x, (a,), **meta)).trace(x, a)
-    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    with abstract_gpu_context():
+        lowered = jax.jit(lambda x, a: lora_shrink(x, (a,), **meta)).trace(x, a)
+        text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert ("mosaic_gpu" in text) == want
