@@ -118,7 +118,16 @@ def build(c: Case, calls: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     chosen = rng.permutation(MAX_LORAS)[: c.adapters]
     base = chosen[np.arange(c.tokens) % c.adapters]
-    metas = [metadata(rng.permutation(base), MAX_LORAS) for _ in range(calls)]
+    if LAYOUT == "runs":  # prompts: each adapter's tokens in one run, runs in random order
+        metas = [
+            metadata(
+                np.repeat(rng.permutation(chosen), -(-c.tokens // c.adapters))[: c.tokens],
+                MAX_LORAS,
+            )
+            for _ in range(calls)
+        ]
+    else:  # the grid: tokens shuffled (decode-like scatter at every length)
+        metas = [metadata(rng.permutation(base), MAX_LORAS) for _ in range(calls)]
     k = jax.random.key(seed)
     dt = jnp.bfloat16
     copies = calls  # weights of their own per call: nothing for XLA to merge
@@ -729,7 +738,7 @@ def model_main(a):
 
 
 def main(argv=None):
-    global INTERPRET, TIMER
+    global INTERPRET, TIMER, LAYOUT
     p = argparse.ArgumentParser()
     p.add_argument("--ops", default="shrink,expand")
     p.add_argument("--tokens", default="1,16,64,256,1024,4096,16384")
@@ -750,6 +759,12 @@ def main(argv=None):
         "--candidates",
         default="",
         help="with --sweep: comma-separated indices into the sweep set (default: all)",
+    )
+    p.add_argument(
+        "--layout",
+        default="shuffled",
+        choices=("shuffled", "runs"),
+        help="token order: shuffled (the issue's grid) or runs (one run per adapter, prompts)",
     )
     p.add_argument("--interpret", action="store_true")
     p.add_argument(
@@ -785,6 +800,7 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     INTERPRET = a.interpret
     TIMER = a.timer
+    LAYOUT = a.layout
     a.ops = a.ops.split(",")
     a.tokens = [int(v) for v in a.tokens.split(",")]
     a.hiddens = [int(v) for v in a.hiddens.split(",")]
@@ -936,6 +952,7 @@ def table(rows):
 
 INTERPRET = False
 TIMER = "wall"
+LAYOUT = "shuffled"
 LAST_KERNELS: dict[str, float] = {}  # the last trace's µs per run, by kernel name
 
 if __name__ == "__main__":

@@ -74,6 +74,23 @@ def test_ops_accuracy_check_catches_a_wrong_kernel(tmp_path, monkeypatch):
     assert not row["err_ok"] and row["max_rel_err"] == pytest.approx(0.01, rel=1e-3)
 
 
+def test_ops_runs_layout_is_one_run_per_adapter(tmp_path, monkeypatch):
+    """--layout runs: each adapter's tokens form one run (prompts); the cells still check."""
+    import json
+
+    import ops
+
+    monkeypatch.setattr(ops, "LAYOUT", "shuffled")  # main() sets it; restored after
+    argv = ["--interpret", "--tokens", "40", "--hiddens", "64", "--ranks", "16"]
+    argv += ["--adapters", "4", "--impls", "ours", "--layout", "runs", "--out", str(tmp_path)]
+    ops.main(argv)
+    assert all(r["err_ok"] for r in json.loads((tmp_path / "ops.json").read_text()))
+    _, _, metas = ops.build(ops.Case("shrink", 40, 64, 16, 4), calls=2)
+    for m in metas:
+        idx = np.asarray(m["token_lora_indices"])
+        assert (np.diff(idx) != 0).sum() == 3  # 4 runs
+
+
 @pytest.mark.parametrize("op", ["shrink", "expand"])
 def test_ops_impls_agree_and_calls_share_nothing(op, monkeypatch):
     """Every impl that benchmarks/ops.py times computes the same calls (ours, the work
