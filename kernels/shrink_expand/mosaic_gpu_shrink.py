@@ -1,22 +1,21 @@
-"""Mosaic GPU (Hopper: TMA + WGMMA) shrink for token blocks whose rows are contiguous in x.
+"""Mosaic GPU (Hopper: TMA + WGMMA) shrink for tiles of x made of a few runs of one adapter.
 
-``out[s, t] = scale * x[t] @ A_s[slot].T`` in f32 for the blocks of the work list
-(work_list.py) whose ``block_m`` token positions are consecutive, which is what a
-prefill of long prompts gives: each prompt's tokens are adjacent in x, and a slot's
-sorted run lists them in order. Such a block is one rectangle of x, so the tensor
-memory accelerator (TMA) can stream it into shared memory for the warpgroup MMA,
-where the Triton kernels gather row by row.
+``out[s, t] = scale * x[t] @ A_s[slot].T`` in f32 for the pieces that
+`work_list.segment_items` lists: a prompt's tokens are adjacent in x, so an aligned tile
+of ``block_m`` rows holds one run of one adapter, or a few where prompts meet. Such a
+tile is one rectangle of x, so the tensor memory accelerator (TMA) streams it (and the
+piece's adapter rows) into shared memory for the warpgroup MMA, where the Triton kernels
+gather row by row.
 
-Tokens outside such pieces (decode, shuffled batches, unmapped tokens) are left to the
+Tokens outside the pieces (decode, shuffled batches, unmapped tokens) are left to the
 Triton shrink: `work_list.build_segments` splits a step between the two, and
 `lora_jax.kernels.lora_shrink` runs the Triton kernel on its share first (it writes or
 zeroes every row), then this one writes its pieces in place.
 
-Each program takes one (block, slice, hidden split); the hidden reduction is split so
-that about ``TARGET_ITEMS`` programs exist, and split partials are added by TMA
-reduce-add stores. A block's tile is ``block_m`` rows from its first token (moved back
-to fit before the end of x); only its own rows are stored, by a ladder of power-of-two
-row copies, since a TMA box has a static shape.
+Each program takes one (piece, slice, hidden split): the whole tile through WGMMA into a
+``block_m`` x R f32 accumulator, then only the piece's rows stored, by a ladder of
+power-of-two TMA row copies (a TMA box has a static shape); split partials are added by
+TMA reduce-add stores. The hidden split gives about ``TARGET_ITEMS`` programs.
 """
 
 from __future__ import annotations
@@ -57,11 +56,13 @@ class MosaicTiles:
 
     Example::
 
-        out = shrink(x, (a,), meta, out, scale=1.0, tiles=MosaicTiles(block_m=128))
+        items, _ = work_list.segment_items(idx, block_m=128, max_pieces=4)
+        out = shrink(x, (a,), items, out, None, scale=1.0, tiles=MosaicTiles(block_m=128))
     """
 
     block_m: int = 128
-    """Tokens per block: a multiple of 64 (one WGMMA row group per 64)."""
+    """Rows of x per tile: 64, 128 or 256 (WGMMA row groups of 64; a power of two, so the
+    store ladder's copies cover every row count)."""
     block_k: int = 64
     """Hidden columns per pipeline step (64 bf16 = one 128-byte swizzle row)."""
     stages: int = 4
@@ -70,8 +71,8 @@ class MosaicTiles:
     """Hidden splits per piece; 0 picks one from the tile count (`pick_split`)."""
 
     def __post_init__(self):
-        if self.block_m % 64 or self.block_m > 256:
-            raise ValueError(f"MosaicTiles.block_m={self.block_m}: use 64, 128, 192 or 256.")
+        if self.block_m not in (64, 128, 256):
+            raise ValueError(f"MosaicTiles.block_m={self.block_m}: use 64, 128 or 256.")
         if self.block_k not in (32, 64, 128):
             raise ValueError(f"MosaicTiles.block_k={self.block_k}: use 32, 64 or 128.")
         if self.stages < 2:
