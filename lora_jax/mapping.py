@@ -120,7 +120,10 @@ def make_lora_mapping(
 def _work_lists(counts: jax.Array, starts: jax.Array, sorted_ids: jax.Array, idx: jax.Array):
     """The kernels' work lists, built once per step (unused ones vanish under jit)."""
     try:
+        from lora_jax.kernels.shrink_expand.mosaic_gpu_shrink import available
         from lora_jax.kernels.shrink_expand.work_list import build_work_lists
     except ImportError:  # pragma: no cover - only when the kernels package is absent
         return None
-    return build_work_lists(counts, starts, sorted_ids, idx)
+    # The segment schedule only where its kernel can run (a Hopper GPU): eager callers
+    # elsewhere would pay for it.
+    return build_work_lists(counts, starts, sorted_ids, idx if available() else None)

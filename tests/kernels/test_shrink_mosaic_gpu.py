@@ -86,8 +86,11 @@ def test_rest_order_is_the_mapping_without_the_pieces():
         assert sorted(np.asarray(order).tolist()) == list(range(num_tokens))  # a permutation
 
 
-def test_mapping_carries_the_segment_schedule_from_min_tokens():
+def test_mapping_carries_the_segment_schedule_from_min_tokens(monkeypatch):
     key = work_list.SEGMENTS_KEY
+    off = make_lora_mapping(jnp.zeros(work_list.SEGMENT_MIN_TOKENS, jnp.int32), 4)
+    assert key not in off.work_lists  # no Hopper GPU here: nothing to build it for
+    monkeypatch.setattr(mosaic_gpu_shrink, "available", lambda: True)
     short = make_lora_mapping(jnp.zeros(work_list.SEGMENT_MIN_TOKENS - 8, jnp.int32), 4)
     assert key not in short.work_lists
     long = jax.jit(make_lora_mapping, static_argnums=1)(
