@@ -156,6 +156,11 @@ for what in "$@"; do
     step runs 200 "${OPS[@]}" --layout runs --ops shrink --tokens 1024,2048,4096,16384 \
       --hiddens 4096 --ranks 16,64,128 --adapters 8,64 --impls ours,onehot --time-budget 185 \
       --out "$OUT/runs" ;;
+  stream)  # session 11: the persistent (stream-K) segment shrink: its GPU tests, the probe
+    JAX_DEFAULT_MATMUL_PRECISION=highest step stream_tests 200 python3 -P -m pytest \
+      tests/kernels/test_shrink_mosaic_gpu.py -m gpu -q -p no:cacheprovider
+    step stream 330 python3 -P benchmarks/mosaic_probe.py --tokens 4096,16384 --ranks 64,128 \
+      --out "$OUT/stream/probe.json" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -163,7 +168,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -63,10 +63,13 @@ def main():
     p.add_argument("--block-m", type=int, default=128)
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--split", type=int, default=0)
+    p.add_argument("--programs", type=int, default=0, help="persistent grid; 0: one per SM")
     p.add_argument("--out", default="")
     args = p.parse_args()
     ops_bench.TIMER = "trace"
-    tiles = mg.MosaicTiles(block_m=args.block_m, stages=args.stages, split_k=args.split)
+    tiles = mg.MosaicTiles(
+        block_m=args.block_m, stages=args.stages, split_k=args.split, programs=args.programs
+    )
     rows = []
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, tiles {tiles}")
     print(

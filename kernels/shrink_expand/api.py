@@ -222,10 +222,10 @@ def _get_segments(work_lists, token_lora_indices, counts, starts, sorted_ids, *,
         return build_segments(token_lora_indices, counts, starts, sorted_ids, block_ms=(block_m,))
     num_tokens = sorted_ids.shape[0]
     cap = -(-num_tokens // SEGMENT_BLOCK_M) * SEGMENT_MAX_PIECES
-    if tuple(seg.items.shape) != (4, cap):
+    if tuple(seg.items.shape) != (5, cap):
         raise ValueError(
             f"work_lists[{SEGMENTS_KEY}].items has shape {tuple(seg.items.shape)}; "
-            f"expected (4, {cap}) for {num_tokens} tokens (build it with build_work_lists)."
+            f"expected (5, {cap}) for {num_tokens} tokens (build it with build_work_lists)."
         )
     return seg
 

@@ -12,10 +12,15 @@ Triton shrink: `work_list.build_segments` splits a step between the two, and
 `lora_jax.kernels.lora_shrink` runs the Triton kernel on its share first (it writes or
 zeroes every row), then this one writes its pieces in place.
 
-Each program takes one (piece, slice, hidden split): the whole tile through WGMMA into a
-``block_m`` x R f32 accumulator, then only the piece's rows stored, by a ladder of
-power-of-two TMA row copies (a TMA box has a static shape); split partials are added by
-TMA reduce-add stores. The hidden split gives about ``TARGET_ITEMS`` programs.
+The kernel is persistent: one program per SM walks a share of the step's work. A job is
+one (piece, slice): the whole tile through WGMMA into a ``block_m`` x R f32 accumulator
+over the hidden size, then only the piece's rows stored, by a ladder of power-of-two TMA
+row copies (a TMA box has a static shape). The jobs' k steps are laid end to end and each
+program takes an equal run of them (stream-K): a job that one program covers whole is
+stored plainly, a part of a job is added by TMA reduce-add (the Triton kernel zeroed its
+rows). When the jobs fit the programs, a run is one job's ``1 / split`` share
+(`pick_split`), so a step of one adapter's prompts splits evenly; when prompt boundaries
+add pieces past one per program, the runs lengthen instead of spilling a second wave.
 """
 
 from __future__ import annotations
@@ -29,10 +34,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 TARGET_ITEMS = 132
-"""Programs to aim for, at one piece per tile: one per SM of an H200 (132 SMs; a program's
+"""Jobs to aim for, at one piece per tile: one per SM of an H200 (132 SMs; a program's
 192 KiB of shared memory at rank 128 leaves room for one). Session 10: tiles x split = 128
 ran T = 1024 / 2048 / 4096 at splits 16 / 8 / 4; T = 4096, rank 128, split 2 or 8 instead
 of 4: 19.3 or 21.7 us instead of 16.2."""
+
+
+@functools.cache
+def num_sms() -> int:
+    """Programs of the persistent grid: the first GPU's SM count (``TARGET_ITEMS`` where
+    jax does not say, or off a GPU, as when lowering for CUDA on a CPU)."""
+    try:
+        return int(jax.devices("gpu")[0].core_count)
+    except Exception:  # noqa: BLE001 - no GPU backend, or no core_count on this device
+        return TARGET_ITEMS
 
 
 @functools.cache
@@ -69,6 +84,8 @@ class MosaicTiles:
     """TMA copies in flight (shared memory: stages x (block_m + R) x block_k x 2 bytes)."""
     split_k: int = 0
     """Hidden splits per piece; 0 picks one from the tile count (`pick_split`)."""
+    programs: int = 0
+    """Programs of the persistent grid; 0: one per SM (`num_sms`)."""
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 256):
@@ -79,6 +96,8 @@ class MosaicTiles:
             raise ValueError(f"MosaicTiles.stages={self.stages}: must be >= 2.")
         if self.split_k < 0:
             raise ValueError(f"MosaicTiles.split_k={self.split_k}: must be >= 0 (0: auto).")
+        if self.programs < 0:
+            raise ValueError(f"MosaicTiles.programs={self.programs}: must be >= 0 (0: auto).")
 
 
 def supported(x_dtype, a_dtype, num_tokens: int, hidden: int, rank: int, tiles: MosaicTiles):
@@ -137,14 +156,15 @@ def _store_rows(
 
 
 def _kernel_body(
-    items_ref,  # [4, NI] int32 (work_list.segment_items): tile, slot, first token, rows
+    items_ref,  # [5, NI] int32 (work_list.segment_items): tile, slot, first, rows, live
     *refs,
     num_slices: int,
     has_ranks: bool,
     rank: int,
     scale: float,
-    split: int,
-    chunk: int,
+    job_steps: int,
+    unit_steps: int,
+    programs: int,
     tiles: MosaicTiles,
 ):
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -152,52 +172,66 @@ def _kernel_body(
     ranks_ref, refs = (refs[0], refs[1:]) if has_ranks else (None, refs)
     x_ref, a_refs, o_ref = refs[0], refs[1 : 1 + num_slices], refs[-1]
     bm, bk = tiles.block_m, tiles.block_k
-    blk, p1 = jax.lax.axis_index("block"), jax.lax.axis_index("split")
-    sid, ks = p1 // split, p1 % split
-    tile, slot = items_ref[0, blk], items_ref[1, blk]
-    first, count = items_ref[2, blk], items_ref[3, blk]
-    steps = chunk // bk
+    # The step's work: job j = piece * num_slices + slice, each job_steps k steps long,
+    # laid end to end. Program p takes the steps [p * per, (p + 1) * per).
+    work = items_ref[4, 0] * (num_slices * job_steps)
+    per = jnp.maximum(jnp.int32(unit_steps), (work + programs - 1) // programs)
+    prog = jax.lax.axis_index("prog")
+    start = jnp.minimum(prog * per, work)
+    end = jnp.minimum(start + per, work)
+    first_job = start // job_steps
+    num_jobs = jnp.where(end > start, (end - 1) // job_steps - first_job + 1, 0)
 
-    for s in range(num_slices):
+    def segment(i, carry):
+        job = first_job + i
+        lo = jnp.maximum(start, job * job_steps)
+        k0 = lo - job * job_steps
+        steps = jnp.minimum(end, job * job_steps + job_steps) - lo
+        piece, sid = job // num_slices, job % num_slices
+        tile, slot = items_ref[0, piece], items_ref[1, piece]
+        first, count = items_ref[2, piece], items_ref[3, piece]
+        whole = steps == job_steps  # no other program adds to these rows
 
-        @pl.when((sid == s) & (count > 0))
-        def _(s=s):
+        for s in range(num_slices):
 
-            def mma(acc_ref):
-                plgpu.emit_pipeline(
-                    lambda _, x_smem, a_smem: plgpu.wgmma(
-                        acc_ref, x_smem, plgpu.transpose_ref(a_smem, (1, 0))
-                    ),
-                    grid=(steps,),
-                    in_specs=[
-                        plgpu.BlockSpec(
-                            (bm, bk), lambda k: (tile, ks * steps + k), delay_release=1
+            @pl.when(sid == s)
+            def _(s=s):
+
+                def mma(acc_ref):
+                    plgpu.emit_pipeline(
+                        lambda _, x_smem, a_smem: plgpu.wgmma(
+                            acc_ref, x_smem, plgpu.transpose_ref(a_smem, (1, 0))
                         ),
-                        plgpu.BlockSpec((rank, bk), lambda k: (0, ks * steps + k), delay_release=1),
-                    ],
-                    max_concurrent_steps=tiles.stages,
-                )(x_ref, a_refs[s].at[slot])
-                return acc_ref[...]
+                        grid=(steps,),
+                        in_specs=[
+                            plgpu.BlockSpec((bm, bk), lambda k: (tile, k0 + k), delay_release=1),
+                            plgpu.BlockSpec((rank, bk), lambda k: (0, k0 + k), delay_release=1),
+                        ],
+                        max_concurrent_steps=tiles.stages,
+                    )(x_ref, a_refs[s].at[slot])
+                    return acc_ref[...]
 
-            acc = pl.run_scoped(mma, plgpu.ACC((bm, rank), jnp.float32)) * jnp.float32(scale)
-            if has_ranks:  # rank columns past the slot's true rank are exactly 0
-                col = jax.lax.broadcasted_iota(jnp.int32, (bm, rank), 1)
-                acc = jnp.where(col < ranks_ref[s, slot], acc, jnp.float32(0))
+                acc = pl.run_scoped(mma, plgpu.ACC((bm, rank), jnp.float32)) * jnp.float32(scale)
+                if has_ranks:  # rank columns past the slot's true rank are exactly 0
+                    col = jax.lax.broadcasted_iota(jnp.int32, (bm, rank), 1)
+                    acc = jnp.where(col < ranks_ref[s, slot], acc, jnp.float32(0))
 
-            def store(o_smem):
-                o_smem[...] = acc
-                plgpu.commit_smem()
-                _store_rows(
-                    o_smem,
-                    o_ref.at[s],
-                    first - tile * bm,
-                    first,
-                    count,
-                    bm,
-                    add=split > 1,
-                )
+                def store(o_smem):
+                    o_smem[...] = acc
+                    plgpu.commit_smem()
+                    for add in (False, True):
 
-            pl.run_scoped(store, plgpu.SMEM((bm, rank), jnp.float32))
+                        @pl.when(whole != add)
+                        def _(add=add):
+                            _store_rows(
+                                o_smem, o_ref.at[s], first - tile * bm, first, count, bm, add=add
+                            )
+
+                pl.run_scoped(store, plgpu.SMEM((bm, rank), jnp.float32))
+
+        return carry
+
+    jax.lax.fori_loop(0, num_jobs, segment, jnp.int32(0))
 
 
 def shrink(
@@ -211,7 +245,7 @@ def shrink(
     tiles: MosaicTiles,
 ) -> jax.Array:
     """Writes the pieces of ``items`` (`work_list.segment_items`) into ``out`` [S, T, R] f32, in
-    place (``out`` must be zero in their rows when the split is > 1), and returns it.
+    place (``out`` must be zero in their rows: parts of a job are added), and returns it.
     Every other row of ``out`` is left as it was."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -221,8 +255,10 @@ def shrink(
     why = supported(x.dtype, lora_a[0].dtype, num_tokens, hidden, rank, tiles)
     if why is not None:
         raise ValueError(f"mosaic_gpu shrink: {why}.")
-    num_blocks = items.shape[1]
+    num_pieces = items.shape[1]
     split = pick_split(-(-num_tokens // tiles.block_m), num_slices, hidden, tiles)
+    job_steps = hidden // tiles.block_k
+    programs = min(tiles.programs or num_sms(), num_pieces * num_slices * split)
     has_ranks = slot_ranks is not None
     body = functools.partial(
         _kernel_body,
@@ -230,8 +266,9 @@ def shrink(
         has_ranks=has_ranks,
         rank=rank,
         scale=scale,
-        split=split,
-        chunk=hidden // split,
+        job_steps=job_steps,
+        unit_steps=job_steps // split,
+        programs=programs,
         tiles=tiles,
     )
     inputs = [items] + ([slot_ranks] if has_ranks else []) + [x, *lora_a]
@@ -241,7 +278,7 @@ def shrink(
     pl.kernel(
         body,
         out_type=(),
-        mesh=plgpu.Mesh(grid=(num_blocks, num_slices * split), grid_names=("block", "split")),
+        mesh=plgpu.Mesh(grid=(programs,), grid_names=("prog",)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(*inputs, out_ref)
     return jax.freeze(out_ref)

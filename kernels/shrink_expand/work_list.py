@@ -160,10 +160,11 @@ def segment_items(
     batch holds many, and goes to the Triton shrink whole. Every piece costs a full tile
     of MMA and one read of its adapter, so ``max_pieces`` bounds that waste.
 
-    Returns ``(items, mine)``: items int32 [4, NI] holds per piece (tile, slot, first
-    token, row count), the count 0 in unused entries; mine bool [T] marks the tokens the
-    pieces cover (the Triton shrink takes the others). NI = tiles x ``max_pieces`` bounds
-    the piece count, so the list has a static length.
+    Returns ``(items, mine)``: items int32 [5, NI] holds per piece (tile, slot, first
+    token, row count), the count 0 in unused entries, which come last, and in row 4 the
+    number of pieces (in every column); mine bool [T] marks the tokens the pieces cover
+    (the Triton shrink takes the others). NI = tiles x ``max_pieces`` bounds the piece
+    count, so the list has a static length.
     """
     num_tokens = token_lora_indices.shape[0]
     num_tiles = -(-num_tokens // block_m)
@@ -178,9 +179,11 @@ def segment_items(
     cap = num_tiles * max_pieces
     (first,) = jnp.nonzero(starts & mine, size=cap, fill_value=0)
     first = first.astype(jnp.int32)
-    live = jnp.arange(cap) < jnp.sum((starts & mine).astype(jnp.int32))
+    num_pieces = jnp.sum((starts & mine).astype(jnp.int32))
+    live = jnp.arange(cap) < num_pieces
     count = jnp.where(live, length[piece[first]], 0)
-    items = jnp.stack([first // block_m, jnp.maximum(idx[first], 0), first, count])
+    total = jnp.broadcast_to(num_pieces, (cap,))
+    items = jnp.stack([first // block_m, jnp.maximum(idx[first], 0), first, count, total])
     return items.astype(jnp.int32), mine
 
 
@@ -216,7 +219,8 @@ class Segments:
     """The segment shrink's schedule for one step (`build_segments`)."""
 
     items: jax.Array
-    """int32 [4, NI]: per piece (tile, slot, first token, rows); `segment_items`."""
+    """int32 [5, NI]: per piece (tile, slot, first token, rows), then the piece count;
+    `segment_items`."""
     rest: dict[int, jax.Array]
     """block_m -> the Triton work list of the tokens outside the pieces."""
 

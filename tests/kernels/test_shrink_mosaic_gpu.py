@@ -53,10 +53,12 @@ def test_segment_items_match_oracle(block_m, max_pieces):
         items, mine = items_of(jnp.asarray(idx))
         want, want_mine = _pieces_oracle(idx, block_m, max_pieces)
         items = np.asarray(items)
-        got = [tuple(int(v) for v in col) for col in items.T if col[3] > 0]
+        got = [tuple(int(v) for v in col[:4]) for col in items.T if col[3] > 0]
         assert got == want, trial
+        assert (items[3, len(want) :] == 0).all()  # the live pieces first
+        assert (items[4] == len(want)).all()  # their count in every column
         np.testing.assert_array_equal(np.asarray(mine), want_mine)
-        assert items.shape == (4, -(-num_tokens // block_m) * max_pieces)
+        assert items.shape == (5, -(-num_tokens // block_m) * max_pieces)
 
 
 def test_rest_order_is_the_mapping_without_the_pieces():
@@ -217,3 +219,30 @@ def test_default_picks_the_segment_shrink_where_measured(monkeypatch, num_tokens
         lowered = jax.jit(lambda x, a: lora_shrink(x, (a,), **meta)).trace(x, a)
         text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert ("mosaic_gpu" in text) == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs,split", [(5, 0), (3, 2), (64, 1)], ids=str)
+def test_few_programs_walk_many_jobs(programs, split):
+    """A persistent grid much smaller than the work: each program's run of k steps crosses
+    several jobs (pieces x slices), whole ones stored, parts added."""
+    if not mosaic_gpu_shrink.available():
+        pytest.skip("needs a Hopper GPU (Mosaic GPU WGMMA)")
+    rng = np.random.default_rng(programs)
+    max_loras, num_tokens, hidden, rank = 8, 1152, 1024, 64
+    idx = _runs(rng, num_tokens, max_loras, 300)
+    k = jax.random.key(programs)
+    x = jax.random.normal(k, (num_tokens, hidden), jnp.bfloat16)
+    lora_a = tuple(
+        (jax.random.normal(jax.random.fold_in(k, s), (max_loras, rank, hidden)) * 0.05).astype(
+            jnp.bfloat16
+        )
+        for s in (1, 2)
+    )
+    items, mine = work_list.segment_items(jnp.asarray(idx), block_m=128, max_pieces=4)
+    tiles = mosaic_gpu_shrink.MosaicTiles(programs=programs, split_k=split)
+    zeros = jnp.zeros((2, num_tokens, rank), jnp.float32)
+    got = mosaic_gpu_shrink.shrink(x, lora_a, items, zeros, None, scale=0.5, tiles=tiles)
+    ref = lora_shrink_reference(x, lora_a, token_lora_indices=jnp.asarray(idx), scale=0.5)
+    want = jnp.where(mine[None, :, None], ref, 0.0)  # rows outside the pieces untouched
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
