@@ -24,6 +24,7 @@ from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink, pallas_triton, pal
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 from lora_jax.kernels.shrink_expand.work_list import (
     SEGMENT_BLOCK_M,
+    SEGMENT_LONG_RANK,
     SEGMENT_MAX_PIECES,
     SEGMENT_MAX_TOKENS,
     SEGMENT_MIN_TOKENS,
@@ -109,7 +110,8 @@ def _segment_tiles(mosaic, x, lora_a, interpret: bool):
     if why is None and interpret:
         why = "interpret mode (Mosaic GPU kernels need a Hopper GPU)"
     if mosaic is None:
-        auto = why is None and num_tokens <= SEGMENT_MAX_TOKENS
+        short = num_tokens <= SEGMENT_MAX_TOKENS or lora_a[0].shape[1] >= SEGMENT_LONG_RANK
+        auto = why is None and short
         return tiles if auto and mosaic_gpu_shrink.available() else None
     if why is not None:
         raise ValueError(f"lora_shrink: mosaic=True, but {why}.")
@@ -140,14 +142,14 @@ def lora_shrink(
     x: [T, H]; lora_a: tuple of S arrays [max_loras, R, H]. Rows whose token
     has idx -1 are exactly 0, and so are rank columns past ``slot_ranks``.
 
-    ``mosaic``: None (default) runs, on a Hopper GPU at ``SEGMENT_MIN_TOKENS`` to
-    ``SEGMENT_MAX_TOKENS`` tokens with bf16/fp16 x and A and a rank that is a multiple of
-    32 up to 128, the tiles of x made of a few runs of one adapter (prompts) through the
-    Mosaic GPU TMA + WGMMA kernel (mosaic_gpu_shrink.py) and the other tokens through the
-    Triton kernel; True forces that split from ``SEGMENT_MIN_TOKENS`` tokens (an error
-    where the shapes do not allow it), False the Triton kernel alone. The Mosaic kernel
-    computes every rank column (then zeroes those past ``slot_ranks``): in its regime x,
-    not the adapter, is most of the bytes.
+    ``mosaic``: None (default) runs, on a Hopper GPU from ``SEGMENT_MIN_TOKENS`` tokens
+    (up to ``SEGMENT_MAX_TOKENS`` below rank ``SEGMENT_LONG_RANK``) with bf16/fp16 x and A
+    and a rank that is a multiple of 32 up to 128, the tiles of x made of a few runs of
+    one adapter (prompts) through the Mosaic GPU TMA + WGMMA kernel (mosaic_gpu_shrink.py)
+    and the other tokens through the Triton kernel. True forces that split from
+    ``SEGMENT_MIN_TOKENS`` tokens (an error where the shapes do not allow it), False the
+    Triton kernel alone. The Mosaic kernel computes every rank column (then zeroes those
+    past ``slot_ranks``): in its regime x, not the adapter, is most of the bytes.
 
     Example::
 

@@ -42,12 +42,16 @@ SEGMENT_MAX_PIECES = 4
 SEGMENT_MIN_TOKENS = 1024
 """Static token counts from which `build_work_lists` adds the segment schedule."""
 SEGMENT_MAX_TOKENS = 4096
-"""Static token counts up to which `lora_shrink` uses the segment shrink by default.
+"""Static token counts up to which `lora_shrink` uses the segment shrink by default below
+``SEGMENT_LONG_RANK``.
 
 Session 10 (H200): from 1024 to 4096 tokens it ran 10-40 % faster than the Triton kernel
-alone on prompts; at 16384 tokens one wave of 128 tiles just fits 132 SMs, and prompt
-boundaries (a second piece in a tile) spill a second wave: rank 128 over 8 adapters' runs
-68.7 vs 63.4 us (one adapter: 49.0 vs 61.9). ``mosaic=True`` still forces it there."""
+alone on prompts. Session 11, with the persistent stream-K grid, at 16384 tokens and rank
+64 it tied or lost (prompts over 8 adapters: 48.3 vs 44.0 us with the Triton zeroing
+pass) while at rank 128 it won (57.7 vs 63.8; one adapter 49.1 vs 62.2)."""
+SEGMENT_LONG_RANK = 128
+"""From this rank the default takes the segment shrink at every length from
+``SEGMENT_MIN_TOKENS`` (see ``SEGMENT_MAX_TOKENS``)."""
 SEGMENT_REST_BLOCK_MS = (32, 64)
 """Token blocks of the prefill Triton shrink, which takes the tokens outside pieces."""
 SEGMENTS_KEY = 0

@@ -204,11 +204,19 @@ def test_segment_shrink_matches_reference(num_tokens, hidden, rank, slices, dtyp
 
 @pytest.mark.parametrize(
     "num_tokens,rank,want",
-    [(2048, 64, True), (4096, 128, True), (512, 64, False), (8192, 64, False), (2048, 16, False)],
+    [
+        (2048, 64, True),
+        (4096, 128, True),
+        (16384, 128, True),
+        (512, 64, False),
+        (8192, 64, False),
+        (2048, 16, False),
+    ],
 )
 def test_default_picks_the_segment_shrink_where_measured(monkeypatch, num_tokens, rank, want):
     """On a Hopper GPU (faked here) the default takes the Mosaic kernel at 1024-4096 tokens
-    with a rank that is a multiple of 32, the Triton kernel alone elsewhere."""
+    with a rank that is a multiple of 32 (at rank 128 from 1024 tokens on), the Triton
+    kernel alone elsewhere."""
     if not hasattr(jax.jit(lambda v: v), "trace"):
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
     monkeypatch.setattr(mosaic_gpu_shrink, "available", lambda: True)
