@@ -161,6 +161,12 @@ for what in "$@"; do
       tests/kernels/test_shrink_mosaic_gpu.py -m gpu -q -p no:cacheprovider
     step stream 330 python3 -P benchmarks/mosaic_probe.py --tokens 4096,16384 --ranks 64,128 \
       --out "$OUT/stream/probe.json" ;;
+  cap)  # session 11: the split cap of the rank-64/128 long-prompt shrink, both layouts
+    step cap 130 "${OPS[@]}" --ops shrink --tokens 4096,16384 --hiddens 4096 --ranks 64,128 \
+      --adapters 1,64 --impls ours --time-budget 115 --out "$OUT/cap"
+    step cap_runs 130 "${OPS[@]}" --layout runs --ops shrink --tokens 4096,16384 \
+      --hiddens 4096 --ranks 64,128 --adapters 8,64 --impls ours --time-budget 115 \
+      --out "$OUT/cap_runs" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -168,7 +174,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -227,13 +227,23 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
         # 18.6 / 30.1 -> 16.0 / 27.7 us and T = 4096 21.6 / 36.0 -> 21.3 / 34.3 (vs
         # session 8's 128 x 128 tiles); R = 64 and T = 16384 within 2 % of the tiles
         # they replace (session 8: T = 16384, R = 64 47.8 -> 43.7 us at n = 1).
+        # The split's cap: what a step with every token mapped picks at run time (the
+        # kernel's pick is ATOMIC_PROGRAMS // live blocks). A larger cap only adds
+        # programs that return at once on the static grid: session 11, T = 16384,
+        # R = 128, split cap 8: 5136 programs, 14 / 16 of them idle, ~4 us.
+        blocks = -(-num_tokens // 64) * (rank_p // 64)
+        split = min(max_split, 1 << max(0, (ATOMIC_PROGRAMS // blocks).bit_length() - 1))
+        if split == 1:  # plain stores: no zeroed output either
+            return BlockSizes(
+                block_m=64, block_r=64, block_k=64, num_warps=8, num_stages=3, split_k=1
+            )
         return BlockSizes(
             block_m=64,
             block_r=64,
             block_k=64,
             num_warps=8,
             num_stages=3,
-            split_k=max_split,
+            split_k=split,
             atomic_programs=ATOMIC_PROGRAMS,
             persistent=False,
         )

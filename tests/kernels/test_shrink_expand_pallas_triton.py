@@ -282,8 +282,12 @@ def test_split_partials_are_added_atomically_where_measured_faster():
         assert get(16384).atomic_programs == 0 and get(16384).split_k == 1
         assert get(1024, h=256).atomic_programs == 0 and get(1024, h=256).split_k == 1
     with shrink_smem(_BIG_SMEM):  # 64-token blocks over 48 KiB add atomically
-        for t in (B.LONG_PREFILL_TOKENS, 16384):
-            assert get(t).atomic_programs == B.ATOMIC_PROGRAMS and get(t).block_m == 64
+        long = get(B.LONG_PREFILL_TOKENS)
+        assert long.atomic_programs == B.ATOMIC_PROGRAMS and long.block_m == 64
+        # the cap is the split a fully mapped step picks: no programs idle on the grid
+        assert get(16384).split_k == 2 and get(16384).atomic_programs == B.ATOMIC_PROGRAMS
+        wide = BlockSizes.get_default("shrink", num_tokens=16384, hidden=4096, rank=128)
+        assert wide.split_k == 1 and wide.atomic_programs == 0  # plain stores, no zeroing
 
 
 @pytest.mark.parametrize(
