@@ -167,6 +167,12 @@ for what in "$@"; do
     step cap_runs 130 "${OPS[@]}" --layout runs --ops shrink --tokens 4096,16384 \
       --hiddens 4096 --ranks 64,128 --adapters 8,64 --impls ours --time-budget 115 \
       --out "$OUT/cap_runs" ;;
+  wide_long)  # session 11: H = 8192 prefill shrink cells (the wide step's budget stops at 1024)
+    step wide_long 130 "${OPS[@]}" --ops shrink --tokens 4096,16384 --hiddens 8192 --ranks 64 \
+      --adapters 8,64 --impls ours,onehot --time-budget 115 --out "$OUT/wide_long" ;;
+  decode128)  # session 11: rank-128 decode cells after the session-9 work-list change
+    step decode128 130 "${OPS[@]}" --tokens 1,16,64,256 --hiddens 4096 --ranks 128 \
+      --adapters 8,64 --impls ours,gather --time-budget 115 --out "$OUT/decode128" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -174,7 +180,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 tp1 two" >&2
     exit 2 ;;
   esac
 done
