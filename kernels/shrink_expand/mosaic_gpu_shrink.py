@@ -155,6 +155,34 @@ def _store_rows(
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def stream_k_range(
+    prog, num_pieces, *, num_slices: int, job_steps: int, unit_steps: int, programs: int
+):
+    """Program ``prog``'s run of the step's k steps: (start, end, first job, job count).
+
+    A job is one (piece, slice) = ``piece * num_slices + slice``, ``job_steps`` k steps
+    long; the jobs' steps are laid end to end and each program takes an equal run of
+    them, never shorter than ``unit_steps`` (a job's ``1 / split`` share), so while the
+    work fits the programs every run is exactly one such share.
+    """
+    work = num_pieces * (num_slices * job_steps)
+    per = jnp.maximum(jnp.int32(unit_steps), (work + programs - 1) // programs)
+    start = jnp.minimum(prog * per, work)
+    end = jnp.minimum(start + per, work)
+    first_job = start // job_steps
+    num_jobs = jnp.where(end > start, (end - 1) // job_steps - first_job + 1, 0)
+    return start, end, first_job, num_jobs
+
+
+def stream_k_segment(i, start, end, first_job, *, job_steps: int):
+    """The ``i``-th job a run [start, end) touches: (job, first k step, k steps, whole).
+    ``whole``: the run covers the job, so no other program adds to its rows."""
+    job = first_job + i
+    lo = jnp.maximum(start, job * job_steps)
+    steps = jnp.minimum(end, job * job_steps + job_steps) - lo
+    return job, lo - job * job_steps, steps, steps == job_steps
+
+
 def _kernel_body(
     items_ref,  # [5, NI] int32 (work_list.segment_items): tile, slot, first, rows, live
     *refs,
@@ -172,25 +200,20 @@ def _kernel_body(
     ranks_ref, refs = (refs[0], refs[1:]) if has_ranks else (None, refs)
     x_ref, a_refs, o_ref = refs[0], refs[1 : 1 + num_slices], refs[-1]
     bm, bk = tiles.block_m, tiles.block_k
-    # The step's work: job j = piece * num_slices + slice, each job_steps k steps long,
-    # laid end to end. Program p takes the steps [p * per, (p + 1) * per).
-    work = items_ref[4, 0] * (num_slices * job_steps)
-    per = jnp.maximum(jnp.int32(unit_steps), (work + programs - 1) // programs)
-    prog = jax.lax.axis_index("prog")
-    start = jnp.minimum(prog * per, work)
-    end = jnp.minimum(start + per, work)
-    first_job = start // job_steps
-    num_jobs = jnp.where(end > start, (end - 1) // job_steps - first_job + 1, 0)
+    start, end, first_job, num_jobs = stream_k_range(
+        jax.lax.axis_index("prog"),
+        items_ref[4, 0],
+        num_slices=num_slices,
+        job_steps=job_steps,
+        unit_steps=unit_steps,
+        programs=programs,
+    )
 
     def segment(i, carry):
-        job = first_job + i
-        lo = jnp.maximum(start, job * job_steps)
-        k0 = lo - job * job_steps
-        steps = jnp.minimum(end, job * job_steps + job_steps) - lo
+        job, k0, steps, whole = stream_k_segment(i, start, end, first_job, job_steps=job_steps)
         piece, sid = job // num_slices, job % num_slices
         tile, slot = items_ref[0, piece], items_ref[1, piece]
         first, count = items_ref[2, piece], items_ref[3, piece]
-        whole = steps == job_steps  # no other program adds to these rows
 
         for s in range(num_slices):
 
@@ -200,7 +223,7 @@ def _kernel_body(
                 def mma(acc_ref):
                     plgpu.emit_pipeline(
                         lambda _, x_smem, a_smem: plgpu.wgmma(
-                            acc_ref, x_smem, plgpu.transpose_ref(a_smem, (1, 0))
+                            acc_ref, x_smem, a_smem.transpose((1, 0))
                         ),
                         grid=(steps,),
                         in_specs=[

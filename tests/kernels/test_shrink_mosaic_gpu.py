@@ -106,6 +106,64 @@ def test_mapping_carries_the_segment_schedule_from_min_tokens(monkeypatch):
     assert int(live) == 0  # every token is in a piece: no mapped Triton blocks
 
 
+@pytest.mark.parametrize(
+    "num_pieces,num_slices,job_steps,split,programs",
+    [
+        (128, 1, 64, 1, 132),  # one adapter, 16384 tokens: one whole job per program
+        (136, 1, 64, 1, 132),  # prompt boundaries: past one job per program (stream-K)
+        (32, 1, 64, 4, 132),  # 4096 tokens, split 4: quarter jobs, as before
+        (39, 1, 64, 4, 132),  # ... and prompt boundaries past the programs
+        (8, 3, 16, 16, 132),  # 3 slices, splits as short as a step
+        (40, 3, 64, 1, 5),  # few programs, many jobs each
+        (0, 2, 64, 2, 132),  # no pieces: nothing to do
+        (1, 1, 8, 1, 132),
+    ],
+)
+def test_stream_k_runs_cover_every_step_once(num_pieces, num_slices, job_steps, split, programs):
+    """The persistent grid's schedule (vs a count of every (job, k step)): each step is
+    one program's, ``whole`` exactly where one run covers a job, runs of equal length,
+    and while the work fits the programs each run is one job's 1 / split share."""
+    unit = job_steps // split
+    covered = np.zeros((num_pieces * num_slices, job_steps), np.int32)
+    whole = np.zeros(num_pieces * num_slices, np.int32)
+    lengths = []
+    rng_of = jax.jit(
+        jax.vmap(
+            lambda p: mosaic_gpu_shrink.stream_k_range(
+                p,
+                jnp.int32(num_pieces),
+                num_slices=num_slices,
+                job_steps=job_steps,
+                unit_steps=unit,
+                programs=programs,
+            )
+        )
+    )
+    starts, ends, firsts, counts = map(np.asarray, rng_of(jnp.arange(programs, dtype=jnp.int32)))
+    for start, end, first, count in zip(starts, ends, firsts, counts):
+        lengths.append(int(end - start))
+        for i in range(int(count)):
+            job, k0, steps, is_whole = (
+                int(v)
+                for v in mosaic_gpu_shrink.stream_k_segment(
+                    i, start, end, first, job_steps=job_steps
+                )
+            )
+            assert steps > 0 and 0 <= k0 and k0 + steps <= job_steps
+            covered[job, k0 : k0 + steps] += 1
+            whole[job] += is_whole
+            if num_pieces * num_slices * job_steps <= programs * unit:
+                assert steps == unit and k0 % unit == 0  # the split's share, aligned
+    assert (covered == 1).all()
+    for job in range(num_pieces * num_slices):  # whole iff no other run touches the job
+        runs = sum(
+            1 for s, e in zip(starts, ends) if s < (job + 1) * job_steps and e > job * job_steps
+        )
+        assert whole[job] == (runs == 1)
+    busy = [n for n in lengths if n]
+    assert len(set(busy[:-1])) <= 1 and all(n <= busy[0] for n in busy)  # equal, but the last
+
+
 def test_forced_mosaic_names_what_it_cannot_run():
     meta = make_metadata(np.zeros(2048, np.int32), 2)
     x = jnp.zeros((2048, 512), jnp.float32)
