@@ -173,6 +173,13 @@ for what in "$@"; do
   decode128)  # session 11: rank-128 decode cells after the session-9 work-list change
     step decode128 130 "${OPS[@]}" --tokens 1,16,64,256 --hiddens 4096 --ranks 128 \
       --adapters 8,64 --impls ours,gather --time-budget 115 --out "$OUT/decode128" ;;
+  mtiles)  # (next) the segment shrink's k step and pipeline depth, the kernel alone
+    for kt in "64 4" "64 6" "128 2" "128 3" "32 8"; do
+      read -r bk st <<< "$kt"
+      step "mtiles_k${bk}_s${st}" 120 python3 -P benchmarks/mosaic_probe.py --impls mosaic \
+        --layouts one,runs8 --tokens 4096,16384 --ranks 64,128 --block-k "$bk" --stages "$st" \
+        --out "$OUT/mtiles_k${bk}_s${st}/probe.json"
+    done ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -180,7 +187,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 mtiles tp1 two" >&2
     exit 2 ;;
   esac
 done

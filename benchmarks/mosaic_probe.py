@@ -62,13 +62,23 @@ def main():
     p.add_argument("--calls", type=int, default=8)
     p.add_argument("--block-m", type=int, default=128)
     p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--block-k", type=int, default=64)
+    p.add_argument(
+        "--impls",
+        default="mosaic,split,triton,dense",
+        help="what to time (a tile sweep needs only mosaic); the others print nan",
+    )
     p.add_argument("--split", type=int, default=0)
     p.add_argument("--programs", type=int, default=0, help="persistent grid; 0: one per SM")
     p.add_argument("--out", default="")
     args = p.parse_args()
     ops_bench.TIMER = "trace"
     tiles = mg.MosaicTiles(
-        block_m=args.block_m, stages=args.stages, split_k=args.split, programs=args.programs
+        block_m=args.block_m,
+        block_k=args.block_k,
+        stages=args.stages,
+        split_k=args.split,
+        programs=args.programs,
     )
     rows = []
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, tiles {tiles}")
@@ -127,9 +137,19 @@ def main():
                     f = jax.jit(lambda *ls: [fn(*z) for z in zip(*ls)]).lower(*lists).compile()
                     return ops_bench.time_calls(f, lists, args.calls)
 
-                us_m = timed(mosaic_one, xs, ws, items)
-                us_s = timed(lambda x, a, m: lora_shrink(x, (a,), **m, mosaic=True), xs, ws, metas)
-                us_t = timed(lambda x, a, m: lora_shrink(x, (a,), **m, mosaic=False), xs, ws, metas)
+                impls = args.impls.split(",")
+                nan = float("nan")
+                us_m = timed(mosaic_one, xs, ws, items) if "mosaic" in impls else nan
+                us_s = (
+                    timed(lambda x, a, m: lora_shrink(x, (a,), **m, mosaic=True), xs, ws, metas)
+                    if "split" in impls
+                    else nan
+                )
+                us_t = (
+                    timed(lambda x, a, m: lora_shrink(x, (a,), **m, mosaic=False), xs, ws, metas)
+                    if "triton" in impls
+                    else nan
+                )
                 us_d = (
                     timed(
                         lambda x, a: jnp.einsum(
@@ -138,8 +158,8 @@ def main():
                         xs,
                         ws,
                     )
-                    if lay == "one"
-                    else float("nan")
+                    if lay == "one" and "dense" in impls
+                    else nan
                 )
                 row = dict(
                     tokens=t,
@@ -148,6 +168,7 @@ def main():
                     mosaic_rows=n_mine,
                     max_rel_err=err,
                     mosaic_us=us_m,
+                    split_us=us_s,
                     triton_us=us_t,
                     dense_us=us_d,
                     tiles=str(tiles),
