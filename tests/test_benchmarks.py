@@ -156,3 +156,22 @@ def test_tp_small_runs_on_4_and_8_devices(tmp_path):
     for n in (4, 8):
         assert coll[(n, "lora")] == coll[(n, "base")] > 0
         assert coll[(n, "lora_fully_sharded")] > coll[(n, "base")]
+
+
+def test_mosaic_probe_layouts_are_what_they_say():
+    """The probe's token layouts (its timing needs a Hopper GPU): one adapter; prompts of
+    256-2048 tokens from 8 adapters, in order; 64 adapters shuffled, each equally often."""
+    import mosaic_probe
+
+    rng = np.random.default_rng(0)
+    assert (mosaic_probe.layout("one", 300, rng) == 7).all()
+    runs = mosaic_probe.layout("runs8", 8192, rng)
+    assert len(runs) == 8192 and len(set(runs.tolist())) <= 8
+    cuts = np.flatnonzero(np.diff(runs)) + 1
+    lengths = np.diff(np.concatenate([[0], cuts, [len(runs)]]))
+    assert lengths[:-1].min() >= 256  # a run may continue into the next prompt, never shorter
+    shuffled = mosaic_probe.layout("shuffled64", 4096, rng)
+    assert (np.bincount(shuffled, minlength=64) == 64).all()
+    assert (np.diff(shuffled) != 0).mean() > 0.9  # no long runs
+    with pytest.raises(ValueError, match="one, runs8 or shuffled64"):
+        mosaic_probe.layout("sorted", 16, rng)
