@@ -34,8 +34,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 TARGET_ITEMS = 132
-"""Jobs to aim for, at one piece per tile: one per SM of an H200 (132 SMs; a program's
-192 KiB of shared memory at rank 128 leaves room for one). Session 10: tiles x split = 128
+"""Job shares (piece x slice x hidden split) to aim for at one piece per tile: one per SM
+of an H200 (132 SMs; a program's 192 KiB of shared memory at rank 128 leaves room for
+one). Session 10: tiles x split = 128
 ran T = 1024 / 2048 / 4096 at splits 16 / 8 / 4; T = 4096, rank 128, split 2 or 8 instead
 of 4: 19.3 or 21.7 us instead of 16.2."""
 
@@ -117,8 +118,8 @@ def supported(x_dtype, a_dtype, num_tokens: int, hidden: int, rank: int, tiles: 
 
 
 def pick_split(num_tiles: int, num_slices: int, hidden: int, tiles: MosaicTiles) -> int:
-    """A power-of-two hidden split giving at most TARGET_ITEMS programs at one piece per
-    tile, >= 4 k steps each."""
+    """A power-of-two hidden split giving at most TARGET_ITEMS job shares at one piece per
+    tile, >= 4 k steps each (the persistent grid's shortest run, `stream_k_range`)."""
     if tiles.split_k:
         return tiles.split_k
     steps = hidden // tiles.block_k
