@@ -173,8 +173,41 @@ for what in "$@"; do
   decode128)  # session 11: rank-128 decode cells after the session-9 work-list change
     step decode128 130 "${OPS[@]}" --tokens 1,16,64,256 --hiddens 4096 --ranks 128 \
       --adapters 8,64 --impls ours,gather --time-budget 115 --out "$OUT/decode128" ;;
-  mtiles)  # (next) the segment shrink's k step and pipeline depth, the kernel alone
-    for kt in "64 4" "64 6" "128 2" "128 3" "32 8"; do
+  floor)  # session 12: an XLA fusion moving the same activation bytes (no dot): a floor
+    step floor 200 "${OPS[@]}" --tokens 1024,4096,16384 --hiddens 4096 --ranks 16,64,128 \
+      --adapters 64 --impls ours,stream --time-budget 185 --out "$OUT/floor" ;;
+  floor_e)  # session 12: the expand's floor again, each y update materialised
+    step floor_e 120 "${OPS[@]}" --ops expand --tokens 1024,4096,16384 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 64 --impls ours,stream --no-check --time-budget 105 \
+      --out "$OUT/floor_e" ;;
+  wide_expand_long)  # session 12: H = 8192 prefill expand cells (the wide step stopped at 1024)
+    step wide_expand_long 130 "${OPS[@]}" --ops expand --tokens 4096,16384 --hiddens 8192 \
+      --ranks 64 --adapters 8,64 --impls ours,gather,onehot --time-budget 115 \
+      --out "$OUT/wide_expand_long" ;;
+  ragged_e)  # session 12: ragged_dot's expand at ranks 64 and 128 (the ragged step's budget cut)
+    step ragged_e 200 "${OPS[@]}" --ops expand --tokens 16,256,1024,4096,16384 --hiddens 4096 \
+      --ranks 64,128 --adapters 8,64 --impls ours,ragged --no-check --time-budget 185 \
+      --out "$OUT/ragged_e" ;;
+  mrows)  # session 12: 256-row segment tiles at rank 64 (A re-read from L2 half as often)
+    for mk in "128 64 4" "256 64 3" "256 64 4" "128 64 6"; do
+      read -r bm bk st <<< "$mk"
+      step "mrows_m${bm}_k${bk}_s${st}" 75 python3 -P benchmarks/mosaic_probe.py --impls mosaic \
+        --layouts one,runs8 --tokens 4096,16384 --ranks 64 --block-m "$bm" --block-k "$bk" \
+        --stages "$st" --out "$OUT/mrows_m${bm}_k${bk}_s${st}/probe.json"
+    done ;;
+  stages6)  # session 12: the default's 6-stage segment pipeline up to rank 64: tests, ops
+    JAX_DEFAULT_MATMUL_PRECISION=highest step stages6_tests 150 python3 -P -m pytest \
+      tests/kernels/test_shrink_mosaic_gpu.py -m gpu -q -p no:cacheprovider
+    step stages6 110 "${OPS[@]}" --ops shrink --tokens 1024,2048,4096 --hiddens 4096 \
+      --ranks 64 --adapters 1,64 --impls ours --time-budget 95 --out "$OUT/stages6"
+    step stages6_runs 60 "${OPS[@]}" --layout runs --ops shrink --tokens 2048,4096 \
+      --hiddens 4096 --ranks 64 --adapters 8 --impls ours --time-budget 50 \
+      --out "$OUT/stages6_runs" ;;
+  mtiles|mtiles_a|mtiles_b)  # the segment shrink's k step and pipeline depth, the kernel alone
+    kts=("64 4" "64 6" "128 2" "128 3" "32 8")
+    [ "$what" = mtiles_a ] && kts=("64 4" "128 2" "128 3")
+    [ "$what" = mtiles_b ] && kts=("64 6" "32 8")
+    for kt in "${kts[@]}"; do
       read -r bk st <<< "$kt"
       step "mtiles_k${bk}_s${st}" 120 python3 -P benchmarks/mosaic_probe.py --impls mosaic \
         --layouts one,runs8 --tokens 4096,16384 --ranks 64,128 --block-k "$bk" --stages "$st" \
@@ -187,7 +220,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 mtiles tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -101,7 +101,7 @@ def _segment_tiles(mosaic, x, lora_a, interpret: bool):
     if mosaic is False or (mosaic is None and interpret):
         return None
     num_tokens, hidden = x.shape
-    tiles = mosaic_gpu_shrink.MosaicTiles(block_m=SEGMENT_BLOCK_M)
+    tiles = mosaic_gpu_shrink.default_tiles(lora_a[0].shape[1], SEGMENT_BLOCK_M)
     why = mosaic_gpu_shrink.supported(
         x.dtype, lora_a[0].dtype, num_tokens, hidden, lora_a[0].shape[1], tiles
     )

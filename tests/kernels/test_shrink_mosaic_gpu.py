@@ -287,6 +287,26 @@ def test_default_picks_the_segment_shrink_where_measured(monkeypatch, num_tokens
     assert ("mosaic_gpu" in text) == want
 
 
+@pytest.mark.parametrize("rank", [32, 64, 96, 128])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_default_tiles_fill_shared_memory_but_not_past_it(rank, block_m):
+    """The default pipeline depth: its shared memory (TMA buffers of x and A, the f32
+    output tile) within the budget, and one more stage would not be (or it is the most)."""
+    tiles = mosaic_gpu_shrink.default_tiles(rank, block_m)
+
+    def smem(stages):
+        return stages * (block_m + rank) * tiles.block_k * 2 + block_m * rank * 4
+
+    assert tiles.block_m == block_m and 4 <= tiles.stages <= mosaic_gpu_shrink.MAX_STAGES
+    assert smem(tiles.stages) <= mosaic_gpu_shrink.SMEM_BUDGET or tiles.stages == 4
+    more = tiles.stages + 1
+    assert more > mosaic_gpu_shrink.MAX_STAGES or smem(more) > mosaic_gpu_shrink.SMEM_BUDGET
+    if (block_m, rank) == (128, 64):
+        assert tiles.stages == 6  # the session-12 measurement
+    if (block_m, rank) == (128, 128):
+        assert tiles.stages == 4  # 6 would need 256 KiB
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs,split", [(5, 0), (3, 2), (64, 1)], ids=str)
 def test_few_programs_walk_many_jobs(programs, split):
