@@ -945,29 +945,37 @@ def fmt_row(r, sweep=False):
 
 
 def table(rows):
+    """The issue's table; the floors (`dense`, `stream`) add a column each where run."""
+    extras = [k for k in ("dense", "stream") if any(k in r["impls"] for r in rows)]
     head = (
         "| op | T | H | R | n | ideal µs | ours µs | GB/s | % roofline | gather µs | one-hot µs "
-        "| ragged_dot µs | × one-hot | × gather | max rel err |\n|" + "---|" * 15
+        "| ragged_dot µs | × one-hot | × gather | max rel err |"
+        + "".join(f" {k} µs |" for k in extras)
+        + "\n|"
+        + "---|" * (15 + len(extras))
     )
     lines = [head]
     for r in rows:
         o = _us(r, "ours")
         cells = []
-        for k in ("gather", "onehot", "ragged"):
+        for k in ("gather", "onehot", "ragged", *extras):
             v = r["impls"].get(k, {})
             cells.append(f"{v['us']:.1f}" if "us" in v else ("skip" if v else "–"))
         oh, ga = _us(r, "onehot"), _us(r, "gather")
         err = "–"
         if "max_rel_err" in r:
             err = f"{r['max_rel_err']:.1e}" + ("" if r["err_ok"] else " (over bound)")
+        tail = "".join(f" {v} |" for v in cells[3:])
         lines.append(
             f"| {r['op']} | {r['tokens']} | {r['hidden']} | {r['rank']} | {r['adapters']} "
             f"| {r['ideal_us']:.1f} | {o:.1f} | {r['ideal_us'] * HBM_GBPS / o:.0f} "
             f"| {100 * r['ideal_us'] / o:.0f} % | {cells[0]} | {cells[1]} | {cells[2]} "
             f"| {(f'{oh / o:.1f}' if oh else '–')} | {(f'{ga / o:.1f}' if ga else '–')} | {err} |"
+            + tail
             if o
             else f"| {r['op']} | {r['tokens']} | {r['hidden']} | {r['rank']} | {r['adapters']} "
             f"| {r['ideal_us']:.1f} | skip | | | {cells[0]} | {cells[1]} | {cells[2]} | | | {err} |"
+            + tail
         )
     return "\n".join(lines)
 
