@@ -43,6 +43,11 @@ class LoRAMapping:
     # (`lora_jax.kernels` work_list.py); `None` when the kernels are not installed.
     # block_m -> i32[4 + block_m, NB]; from 1024 tokens also 0 -> work_list.Segments
     work_lists: dict | None = None
+    # vLLM's `LoRAMapping.is_prefill`, static (a different value is a different program):
+    # False for a decode step (one token per request, adapters scattered), whose shrink
+    # then skips the prompt-tile kernel and its schedule; None (not said) or True: the
+    # kernels look for tiles of x that one adapter's prompt fills.
+    is_prefill: bool | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +69,11 @@ class LoRAMapping:
             work_lists=self.work_lists,
         )
 
+    def shrink_kwargs(self) -> dict:
+        """`kernel_kwargs` plus the shrink's choice of kernels: a decode step
+        (``is_prefill=False``) has no prompt tiles, so no Mosaic GPU launch."""
+        return dict(self.kernel_kwargs(), mosaic=False if self.is_prefill is False else None)
+
     def with_sequences(self, seq_lora_indices: jax.Array) -> LoRAMapping:
         """A copy carrying the per-sequence mapping used by the logits layer."""
         seq = jnp.asarray(seq_lora_indices, jnp.int32)
@@ -76,17 +86,23 @@ def make_lora_mapping(
     token_lora_indices: jax.Array,
     max_loras: int,
     seq_lora_indices: jax.Array | None = None,
+    *,
+    is_prefill: bool | None = None,
 ) -> LoRAMapping:
     """Builds the step metadata from `token_lora_indices` (int32 `[T]`, -1 = no adapter).
 
     Jittable, no host sync; indices outside `[-1, max_loras)` are treated as -1 (no
-    adapter) so a stale id can never read another slot's weights.
+    adapter) so a stale id can never read another slot's weights. ``is_prefill`` as in
+    vLLM: False says the step is decode (see `LoRAMapping.is_prefill`); None leaves the
+    kernels to find prompts.
 
     Example:
         >>> m = jax.jit(make_lora_mapping, static_argnums=1)(jnp.zeros(8, jnp.int32), 4)
         >>> int(m.num_active)
         1
     """
+    if is_prefill is not None and not isinstance(is_prefill, bool):
+        raise ValueError(f"is_prefill must be True, False or None, got {is_prefill!r}")
     idx = jnp.asarray(token_lora_indices)
     if idx.ndim != 1:
         raise ValueError(f"token_lora_indices must be 1-D [T], got shape {idx.shape}")
@@ -113,12 +129,14 @@ def make_lora_mapping(
         active_slots=active,
         num_active=jnp.sum(is_active).astype(jnp.int32),
         seq_lora_indices=seq,
-        work_lists=_work_lists(counts, starts, sorted_ids, idx),
+        work_lists=_work_lists(counts, starts, sorted_ids, idx, prompts=is_prefill is not False),
+        is_prefill=is_prefill,
     )
 
 
-def _work_lists(counts: jax.Array, starts: jax.Array, sorted_ids: jax.Array, idx: jax.Array):
-    """The kernels' work lists, built once per step (unused ones vanish under jit)."""
+def _work_lists(counts, starts, sorted_ids, idx, *, prompts: bool):
+    """The kernels' work lists, built once per step (unused ones vanish under jit);
+    the prompt tiles' schedule only if ``prompts``."""
     try:
         from lora_jax.kernels.shrink_expand.mosaic_gpu_shrink import available
         from lora_jax.kernels.shrink_expand.work_list import build_work_lists
@@ -126,4 +144,4 @@ def _work_lists(counts: jax.Array, starts: jax.Array, sorted_ids: jax.Array, idx
         return None
     # The segment schedule only where its kernel can run (a Hopper GPU): eager callers
     # elsewhere would pay for it.
-    return build_work_lists(counts, starts, sorted_ids, idx if available() else None)
+    return build_work_lists(counts, starts, sorted_ids, idx if prompts and available() else None)

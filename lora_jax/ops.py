@@ -139,7 +139,7 @@ def lora_shrink(
             lora_a,
             scale=scale,
             slot_ranks=slot_ranks,
-            **mapping.kernel_kwargs(),
+            **mapping.shrink_kwargs(),
             interpret=PALLAS_INTERPRET,
         )
     idx = mapping.token_lora_indices
@@ -206,7 +206,7 @@ def lora_expand(
             lora_b,
             offsets=offsets,
             slot_ranks=slot_ranks,
-            **mapping.kernel_kwargs(),
+            **mapping.shrink_kwargs(),
             interpret=PALLAS_INTERPRET,
         )
     idx = mapping.token_lora_indices

@@ -164,6 +164,30 @@ def test_eos_stops_each_request(base_model):
 
 
 # -- multi-adapter ----------------------------------------------------------------------------
+def test_prefill_and_decode_say_which_they_are(lora_model, mixed, monkeypatch):
+    """The prefill step's mapping says is_prefill=True and the decode loop's False (vLLM's
+    `LoRAMapping.is_prefill`: a decode step's shrink skips the prompt-tile kernel), and
+    the tokens are what the mixed batch generated."""
+    import lora_jax.serving.generate as gen
+
+    seen = []
+    real = gen.set_lora_mapping
+
+    def spy(model, tokens, seqs, *, is_prefill=None):
+        seen.append((tokens.shape[0], is_prefill))
+        return real(model, tokens, seqs, is_prefill=is_prefill)
+
+    monkeypatch.setattr(gen, "set_lora_mapping", spy)
+    # Buckets no other test uses, so both steps trace (and call the spy) here.
+    out = generate(
+        lora_model, PROMPTS[:2], SLOTS[:2], max_new_tokens=3, min_batch_bucket=2,
+        min_prompt_bucket=32,
+    )  # fmt: skip
+    assert seen == [(2 * 32, True), (2, False)]
+    for i in range(2):
+        assert out.tokens[i] == mixed.tokens[i][:3]
+
+
 def test_mixed_batch_equals_single_requests(lora_model, mixed):
     for prompt, slot, toks in zip(PROMPTS, SLOTS, mixed.tokens):
         alone = generate(lora_model, [prompt], [slot], max_new_tokens=NEW, **B8)

@@ -86,3 +86,51 @@ def test_backend_selection():
         ops.set_default_backend("triton")
     if jax.default_backend() != "gpu":
         assert ops.resolve_backend() == "xla"
+
+
+def test_is_prefill_is_static_and_checked():
+    """`is_prefill` rides in the mapping as static metadata (no array leaf; a new value is
+    a new trace) and only True, False or None is accepted."""
+    idx = jnp.array([1, -1, 0, 1], jnp.int32)
+    traces = []
+
+    @jax.jit
+    def f(m):
+        traces.append(m.is_prefill)
+        return m.num_active
+
+    for flag in (None, False, False, True):
+        m = lj.make_lora_mapping(idx, 2, is_prefill=flag)
+        assert m.is_prefill is flag and int(f(m)) == 2
+    assert traces == [None, False, True]
+    leaves = jax.tree.leaves(lj.make_lora_mapping(idx, 2, is_prefill=False))
+    assert all(isinstance(v, jax.Array) for v in leaves)
+    with pytest.raises(ValueError, match="is_prefill must be True, False or None"):
+        lj.make_lora_mapping(idx, 2, is_prefill=1)
+
+
+@pytest.mark.parametrize("is_prefill,want", [(None, True), (True, True), (False, False)])
+def test_decode_mapping_skips_the_prompt_tile_kernel(monkeypatch, is_prefill, want):
+    """On a Hopper GPU (faked; lowered for CUDA on this CPU) a 2048-token prompt step runs
+    the shrink's prompt-tile (Mosaic GPU) kernel beside the Triton one; a decode step
+    (``is_prefill=False``) runs the Triton kernel alone and builds no prompt schedule."""
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink
+    from lora_jax.kernels.shrink_expand.work_list import SEGMENTS_KEY
+
+    from tests.kernels.shrink_expand_test_base import abstract_gpu_context
+
+    monkeypatch.setattr(mosaic_gpu_shrink, "available", lambda: True)
+    monkeypatch.setattr(ops, "PALLAS_INTERPRET", False)
+    tokens, hidden, rank = 2048, 1024, 64
+    idx = jnp.asarray(np.repeat(np.arange(4), tokens // 4), jnp.int32)  # four prompts
+    m = lj.make_lora_mapping(idx, 4, is_prefill=is_prefill)
+    assert (SEGMENTS_KEY in m.work_lists) == want
+    x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
+    a = jax.ShapeDtypeStruct((4, rank, hidden), jnp.bfloat16)
+    with abstract_gpu_context():
+        lowered = jax.jit(lambda x, a: ops.lora_shrink(x, [a], m, backend="pallas")).trace(x, a)
+        text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+    assert ("mosaic_gpu" in text) == want

@@ -323,7 +323,7 @@ class BaseLayerWithLoRA(nnx.Module):
 
         def local(xl, kl, a, b, ranks, m):
             if not isinstance(m, LoRAMapping):
-                m = make_lora_mapping(m, L)
+                m = make_lora_mapping(m, L, is_prefill=mapping.is_prefill)
             y = base.local_matmul(xl, kl)
             return self._lora_local(y, xl, a, b, ranks, m)
 
@@ -363,8 +363,11 @@ def set_lora_mapping(
     model: nnx.Module,
     token_lora_indices: jax.Array | LoRAMapping,
     seq_lora_indices: jax.Array | None = None,
+    *,
+    is_prefill: bool | None = None,
 ) -> LoRAMapping | None:
     """Sets the step's mapping on every LoRA layer of `model` (call inside your jit).
+    ``is_prefill=False`` marks a decode step (`LoRAMapping.is_prefill`).
 
     Example:
         >>> set_lora_mapping(model, jnp.array([0, 0, -1, 2], jnp.int32))  # doctest: +SKIP
@@ -376,7 +379,9 @@ def set_lora_mapping(
         mapping = token_lora_indices
     else:
         max_loras = _context_max_loras(model)
-        mapping = make_lora_mapping(token_lora_indices, max_loras, seq_lora_indices)
+        mapping = make_lora_mapping(
+            token_lora_indices, max_loras, seq_lora_indices, is_prefill=is_prefill
+        )
     ctx.set_value(mapping)
     return mapping
 

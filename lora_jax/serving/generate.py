@@ -75,11 +75,16 @@ def _last_hidden(rules: ShardingRules, hidden: jax.Array, lengths: jax.Array, S:
     return shard_map(rules, pick, ((b, None), (b,)), (b, None))(hidden, lengths)
 
 
-def _set_mapping(model, token_slots, seq_slots):
+def _set_mapping(model, token_slots, seq_slots, *, is_prefill: bool):
     # The mapping's sort over tokens needs them unsharded (Explicit meshes refuse a sort
     # over a sharded dim); LoRA layers re-split tokens over "batch" themselves.
     rules = model.rules
-    set_lora_mapping(model, rules.constrain(token_slots, None), rules.constrain(seq_slots, None))
+    set_lora_mapping(
+        model,
+        rules.constrain(token_slots, None),
+        rules.constrain(seq_slots, None),
+        is_prefill=is_prefill,
+    )
 
 
 def _prefill_fn(
@@ -89,7 +94,8 @@ def _prefill_fn(
     model = nnx.merge(graphdef, state)
     B, S = ids.shape
     positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    _set_mapping(model, jnp.repeat(slots, S), slots)  # row-major: row b's tokens use slot[b]
+    # Row-major: row b's tokens use slot[b].
+    _set_mapping(model, jnp.repeat(slots, S), slots, is_prefill=True)
     mask = positions < lengths[:, None]
     hidden, cache = model.model(ids, positions, cache, attention_mask=mask, flat=True)
     logits = model.compute_logits(_last_hidden(model.rules, hidden, lengths, S))  # [B, V]
@@ -118,7 +124,7 @@ def _decode_fn(
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
     B = first.shape[0]
-    _set_mapping(model, slots, slots)  # one token per request
+    _set_mapping(model, slots, slots, is_prefill=False)  # one token per request
     # Fixed shardings for the loop carry (Explicit meshes want them equal on every trip).
     b = cache_batch_axis(model.rules, B)
     rows = lambda x: model.rules.constrain(x, b)  # noqa: E731
