@@ -240,6 +240,32 @@ def test_lora_matches_oracle(gated, layout, fused_w13, impl, lora_impl):
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("impl", ["grouped", "dense"])
+def test_decode_flag_reaches_the_expert_rows(impl, monkeypatch):
+    """A decode step's mapping (`is_prefill=False`) makes the expert rows' mappings decode
+    ones too (their shrink then skips the prompt-tile kernel), and the output is the same."""
+    import lora_jax.layers.moe as moe_mod
+
+    rng = np.random.default_rng(1)
+    layer, w = build(rng, gated=True, layout="concat", fused_w13=True, impl=impl,
+                     lora_impl="ops")  # fmt: skip
+    ads = fill(layer, rng, gated=True, fused_w13=True)
+    x, logits = inputs(rng)
+    seen = []
+    real = moe_mod.make_lora_mapping
+
+    def spy(idx, max_loras, seq=None, *, is_prefill=None):
+        seen.append(is_prefill)
+        return real(idx, max_loras, seq, is_prefill=is_prefill)
+
+    monkeypatch.setattr(moe_mod, "make_lora_mapping", spy)
+    layer.lora_context.set_value(make_lora_mapping(jnp.asarray(IDX), L, is_prefill=False))
+    y = layer(jnp.asarray(x), jnp.asarray(logits))
+    assert seen and set(seen) == {False}
+    ref = oracle(x, logits, w, ads, IDX, gated=True, layout="concat")
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_lora_only_some_modules():
     """An adapter on w2 only (w1/w3 None) touches only the down projection."""
     rng = np.random.default_rng(2)

@@ -278,7 +278,9 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
         specs = ((a13,) * len(stacks[0]), (b13,) * len(stacks[1]), a2, b2)
         extra = (stacks, self.slot_ranks[...], mapping.token_lora_indices)
         extra_specs = (specs, (None, None), (base.batch_axis(x.shape[0]),))
-        make = lambda st, ranks, idx: _MoELoRAHook(self, st, ranks, idx)  # noqa: E731
+        make = lambda st, ranks, idx: _MoELoRAHook(  # noqa: E731
+            self, st, ranks, idx, is_prefill=mapping.is_prefill
+        )
         y = base.run(x, w, ids, make, extra, extra_specs)
         return y.reshape(hidden_states.shape)
 
@@ -301,8 +303,9 @@ class FusedMoE3DWithLoRA(FusedMoEWithLoRA):
 class _MoELoRAHook:
     """Per-shard LoRA of one MoE call; `FusedMoE.experts_local` calls it at its two matmuls."""
 
-    def __init__(self, layer: FusedMoEWithLoRA, stacks, ranks, token_idx):
+    def __init__(self, layer: FusedMoEWithLoRA, stacks, ranks, token_idx, *, is_prefill=None):
         self.layer = layer
+        self.is_prefill = is_prefill  # the step's `LoRAMapping.is_prefill`, for the rows
         self.base = layer.base_layer
         self.a13, self.b13, self.a2, self.b2 = stacks
         self.num_local = self.a2.shape[1]
@@ -316,12 +319,14 @@ class _MoELoRAHook:
     # [L * E_local] stacks, combined index) or all tokens for one expert (dense impl).
     def rows(self, *, routes: ExpertRoutes | None = None, expert=None):
         if routes is None:
-            return make_lora_mapping(self.token_idx, self.max_loras), expert
+            m = make_lora_mapping(self.token_idx, self.max_loras, is_prefill=self.is_prefill)
+            return m, expert
         slot = self.token_idx[routes.pair_token]  # [P]
         combined = jnp.where(
             (slot >= 0) & routes.local, slot * self.num_local + routes.pair_expert, -1
         )
-        return make_lora_mapping(combined, self.max_loras * self.num_local), None
+        combos = self.max_loras * self.num_local
+        return make_lora_mapping(combined, combos, is_prefill=self.is_prefill), None
 
     def _stack(self, w, expert):
         if expert is None:
