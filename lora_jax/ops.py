@@ -206,7 +206,7 @@ def lora_expand(
             lora_b,
             offsets=offsets,
             slot_ranks=slot_ranks,
-            **mapping.shrink_kwargs(),
+            **mapping.kernel_kwargs(),
             interpret=PALLAS_INTERPRET,
         )
     idx = mapping.token_lora_indices

@@ -173,7 +173,10 @@ def test_lowers_for_cuda(dtype):
     assert "lora_shrink_expand" in text
 
 
-def test_add_lora_linear_fused_matches_xla(monkeypatch):
+@pytest.mark.parametrize("backend", ["pallas", "pallas_fused"])
+def test_add_lora_linear_pallas_matches_xla(monkeypatch, backend):
+    """`add_lora_linear` through the kernels (shrink + expand, or the fused launch) in
+    interpret mode gives the XLA backend's output."""
     from lora_jax import ops
     from lora_jax.mapping import make_lora_mapping
 
@@ -195,22 +198,24 @@ def test_add_lora_linear_fused_matches_xla(monkeypatch):
     pad = jnp.arange(rank)[None, :, None] >= ranks[:, :, None, None]  # [S, L, R, 1]
     a = [jnp.where(pad[s], 0.0, a_s) for s, a_s in enumerate(a)]
     for slot_ranks in (None, ranks):
-        got = ops.add_lora_linear(
-            y, x, a, b, mapping, 0.5, slot_ranks=slot_ranks, backend="pallas_fused"
-        )
+        got = ops.add_lora_linear(y, x, a, b, mapping, 0.5, slot_ranks=slot_ranks, backend=backend)
         want = ops.add_lora_linear(y, x, a, b, mapping, 0.5, slot_ranks=slot_ranks, backend="xla")
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
         assert np.array_equal(np.asarray(got)[idx < 0], np.asarray(y)[idx < 0])
     assert "pallas_fused" in ops.BACKENDS
     monkeypatch.setattr(ops, "_default_backend", ops._default_backend)  # restored after
-    ops.set_default_backend("pallas_fused")
-    assert ops.resolve_backend(None, num_tokens) == "pallas_fused"
+    ops.set_default_backend(backend)
+    assert ops.resolve_backend(None, num_tokens) == backend
 
 
+@pytest.mark.parametrize(
+    "backend,kernel", [("pallas", "lora_expand"), ("pallas_fused", "lora_shrink_expand")]
+)
 @pytest.mark.parametrize("kind", ["qkv", "row"])
-def test_layers_with_fused_backend_match_xla(monkeypatch, kind):
+def test_layers_with_pallas_backends_match_xla(monkeypatch, kind, backend, kernel):
     """The column (3-slice qkv) and row layers route through add_lora_linear, so the
-    "pallas_fused" default backend gives the XLA backend's output (mesh tp=2)."""
+    "pallas" and "pallas_fused" default backends give the XLA backend's output (mesh
+    tp=2), through the kernels (interpret mode)."""
     if jax.device_count() < 2:
         pytest.skip(f"needs a mesh of 2 devices, {jax.device_count()} visible")
     from flax import nnx
@@ -250,10 +255,8 @@ def test_layers_with_fused_backend_match_xla(monkeypatch, kind):
         return np.asarray(f(layer, x, idx))
 
     kernels, calls = ops._kernels(), []
-    fused = kernels.lora_shrink_expand
-    monkeypatch.setattr(
-        kernels, "lora_shrink_expand", lambda *a, **k: calls.append(1) or fused(*a, **k)
-    )
-    want, got = run("xla"), run("pallas_fused")
-    assert calls, "the layer did not reach the fused kernel"
+    op = getattr(kernels, kernel)
+    monkeypatch.setattr(kernels, kernel, lambda *a, **k: calls.append(1) or op(*a, **k))
+    want, got = run("xla"), run(backend)
+    assert calls, f"the layer did not reach {kernel}"
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
