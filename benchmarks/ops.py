@@ -56,6 +56,7 @@ from lora_jax.kernels import (
     lora_shrink_expand,
     lora_shrink_reference,
 )
+from lora_jax.kernels.shrink_expand.work_list import prompt_tiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -163,7 +164,9 @@ ERR_BOUND = {"shrink": 1e-4, "expand": 8e-3}
 REF_CHUNK_BYTES = 1 << 30  # the oracle gathers [tokens, R, H] f32: chunk the tokens
 
 
-def max_rel_err(c: Case, inputs, w, metas, bs: BlockSizes | None) -> float:
+def max_rel_err(
+    c: Case, inputs, w, metas, bs: BlockSizes | None, prompt_tiles: str | None = None
+) -> float:
     """Our kernel's first call vs the jnp oracle (evaluated in token chunks), relative
     to the oracle's largest magnitude."""
     m, a = metas[0], w[0]
@@ -171,7 +174,9 @@ def max_rel_err(c: Case, inputs, w, metas, bs: BlockSizes | None) -> float:
     idx = m["token_lora_indices"]
     if c.op == "shrink":
         x = inputs[0]
-        got = lora_shrink(x, (a,), **m, block_sizes=bs, interpret=INTERPRET)[0]
+        got = lora_shrink(
+            x, (a,), **m, block_sizes=bs, prompt_tiles=prompt_tiles, interpret=INTERPRET
+        )[0]
         ref_fn = jax.jit(lambda xc, ic: lora_shrink_reference(xc, (a,), token_lora_indices=ic)[0])
         ref = jnp.concatenate(
             [ref_fn(x[i : i + chunk], idx[i : i + chunk]) for i in range(0, c.tokens, chunk)]
@@ -212,14 +217,35 @@ def per_call(c: Case, shrink_one, expand_one):
     return shrink_fn if c.op == "shrink" else expand_fn
 
 
-def ours(c: Case, bs: BlockSizes | None, *, ready_work_lists: bool = True):
-    """Our kernels; ``ready_work_lists=False``: each call builds its own work list."""
+def host_prompt_tiles(metas) -> str | None:
+    """What a mapping built from these steps' host indices says of their prompt tiles
+    (`work_list.prompt_tiles`, as `make_lora_mapping` finds it), if every step agrees."""
+    found = {prompt_tiles(np.asarray(m["token_lora_indices"])) for m in metas}
+    return found.pop() if len(found) == 1 else None
+
+
+def ours(
+    c: Case,
+    bs: BlockSizes | None,
+    *,
+    ready_work_lists: bool = True,
+    prompt_tiles: str | None = None,
+):
+    """Our kernels; ``ready_work_lists=False``: each call builds its own work list;
+    ``prompt_tiles``: what the host found (`host_prompt_tiles`), None: not known."""
 
     def meta_of(m):
         return m if ready_work_lists else {k: v for k, v in m.items() if k != "work_lists"}
 
     def shrink_one(x, a, m):
-        return lora_shrink(x, (a,), **meta_of(m), block_sizes=bs, interpret=INTERPRET)
+        return lora_shrink(
+            x,
+            (a,),
+            **meta_of(m),
+            block_sizes=bs,
+            prompt_tiles=prompt_tiles,
+            interpret=INTERPRET,
+        )
 
     def expand_one(y, h, b, m):
         return lora_expand(
@@ -852,17 +878,23 @@ def main(argv=None):
             calls = 2
         inputs, w, metas = build(c, calls)
         res = dict(dataclasses.asdict(c), ideal_us=ideal_bytes(c) / HBM_GBPS / 1e3, impls={})
+        # A server's mapping, built from host indices, knows the step's prompt tiles.
+        tiles = res["prompt_tiles"] = host_prompt_tiles(metas)
         if a.check:
             try:
-                res["max_rel_err"] = max_rel_err(c, inputs, w, metas, None)
+                res["max_rel_err"] = max_rel_err(c, inputs, w, metas, None, tiles)
                 res["err_ok"] = res["max_rel_err"] <= ERR_BOUND[c.op]
             except Exception as e:  # noqa: BLE001
                 res["max_rel_err"], res["err_ok"] = float("nan"), False
                 print(f"accuracy check failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        variants = [("ours", ours(c, None), w)]
+        variants = [("ours", ours(c, None, prompt_tiles=tiles), w)]
+        if "ours_blind" in impls and c.op == "shrink":  # the mapping built on the device
+            variants.append(("ours_blind", ours(c, None), w))
         if a.sweep:
             candidates = {f"ours[{i}]": bs for i, bs in enumerate(sweep_set[c.op]) if bs}
-            variants += [(name, ours(c, bs), w) for name, bs in candidates.items()]
+            variants += [
+                (name, ours(c, bs, prompt_tiles=tiles), w) for name, bs in candidates.items()
+            ]
         if "gather" in impls:
             gathered = c.tokens * c.rank * c.hidden * 2
             if gathered > 4e9:
@@ -898,7 +930,7 @@ def main(argv=None):
                 continue
             res["impls"][name] = {"us": us, "gbps": ideal_bytes(c) / us / 1e3}
             if a.check and name.startswith("ours["):  # a candidate must be right to count
-                err = max_rel_err(c, inputs, w, metas, candidates[name])
+                err = max_rel_err(c, inputs, w, metas, candidates[name], tiles)
                 res["impls"][name]["max_rel_err"] = err
                 if err > ERR_BOUND[c.op]:
                     res["impls"][name] = {"skipped": f"wrong: max rel err {err:.1e}"}
@@ -946,7 +978,7 @@ def fmt_row(r, sweep=False):
 
 def table(rows):
     """The issue's table; the floors (`dense`, `stream`) add a column each where run."""
-    extras = [k for k in ("dense", "stream") if any(k in r["impls"] for r in rows)]
+    extras = [k for k in ("dense", "stream", "ours_blind") if any(k in r["impls"] for r in rows)]
     head = (
         "| op | T | H | R | n | ideal µs | ours µs | GB/s | % roofline | gather µs | one-hot µs "
         "| ragged_dot µs | × one-hot | × gather | max rel err |"

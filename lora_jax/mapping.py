@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lora_jax.sharding import unshard
 
@@ -48,6 +49,11 @@ class LoRAMapping:
     # then skips the prompt-tile kernel and its schedule; None (not said) or True: the
     # kernels look for tiles of x that one adapter's prompt fills.
     is_prefill: bool | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # Static, found on the host when the step's indices are a numpy array (no device
+    # work): "none", "some" or "all" of the mapped tokens lie in aligned tiles of x that a
+    # few prompt runs fill (`lora_jax.kernels` work_list.prompt_tiles), so the shrink
+    # launches only the kernels that have work; None: not known (device indices).
+    prompt_tiles: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def num_tokens(self) -> int:
@@ -71,8 +77,10 @@ class LoRAMapping:
 
     def shrink_kwargs(self) -> dict:
         """`kernel_kwargs` plus the shrink's choice of kernels: a decode step
-        (``is_prefill=False``) has no prompt tiles, so no Mosaic GPU launch."""
-        return dict(self.kernel_kwargs(), mosaic=False if self.is_prefill is False else None)
+        (``is_prefill=False``) has no prompt tiles, so no Mosaic GPU launch; what the
+        host found (``prompt_tiles``) skips a kernel with nothing to do."""
+        mosaic = False if self.is_prefill is False else None
+        return dict(self.kernel_kwargs(), mosaic=mosaic, prompt_tiles=self.prompt_tiles)
 
     def with_sequences(self, seq_lora_indices: jax.Array) -> LoRAMapping:
         """A copy carrying the per-sequence mapping used by the logits layer."""
@@ -94,7 +102,8 @@ def make_lora_mapping(
     Jittable, no host sync; indices outside `[-1, max_loras)` are treated as -1 (no
     adapter) so a stale id can never read another slot's weights. ``is_prefill`` as in
     vLLM: False says the step is decode (see `LoRAMapping.is_prefill`); None leaves the
-    kernels to find prompts.
+    kernels to find prompts. Given a numpy array (a server's host-side batch), the
+    prompt tiles are also found on the host (`LoRAMapping.prompt_tiles`).
 
     Example:
         >>> m = jax.jit(make_lora_mapping, static_argnums=1)(jnp.zeros(8, jnp.int32), 4)
@@ -103,6 +112,7 @@ def make_lora_mapping(
     """
     if is_prefill is not None and not isinstance(is_prefill, bool):
         raise ValueError(f"is_prefill must be True, False or None, got {is_prefill!r}")
+    host = isinstance(token_lora_indices, np.ndarray)
     idx = jnp.asarray(token_lora_indices)
     if idx.ndim != 1:
         raise ValueError(f"token_lora_indices must be 1-D [T], got shape {idx.shape}")
@@ -110,6 +120,9 @@ def make_lora_mapping(
         raise ValueError(f"token_lora_indices must be integers, got {idx.dtype}")
     idx = unshard(idx).astype(jnp.int32)  # the sort below needs it replicated
     idx = jnp.where((idx >= 0) & (idx < max_loras), idx, -1)
+    prompts = _prompt_tiles(token_lora_indices, max_loras) if host else None
+    if is_prefill is False:
+        prompts = "none"
     # -1 sorts after every slot; argsort is stable so tokens keep their order per slot.
     key = jnp.where(idx < 0, max_loras, idx)
     sorted_ids = jnp.argsort(key, stable=True).astype(jnp.int32)
@@ -129,9 +142,20 @@ def make_lora_mapping(
         active_slots=active,
         num_active=jnp.sum(is_active).astype(jnp.int32),
         seq_lora_indices=seq,
-        work_lists=_work_lists(counts, starts, sorted_ids, idx, prompts=is_prefill is not False),
+        work_lists=_work_lists(counts, starts, sorted_ids, idx, prompts=prompts != "none"),
         is_prefill=is_prefill,
+        prompt_tiles=prompts,
     )
+
+
+def _prompt_tiles(token_lora_indices: np.ndarray, max_loras: int) -> str | None:
+    """`work_list.prompt_tiles` of host indices (None without the kernels package)."""
+    try:
+        from lora_jax.kernels.shrink_expand.work_list import prompt_tiles
+    except ImportError:  # pragma: no cover - only when the kernels package is absent
+        return None
+    idx = np.asarray(token_lora_indices)
+    return prompt_tiles(np.where((idx >= 0) & (idx < max_loras), idx, -1))
 
 
 def _work_lists(counts, starts, sorted_ids, idx, *, prompts: bool):

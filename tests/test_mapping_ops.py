@@ -134,3 +134,74 @@ def test_decode_mapping_skips_the_prompt_tile_kernel(monkeypatch, is_prefill, wa
         text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
     assert ("mosaic_gpu" in text) == want
+
+
+def _prompt_step(layout: str, tokens: int = 2048, slots: int = 4) -> np.ndarray:
+    """Host slot indices: "prompts" (one run per slot), "shuffled" (the same tokens in
+    random order), "mixed" (prompts, then a shuffled tail of 512 tokens)."""
+    prompts = np.repeat(np.arange(slots), tokens // slots).astype(np.int32)
+    shuffled = np.random.default_rng(0).permutation(prompts)
+    if layout == "prompts":
+        return prompts
+    if layout == "shuffled":
+        return shuffled
+    return np.concatenate([prompts[: tokens - 512], shuffled[:512]])
+
+
+def test_prompt_tiles_found_on_the_host_only():
+    """From numpy indices the mapping says whether its mapped tokens lie in prompt tiles
+    ("none" / "some" / "all", static, no array leaf); from device or traced indices it
+    does not know (None); a decode step has none."""
+    want = {"prompts": "all", "shuffled": "none", "mixed": "some"}
+    for layout, tiles in want.items():
+        idx = _prompt_step(layout)
+        m = lj.make_lora_mapping(idx, 4)
+        assert m.prompt_tiles == tiles, layout
+        assert m.shrink_kwargs()["prompt_tiles"] == tiles
+        assert all(isinstance(v, jax.Array) for v in jax.tree.leaves(m))
+        assert lj.make_lora_mapping(jnp.asarray(idx), 4).prompt_tiles is None
+        assert lj.make_lora_mapping(idx, 4, is_prefill=False).prompt_tiles == "none"
+    traced = jax.jit(lambda i: lj.make_lora_mapping(i, 4), static_argnums=())(
+        jnp.asarray(_prompt_step("prompts"))
+    )
+    assert traced.prompt_tiles is None
+    # ids past max_loras are -1 before the host looks: slot 7 of 4 is no prompt
+    assert lj.make_lora_mapping(np.full(2048, 7, np.int32), 4).prompt_tiles == "none"
+
+
+@pytest.mark.parametrize(
+    "layout,kernels",
+    [("prompts", {"mosaic_gpu"}), ("shuffled", {"triton"}), ("mixed", {"mosaic_gpu", "triton"})],
+)
+def test_host_prompt_tiles_launch_only_kernels_with_work(monkeypatch, layout, kernels):
+    """On a Hopper GPU (faked; lowered for CUDA on this CPU) a mapping built from numpy
+    indices launches only the shrink kernels that have tokens: prompts whose tiles are
+    one adapter's run the Mosaic GPU kernel alone (no Triton launch), a shuffled batch
+    the Triton kernel alone, a mix both."""
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink
+    from lora_jax.kernels.shrink_expand.work_list import SEGMENTS_KEY
+
+    from tests.kernels.shrink_expand_test_base import abstract_gpu_context
+
+    monkeypatch.setattr(mosaic_gpu_shrink, "available", lambda: True)
+    monkeypatch.setattr(ops, "PALLAS_INTERPRET", False)
+    tokens, hidden, rank = 2048, 1024, 64
+    m = lj.make_lora_mapping(_prompt_step(layout, tokens), 4)
+    assert (SEGMENTS_KEY in m.work_lists) == ("mosaic_gpu" in kernels)
+    x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
+    a = jax.ShapeDtypeStruct((4, rank, hidden), jnp.bfloat16)
+    with abstract_gpu_context():
+        lowered = jax.jit(lambda x, a: ops.lora_shrink(x, [a], m, backend="pallas")).trace(x, a)
+        text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert {k for k in ("mosaic_gpu", "triton") if k in text} == kernels
+
+
+def test_prompt_tiles_checked():
+    from lora_jax.kernels import lora_shrink
+
+    m = lj.make_lora_mapping(np.zeros(8, np.int32), 2)
+    x, a = jnp.zeros((8, 32)), jnp.zeros((2, 16, 32))
+    with pytest.raises(ValueError, match="prompt_tiles='most'; expected None or one of"):
+        lora_shrink(x, (a,), **m.kernel_kwargs(), prompt_tiles="most", interpret=True)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink, pallas_triton, pallas_triton_shrink
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 from lora_jax.kernels.shrink_expand.work_list import (
+    PROMPT_TILES,
     SEGMENT_BLOCK_M,
     SEGMENT_LONG_RANK,
     SEGMENT_MAX_PIECES,
@@ -96,9 +97,9 @@ def _check_b_slices(
             )
 
 
-def _segment_tiles(mosaic, x, lora_a, interpret: bool):
+def _segment_tiles(mosaic, x, lora_a, interpret: bool, prompt_tiles: str | None):
     """The Mosaic GPU segment shrink's tiles for this call, or None (Triton only)."""
-    if mosaic is False or (mosaic is None and interpret):
+    if mosaic is False or (mosaic is None and (interpret or prompt_tiles == "none")):
         return None
     num_tokens, hidden = x.shape
     tiles = mosaic_gpu_shrink.default_tiles(lora_a[0].shape[1], SEGMENT_BLOCK_M)
@@ -118,7 +119,9 @@ def _segment_tiles(mosaic, x, lora_a, interpret: bool):
     return tiles
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_sizes", "mosaic", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "block_sizes", "mosaic", "prompt_tiles", "interpret")
+)
 def lora_shrink(
     x: jax.Array,
     lora_a: Sequence[jax.Array],
@@ -134,6 +137,7 @@ def lora_shrink(
     work_lists: Mapping | None = None,
     block_sizes: BlockSizes | None = None,
     mosaic: bool | None = None,
+    prompt_tiles: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """``out[s, t] = scale * x[t] @ lora_a[s][idx[t]].T``, f32 [S, T, R], one launch
@@ -151,11 +155,22 @@ def lora_shrink(
     Triton kernel alone. The Mosaic kernel computes every rank column (then zeroes those
     past ``slot_ranks``): in its regime x, not the adapter, is most of the bytes.
 
+    ``prompt_tiles``: what the host knows of the step (`work_list.prompt_tiles`, which
+    `lora_jax.mapping.make_lora_mapping` finds from numpy indices): "none" of the mapped
+    tokens lie in prompt tiles (the default then runs the Triton kernel alone), "some",
+    or "all" (the split runs the Mosaic kernel alone on a zeroed output: no Triton
+    launch). None: not known, both kernels run. A wrong "all" leaves the tokens outside
+    prompt tiles at 0.
+
     Example::
 
         h = lora_shrink(x, (a_q, a_k, a_v), **meta)  # [3, T, R]
     """
     del active_slots, num_active  # the work list covers the same information
+    if prompt_tiles not in (None, *PROMPT_TILES):
+        raise ValueError(
+            f"lora_shrink: prompt_tiles={prompt_tiles!r}; expected None or one of {PROMPT_TILES}."
+        )
     lora_a = tuple(lora_a)
     if x.ndim != 2:
         raise ValueError(f"lora_shrink: x has shape {x.shape}; expected [T, H].")
@@ -181,7 +196,7 @@ def lora_shrink(
             "shrink", num_tokens=num_tokens, hidden=hidden, rank=rank
         )
     ranks = None if slot_ranks is None else slot_ranks.astype(jnp.int32)
-    tiles = _segment_tiles(mosaic, x, lora_a, interpret)
+    tiles = _segment_tiles(mosaic, x, lora_a, interpret, prompt_tiles)
     if tiles is None:
         tab = get_work_list(
             work_lists,
@@ -201,16 +216,18 @@ def lora_shrink(
         sorted_token_ids,
         block_m=block_sizes.block_m,
     )
-    # The Triton kernel writes (or zeroes) every row, then the Mosaic kernel its pieces.
-    out = pallas_triton_shrink.shrink(
-        x,
-        lora_a,
-        seg.rest[block_sizes.block_m],
-        ranks,
-        scale=float(scale),
-        bs=block_sizes,
-        interpret=interpret,
-    )
+    if prompt_tiles == "all":  # no token is left to the Triton kernel: no launch
+        out = jnp.zeros((len(lora_a), num_tokens, rank), jnp.float32)
+    else:  # the Triton kernel writes (or zeroes) every row, then the Mosaic kernel its pieces
+        out = pallas_triton_shrink.shrink(
+            x,
+            lora_a,
+            seg.rest[block_sizes.block_m],
+            ranks,
+            scale=float(scale),
+            bs=block_sizes,
+            interpret=interpret,
+        )
     return mosaic_gpu_shrink.shrink(
         x, lora_a, seg.items, out, ranks, scale=float(scale), tiles=tiles
     )

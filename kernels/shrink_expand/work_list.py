@@ -32,6 +32,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 WORK_LIST_BLOCK_MS = (16, 32, 64, 128)
 """The token-block sizes the default tiles use (block_sizes.py): decode 16, prefill 32-128."""
@@ -189,6 +190,45 @@ def segment_items(
     total = jnp.broadcast_to(num_pieces, (cap,))
     items = jnp.stack([first // block_m, jnp.maximum(idx[first], 0), first, count, total])
     return items.astype(jnp.int32), mine
+
+
+PROMPT_TILES = ("none", "some", "all")
+"""What `prompt_tiles` may say of a step, and what `lora_shrink(prompt_tiles=)` accepts."""
+
+
+def prompt_tiles(
+    token_lora_indices,
+    *,
+    block_m: int = SEGMENT_BLOCK_M,
+    max_pieces: int = SEGMENT_MAX_PIECES,
+) -> str:
+    """On the host (numpy, no device work): how many of a step's mapped tokens
+    `segment_items` gives the segment shrink — "none", "some" or "all".
+
+    A server builds each step's slot indices on the host, so it can say this for free
+    (vLLM keeps such host summaries of a batch too), and the shrink then launches only
+    the kernels with work: "none" (a decode step, a shuffled batch) the Triton kernel
+    alone, "all" (prompts whose tiles are one adapter's) the Mosaic GPU kernel alone.
+    Indices outside ``[0, max_loras)`` must already be -1, as `make_lora_mapping` makes
+    them.
+
+    Example::
+
+        prompt_tiles(np.repeat([0, 1], 1024))  # "all"
+    """
+    idx = np.asarray(token_lora_indices).astype(np.int64).reshape(-1)
+    num_tokens = idx.shape[0]
+    if num_tokens == 0:
+        return "none"
+    t = np.arange(num_tokens)
+    starts = np.ones(num_tokens, bool)
+    starts[1:] = idx[1:] != idx[:-1]
+    starts |= t % block_m == 0
+    tile_pieces = np.bincount(t // block_m, weights=starts)
+    mapped = idx >= 0
+    mine = mapped & (tile_pieces[t // block_m] <= max_pieces)
+    n_mine, n_mapped = int(mine.sum()), int(mapped.sum())
+    return "none" if n_mine == 0 else "all" if n_mine == n_mapped else "some"
 
 
 def rest_order(

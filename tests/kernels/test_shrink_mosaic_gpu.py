@@ -61,6 +61,27 @@ def test_segment_items_match_oracle(block_m, max_pieces):
         assert items.shape == (5, -(-num_tokens // block_m) * max_pieces)
 
 
+def test_host_prompt_tiles_agree_with_the_device_schedule():
+    """`work_list.prompt_tiles` (numpy, on the host) says "all" / "some" / "none" exactly
+    as the device schedule's ``mine`` covers all, some or none of the mapped tokens."""
+    rng = np.random.default_rng(7)
+    items_of = jax.jit(lambda idx: work_list.segment_items(idx, block_m=128, max_pieces=4))
+    seen = set()
+    for trial in range(24):
+        num_tokens = (1, 130, 640, 1024)[trial % 4]
+        idx = _runs(rng, num_tokens, 5, (4, 60, 400)[trial % 3])
+        if trial % 6 == 2:
+            idx = rng.permutation(idx)
+        if trial % 8 == 5:
+            idx[:] = -1
+        _, mine = items_of(jnp.asarray(idx))
+        mine, mapped = np.asarray(mine), idx >= 0
+        want = "none" if not mine.any() else "all" if mine.sum() == mapped.sum() else "some"
+        assert work_list.prompt_tiles(idx) == want, (trial, idx)
+        seen.add(want)
+    assert seen == set(work_list.PROMPT_TILES)
+
+
 def test_rest_order_is_the_mapping_without_the_pieces():
     rng = np.random.default_rng(0)
     max_loras = 6
@@ -213,11 +234,16 @@ def test_segment_shrink_lowers_for_cuda(num_tokens, hidden, rank, slices, ranked
     assert "triton" in text  # the Triton kernel for the other tokens
 
 
-def _check(num_tokens, hidden, rank, slices, dtype, layout, ranked, seed=0):
+def _check(num_tokens, hidden, rank, slices, dtype, layout, ranked, seed=0, host=False):
+    """The split shrink (forced) against the oracle; ``host``: told what the host finds
+    (`work_list.prompt_tiles`), so "all" runs the Mosaic kernel alone."""
     rng = np.random.default_rng(seed)
     max_loras = 16
     if layout == "one":
         idx = np.full(num_tokens, 3, np.int32)
+    elif layout == "padded":  # one adapter's prompts with unmapped gaps: every tile a prompt's
+        idx = np.full(num_tokens, 3, np.int32)
+        idx[1000:1100] = idx[-300:] = -1
     elif layout == "runs":
         idx = _runs(rng, num_tokens, max_loras, 700)
     else:  # shuffled: no pieces, the Triton kernel takes every token
@@ -234,7 +260,11 @@ def _check(num_tokens, hidden, rank, slices, dtype, layout, ranked, seed=0):
     ranks = (
         jnp.asarray(rng.integers(1, rank + 1, (slices, max_loras)), jnp.int32) if ranked else None
     )
-    got = lora_shrink(x, lora_a, **meta, slot_ranks=ranks, scale=0.5, mosaic=True)
+    tiles = work_list.prompt_tiles(idx) if host else None
+    assert not host or layout != "padded" or tiles == "all"
+    got = lora_shrink(
+        x, lora_a, **meta, slot_ranks=ranks, scale=0.5, mosaic=True, prompt_tiles=tiles
+    )
     want = lora_shrink_reference(
         x, lora_a, token_lora_indices=meta["token_lora_indices"], slot_ranks=ranks, scale=0.5
     )
@@ -246,6 +276,7 @@ def _check(num_tokens, hidden, rank, slices, dtype, layout, ranked, seed=0):
     "num_tokens,hidden,rank,slices,dtype,layout,ranked",
     [
         (2048, 4096, 128, 1, jnp.bfloat16, "one", False),
+        (4096, 4096, 64, 2, jnp.bfloat16, "padded", True),  # "all": the Mosaic kernel alone
         (4096, 4096, 64, 1, jnp.bfloat16, "runs", False),
         (4104, 4096, 64, 3, jnp.bfloat16, "runs", True),  # a partial last tile, 3 slices
         (2048, 2048, 96, 2, jnp.float16, "runs", True),
@@ -254,10 +285,13 @@ def _check(num_tokens, hidden, rank, slices, dtype, layout, ranked, seed=0):
     ],
     ids=str,
 )
-def test_segment_shrink_matches_reference(num_tokens, hidden, rank, slices, dtype, layout, ranked):
+@pytest.mark.parametrize("host", [False, True], ids=["unknown", "host"])
+def test_segment_shrink_matches_reference(
+    num_tokens, hidden, rank, slices, dtype, layout, ranked, host
+):
     if not mosaic_gpu_shrink.available():
         pytest.skip("needs a Hopper GPU (Mosaic GPU WGMMA)")
-    _check(num_tokens, hidden, rank, slices, dtype, layout, ranked)
+    _check(num_tokens, hidden, rank, slices, dtype, layout, ranked, host=host)
 
 
 @pytest.mark.parametrize(
