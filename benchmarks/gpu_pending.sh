@@ -216,6 +216,23 @@ for what in "$@"; do
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
+  host_tests)  # session 13: the Mosaic kernel told the host's prompt tiles; layers on the GPU
+    JAX_DEFAULT_MATMUL_PRECISION=highest step host_tests 200 python3 -P -m pytest \
+      tests/kernels/test_shrink_mosaic_gpu.py tests/kernels/test_shrink_expand_fused.py \
+      -m gpu -q -p no:cacheprovider ;;
+  host)  # session 13: shrink with the host's prompt tiles (ours) vs not known (ours_blind)
+    step host 330 "${OPS[@]}" --ops shrink --tokens 1024,2048,4096 --hiddens 4096 \
+      --ranks 64,128 --adapters 1,64 --impls ours,ours_blind --time-budget 300 \
+      --out "$OUT/host" ;;
+  host_runs)  # session 13: the same with prompts (one run per adapter)
+    step host_runs 300 "${OPS[@]}" --layout runs --ops shrink --tokens 2048,4096,16384 \
+      --hiddens 4096 --ranks 64,128 --adapters 8,64 --impls ours,ours_blind \
+      --time-budget 270 --out "$OUT/host_runs" ;;
+  host_long)  # session 13: rank 128 at 16384 tokens; H = 8192, n = 8
+    step host_long 110 "${OPS[@]}" --ops shrink --tokens 16384 --hiddens 4096 --ranks 128 \
+      --adapters 1,64 --impls ours,ours_blind --time-budget 90 --out "$OUT/host_long"
+    step host_wide 130 "${OPS[@]}" --ops shrink --tokens 1024,4096 --hiddens 8192 --ranks 64 \
+      --adapters 8 --impls ours,ours_blind --time-budget 110 --out "$OUT/host_wide" ;;
   two)  # kind nvidia-h200-x2: the model at tp = 2 (base, LoRA, fully sharded)
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;

@@ -260,3 +260,46 @@ def test_layers_with_pallas_backends_match_xla(monkeypatch, kind, backend, kerne
     want, got = run("xla"), run(backend)
     assert calls, f"the layer did not reach {kernel}"
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["shuffled", "prompts"])
+def test_layer_default_backend_on_gpu_matches_xla(monkeypatch, layout):
+    """On the GPU, a 3-slice qkv layer at 2048 tokens takes the default backend (the
+    kernels: Triton, and on Hopper the prompt-tile kernel) with a mapping built from
+    host indices, and gives the XLA backend's output."""
+    from flax import nnx
+
+    import lora_jax as lj
+    from lora_jax import ops
+
+    monkeypatch.setattr(ops, "_default_backend", None)
+    kw = dict(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    layer = lj.MergedQKVParallelLinearWithLoRA(
+        lj.QKVParallelLinear(1024, 64, 16, 8, **kw),
+        lj.LoRAConfig(max_loras=4, max_lora_rank=64, lora_dtype=jnp.bfloat16),
+        lj.LoRAContext(None),
+    )
+    rng = np.random.default_rng(9)
+    for slot, rank in {0: 64, 1: 32, 3: 16}.items():
+        a = [rng.normal(0, 0.05, (rank, 1024)).astype(np.float32) for _ in range(layer.n_slices)]
+        b = [rng.normal(0, 0.05, (n, rank)).astype(np.float32) for n in layer.logical_slice_sizes]
+        layer.set_lora(slot, a, b)
+    tokens = 2048
+    idx = np.repeat(np.array([0, 1, -1, 3], np.int32), tokens // 4)
+    if layout == "shuffled":
+        idx = rng.permutation(idx)
+    x = jnp.asarray(rng.normal(size=(tokens, 1024)), jnp.bfloat16)
+    mapping = lj.make_lora_mapping(idx, 4)  # host indices: prompt tiles found
+    assert mapping.prompt_tiles == ("none" if layout == "shuffled" else "all")
+    assert ops.resolve_backend(None, tokens) == "pallas"
+
+    @nnx.jit
+    def run(layer, x, mapping):
+        lj.set_lora_mapping(layer, mapping)
+        return layer(x)
+
+    got = np.asarray(run(layer, x, mapping), np.float32)
+    ops.set_default_backend("xla")
+    want = np.asarray(run(layer, x, mapping), np.float32)
+    np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2)
