@@ -237,7 +237,7 @@ for what in "$@"; do
     # -8 sweeps ran n = 64), wide tiles unfitted
     LORA_JAX_TRITON_SMEM_BUDGET=200000 step sweep_e8 330 "${OPS[@]}" --sweep \
       --sweep-set prefill --candidates 0,2,3,4,5,6,7,9,11,14 --ops expand --tokens 4096,16384 \
-      --hiddens 4096 --ranks 64,128 --adapters 8 --impls ours --no-check --time-budget 300 \
+      --hiddens 4096 --ranks 64,128 --adapters 8 --impls ours --time-budget 300 \
       --out "$OUT/sweep_e8" ;;
   two)  # kind nvidia-h200-x2: the model at tp = 2 (base, LoRA, fully sharded)
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
