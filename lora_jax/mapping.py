@@ -96,6 +96,7 @@ def make_lora_mapping(
     seq_lora_indices: jax.Array | None = None,
     *,
     is_prefill: bool | None = None,
+    prompt_tiles: str | None = None,
 ) -> LoRAMapping:
     """Builds the step metadata from `token_lora_indices` (int32 `[T]`, -1 = no adapter).
 
@@ -103,7 +104,10 @@ def make_lora_mapping(
     adapter) so a stale id can never read another slot's weights. ``is_prefill`` as in
     vLLM: False says the step is decode (see `LoRAMapping.is_prefill`); None leaves the
     kernels to find prompts. Given a numpy array (a server's host-side batch), the
-    prompt tiles are also found on the host (`LoRAMapping.prompt_tiles`).
+    prompt tiles are also found on the host (`LoRAMapping.prompt_tiles`); a caller that
+    knows its layout may say it instead (``prompt_tiles="all"`` for rows of one slot
+    each whose length is a power of two of at least `PROMPT_ROWS_MIN_TOKENS`, as a padded
+    prefill batch's are).
 
     Example:
         >>> m = jax.jit(make_lora_mapping, static_argnums=1)(jnp.zeros(8, jnp.int32), 4)
@@ -112,7 +116,11 @@ def make_lora_mapping(
     """
     if is_prefill is not None and not isinstance(is_prefill, bool):
         raise ValueError(f"is_prefill must be True, False or None, got {is_prefill!r}")
-    host = isinstance(token_lora_indices, np.ndarray)
+    if prompt_tiles not in (None, "none", "some", "all"):
+        raise ValueError(
+            f"prompt_tiles must be None, 'none', 'some' or 'all', got {prompt_tiles!r}"
+        )
+    host = isinstance(token_lora_indices, np.ndarray) and prompt_tiles is None
     idx = jnp.asarray(token_lora_indices)
     if idx.ndim != 1:
         raise ValueError(f"token_lora_indices must be 1-D [T], got shape {idx.shape}")
@@ -120,7 +128,7 @@ def make_lora_mapping(
         raise ValueError(f"token_lora_indices must be integers, got {idx.dtype}")
     idx = unshard(idx).astype(jnp.int32)  # the sort below needs it replicated
     idx = jnp.where((idx >= 0) & (idx < max_loras), idx, -1)
-    prompts = _prompt_tiles(token_lora_indices, max_loras) if host else None
+    prompts = _prompt_tiles(token_lora_indices, max_loras) if host else prompt_tiles
     if is_prefill is False:
         prompts = "none"
     # -1 sorts after every slot; argsort is stable so tokens keep their order per slot.
@@ -146,6 +154,14 @@ def make_lora_mapping(
         is_prefill=is_prefill,
         prompt_tiles=prompts,
     )
+
+
+PROMPT_TILE_TOKENS = 128
+"""Tokens per prompt tile (`lora_jax.kernels` work_list.SEGMENT_BLOCK_M)."""
+PROMPT_ROWS_MIN_TOKENS = 32
+"""Rows of one slot each, laid end to end, whose length is a power of two of at least this
+put every mapped token in a prompt tile: an aligned 128-token tile then holds at most 4
+runs (`lora_jax.kernels` work_list.SEGMENT_BLOCK_M / SEGMENT_MAX_PIECES)."""
 
 
 def _prompt_tiles(token_lora_indices: np.ndarray, max_loras: int) -> str | None:

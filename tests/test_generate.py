@@ -166,16 +166,17 @@ def test_eos_stops_each_request(base_model):
 # -- multi-adapter ----------------------------------------------------------------------------
 def test_prefill_and_decode_say_which_they_are(lora_model, mixed, monkeypatch):
     """The prefill step's mapping says is_prefill=True and the decode loop's False (vLLM's
-    `LoRAMapping.is_prefill`: a decode step's shrink skips the prompt-tile kernel), and
-    the tokens are what the mixed batch generated."""
+    `LoRAMapping.is_prefill`: a decode step's shrink skips the prompt-tile kernel), the
+    prefill's rows of 32 tokens say their prompt tiles hold every mapped token, and the
+    tokens are what the mixed batch generated."""
     import lora_jax.serving.generate as gen
 
     seen = []
     real = gen.set_lora_mapping
 
-    def spy(model, tokens, seqs, *, is_prefill=None):
-        seen.append((tokens.shape[0], is_prefill))
-        return real(model, tokens, seqs, is_prefill=is_prefill)
+    def spy(model, tokens, seqs, *, is_prefill=None, prompt_tiles=None):
+        seen.append((tokens.shape[0], is_prefill, prompt_tiles))
+        return real(model, tokens, seqs, is_prefill=is_prefill, prompt_tiles=prompt_tiles)
 
     monkeypatch.setattr(gen, "set_lora_mapping", spy)
     # Buckets no other test uses, so both steps trace (and call the spy) here.
@@ -183,7 +184,8 @@ def test_prefill_and_decode_say_which_they_are(lora_model, mixed, monkeypatch):
         lora_model, PROMPTS[:2], SLOTS[:2], max_new_tokens=3, min_batch_bucket=2,
         min_prompt_bucket=32,
     )  # fmt: skip
-    assert seen == [(2 * 32, True), (2, False)]
+    # rows of 32 tokens fill the prompt tiles (PROMPT_ROWS_MIN_TOKENS); decode has none
+    assert seen == [(2 * 32, True, "all"), (2, False, None)]
     for i in range(2):
         assert out.tokens[i] == mixed.tokens[i][:3]
 

@@ -4,7 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from layer_cases import (
+    IN,
     KINDS,
     MAX_LORAS,
     TOL,
@@ -105,3 +107,37 @@ def test_writing_a_slot_leaves_other_slots_bit_identical(kind):
     untouched = IDX != 2
     np.testing.assert_array_equal(after[untouched], before[untouched])
     assert not np.allclose(after[~untouched], before[~untouched])
+
+
+@pytest.mark.parametrize("tokens,want", [(512, "all"), (200, None)])
+def test_dp_shards_keep_the_steps_flags(monkeypatch, tokens, want):
+    """With tokens split over dp = 2, each shard rebuilds its mapping: it keeps the step's
+    ``is_prefill``, and its ``prompt_tiles`` where its share is whole 128-token tiles
+    (else None: not known); the output still matches the dense reference."""
+    import lora_jax.layers.base as base_mod
+
+    kind = KINDS[1]  # column
+    layer, weights, adapters = build(kind, lj.ShardingRules(make_mesh(2, 2)), adapters=ADAPTERS)
+    idx = np.repeat(np.array([1, 0, -1, 3], np.int32), tokens // 4)
+    mapping = lj.make_lora_mapping(idx, MAX_LORAS, is_prefill=True)  # host: "all"
+    assert mapping.prompt_tiles == "all"
+    seen = []
+    real = base_mod.make_lora_mapping
+
+    def spy(m, L, **kw):
+        seen.append(kw)
+        return real(m, L, **kw)
+
+    monkeypatch.setattr(base_mod, "make_lora_mapping", spy)
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(tokens, IN)), jnp.float32)
+
+    @nnx.jit
+    def f(layer, x, m):
+        lj.set_lora_mapping(layer, m)
+        return layer(x)
+
+    y = f(layer, x, mapping)
+    assert seen == [dict(is_prefill=True, prompt_tiles=want)]
+    ref = dense_reference(layer, weights, adapters, x, idx)
+    rtol, atol = TOL[jnp.float32]
+    np.testing.assert_allclose(logical_output(layer, y), ref, rtol=rtol, atol=atol)

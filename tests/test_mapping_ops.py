@@ -205,3 +205,34 @@ def test_prompt_tiles_checked():
     x, a = jnp.zeros((8, 32)), jnp.zeros((2, 16, 32))
     with pytest.raises(ValueError, match="prompt_tiles='most'; expected None or one of"):
         lora_shrink(x, (a,), **m.kernel_kwargs(), prompt_tiles="most", interpret=True)
+
+
+def test_told_prompt_tiles_and_the_rows_rule():
+    """A caller may say the prompt tiles (checked; a decode step still says "none"); the
+    rule `generate` relies on holds: rows of one slot each, a power of two of at least
+    PROMPT_ROWS_MIN_TOKENS long, put every mapped token in a prompt tile (the host's
+    finding on random slots, unmapped rows included)."""
+    from lora_jax.kernels.shrink_expand import work_list
+
+    from lora_jax.mapping import PROMPT_ROWS_MIN_TOKENS, PROMPT_TILE_TOKENS
+
+    assert PROMPT_TILE_TOKENS == work_list.SEGMENT_BLOCK_M
+    assert PROMPT_ROWS_MIN_TOKENS == work_list.SEGMENT_BLOCK_M // work_list.SEGMENT_MAX_PIECES
+    idx = jnp.asarray(_prompt_step("prompts"))
+    assert lj.make_lora_mapping(idx, 4, prompt_tiles="all").prompt_tiles == "all"
+    told = lj.make_lora_mapping(_prompt_step("shuffled"), 4, prompt_tiles="some")
+    assert told.prompt_tiles == "some"  # what the caller said, not re-derived
+    assert lj.make_lora_mapping(idx, 4, is_prefill=False, prompt_tiles="all").prompt_tiles == (
+        "none"
+    )
+    with pytest.raises(ValueError, match="prompt_tiles must be None, 'none', 'some' or 'all'"):
+        lj.make_lora_mapping(idx, 4, prompt_tiles="most")
+    rng = np.random.default_rng(1)
+    for rows in (PROMPT_ROWS_MIN_TOKENS, 64, 128, 512):
+        for _ in range(4):
+            slots = rng.integers(-1, 6, 4096 // rows).astype(np.int32)
+            if (slots < 0).all():
+                slots[0] = 2
+            assert lj.make_lora_mapping(np.repeat(slots, rows), 6).prompt_tiles == "all"
+    short = np.repeat(np.arange(16) % 6, PROMPT_ROWS_MIN_TOKENS // 2).astype(np.int32)
+    assert lj.make_lora_mapping(np.tile(short, 8), 6).prompt_tiles != "all"  # 8 runs a tile

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from lora_jax.config import LoRAConfig
 from lora_jax.linear import LinearBase, pack_shards
-from lora_jax.mapping import LoRAMapping, make_lora_mapping
+from lora_jax.mapping import PROMPT_TILE_TOKENS, LoRAMapping, make_lora_mapping
 
 
 class LoRAContext(nnx.Variable):
@@ -321,9 +321,14 @@ class BaseLayerWithLoRA(nnx.Module):
         ranks = self.slot_ranks[...]
         a_axes, b_axes = self.lora_axes()
 
+        # A shard's tiles of tokens are the step's when its share is whole tiles: what the
+        # step's mapping says of its prompt tiles then holds for every shard.
+        whole_tiles = x2.shape[0] // rules.size("batch") % PROMPT_TILE_TOKENS == 0
+        shard_tiles = mapping.prompt_tiles if whole_tiles else None
+
         def local(xl, kl, a, b, ranks, m):
             if not isinstance(m, LoRAMapping):
-                m = make_lora_mapping(m, L, is_prefill=mapping.is_prefill)
+                m = make_lora_mapping(m, L, is_prefill=mapping.is_prefill, prompt_tiles=shard_tiles)
             y = base.local_matmul(xl, kl)
             return self._lora_local(y, xl, a, b, ranks, m)
 
@@ -365,9 +370,11 @@ def set_lora_mapping(
     seq_lora_indices: jax.Array | None = None,
     *,
     is_prefill: bool | None = None,
+    prompt_tiles: str | None = None,
 ) -> LoRAMapping | None:
     """Sets the step's mapping on every LoRA layer of `model` (call inside your jit).
-    ``is_prefill=False`` marks a decode step (`LoRAMapping.is_prefill`).
+    ``is_prefill=False`` marks a decode step (`LoRAMapping.is_prefill`); ``prompt_tiles``
+    says what the caller knows of its prompts' layout (`make_lora_mapping`).
 
     Example:
         >>> set_lora_mapping(model, jnp.array([0, 0, -1, 2], jnp.int32))  # doctest: +SKIP
@@ -380,7 +387,11 @@ def set_lora_mapping(
     else:
         max_loras = _context_max_loras(model)
         mapping = make_lora_mapping(
-            token_lora_indices, max_loras, seq_lora_indices, is_prefill=is_prefill
+            token_lora_indices,
+            max_loras,
+            seq_lora_indices,
+            is_prefill=is_prefill,
+            prompt_tiles=prompt_tiles,
         )
     ctx.set_value(mapping)
     return mapping
