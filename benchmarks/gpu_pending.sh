@@ -214,12 +214,14 @@ for what in "$@"; do
         --out "$OUT/mtiles_k${bk}_s${st}/probe.json"
     done ;;
   mtiles_c)  # session 13: 64-row segment tiles (6 stages fit at rank 128), and two programs
-    # per SM (3 stages), at 4096 tokens, the kernel alone; "bm st programs ranks" each
-    for cfg in "128 0 0 64,128" "64 0 0 64,128" "128 3 264 64" "64 3 264 128"; do
-      read -r bm st pr rk <<< "$cfg"
+    # per SM (3 stages, twice the split), at 4096 tokens, the kernel alone;
+    # "block_m stages programs split ranks" each (0: the default)
+    for cfg in "128 0 0 0 64,128" "64 0 0 0 64,128" "128 3 264 8 64" "64 3 264 4 128"; do
+      read -r bm st pr sp rk <<< "$cfg"
       step "mtiles_m${bm}_s${st}_p${pr}" 75 python3 -P benchmarks/mosaic_probe.py \
         --impls mosaic --layouts one,runs8 --tokens 4096 --ranks "$rk" --block-m "$bm" \
-        --stages "$st" --programs "$pr" --out "$OUT/mtiles_m${bm}_s${st}_p${pr}/probe.json"
+        --stages "$st" --programs "$pr" --split "$sp" \
+        --out "$OUT/mtiles_m${bm}_s${st}_p${pr}/probe.json"
     done ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
