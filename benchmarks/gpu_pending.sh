@@ -223,6 +223,12 @@ for what in "$@"; do
         --stages "$st" --programs "$pr" --split "$sp" \
         --out "$OUT/mtiles_m${bm}_s${st}_p${pr}/probe.json"
     done ;;
+  mtiles_d)  # session 13: 64- vs 128-row segment tiles at 1024 and 16384 tokens
+    for bm in 128 64; do
+      step "mtiles_d_m${bm}" 150 python3 -P benchmarks/mosaic_probe.py --impls mosaic \
+        --layouts one,runs8 --tokens 1024,16384 --ranks 64,128 --block-m "$bm" \
+        --out "$OUT/mtiles_d_m${bm}/probe.json"
+    done ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
