@@ -229,6 +229,14 @@ for what in "$@"; do
         --layouts one,runs8 --tokens 1024,16384 --ranks 64,128 --block-m "$bm" \
         --out "$OUT/mtiles_d_m${bm}/probe.json"
     done ;;
+  rows64)  # session 13: 64-row segment tiles up to 4096 tokens: GPU tests, ops cells
+    JAX_DEFAULT_MATMUL_PRECISION=highest step rows64_tests 140 python3 -P -m pytest \
+      tests/kernels/test_shrink_mosaic_gpu.py -m gpu -q -p no:cacheprovider
+    step rows64 75 "${OPS[@]}" --ops shrink --tokens 1024,4096 --hiddens 4096 \
+      --ranks 64,128 --adapters 1 --impls ours --time-budget 65 --out "$OUT/rows64"
+    step rows64_runs 75 "${OPS[@]}" --layout runs --ops shrink --tokens 2048,4096 \
+      --hiddens 4096 --ranks 64,128 --adapters 8 --impls ours --time-budget 65 \
+      --out "$OUT/rows64_runs" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;

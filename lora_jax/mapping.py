@@ -157,11 +157,12 @@ def make_lora_mapping(
 
 
 PROMPT_TILE_TOKENS = 128
-"""Tokens per prompt tile (`lora_jax.kernels` work_list.SEGMENT_BLOCK_M)."""
+"""Tokens per prompt tile at most (`lora_jax.kernels` work_list.segment_block_m: 64 up to
+4096 tokens, 128 past): a multiple of every tile size."""
 PROMPT_ROWS_MIN_TOKENS = 32
 """Rows of one slot each, laid end to end, whose length is a power of two of at least this
-put every mapped token in a prompt tile: an aligned 128-token tile then holds at most 4
-runs (`lora_jax.kernels` work_list.SEGMENT_BLOCK_M / SEGMENT_MAX_PIECES)."""
+put every mapped token in a prompt tile: an aligned tile of 64 or 128 tokens then holds
+at most 4 runs (`lora_jax.kernels` work_list.SEGMENT_BLOCK_M / SEGMENT_MAX_PIECES)."""
 
 
 def _prompt_tiles(token_lora_indices: np.ndarray, max_loras: int) -> str | None:

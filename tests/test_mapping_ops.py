@@ -234,5 +234,5 @@ def test_told_prompt_tiles_and_the_rows_rule():
             if (slots < 0).all():
                 slots[0] = 2
             assert lj.make_lora_mapping(np.repeat(slots, rows), 6).prompt_tiles == "all"
-    short = np.repeat(np.arange(16) % 6, PROMPT_ROWS_MIN_TOKENS // 2).astype(np.int32)
-    assert lj.make_lora_mapping(np.tile(short, 8), 6).prompt_tiles != "all"  # 8 runs a tile
+    short = np.repeat(np.arange(16) % 6, PROMPT_ROWS_MIN_TOKENS // 4).astype(np.int32)
+    assert lj.make_lora_mapping(np.tile(short, 8), 6).prompt_tiles != "all"  # 8 runs / tile

@@ -24,7 +24,6 @@ from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink, pallas_triton, pal
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 from lora_jax.kernels.shrink_expand.work_list import (
     PROMPT_TILES,
-    SEGMENT_BLOCK_M,
     SEGMENT_LONG_RANK,
     SEGMENT_MAX_PIECES,
     SEGMENT_MAX_TOKENS,
@@ -32,6 +31,7 @@ from lora_jax.kernels.shrink_expand.work_list import (
     SEGMENTS_KEY,
     build_segments,
     get_work_list,
+    segment_block_m,
 )
 
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -102,7 +102,7 @@ def _segment_tiles(mosaic, x, lora_a, interpret: bool, prompt_tiles: str | None)
     if mosaic is False or (mosaic is None and (interpret or prompt_tiles == "none")):
         return None
     num_tokens, hidden = x.shape
-    tiles = mosaic_gpu_shrink.default_tiles(lora_a[0].shape[1], SEGMENT_BLOCK_M)
+    tiles = mosaic_gpu_shrink.default_tiles(lora_a[0].shape[1], segment_block_m(num_tokens))
     why = mosaic_gpu_shrink.supported(
         x.dtype, lora_a[0].dtype, num_tokens, hidden, lora_a[0].shape[1], tiles
     )
@@ -240,7 +240,7 @@ def _get_segments(work_lists, token_lora_indices, counts, starts, sorted_ids, *,
     if seg is None or block_m not in seg.rest:
         return build_segments(token_lora_indices, counts, starts, sorted_ids, block_ms=(block_m,))
     num_tokens = sorted_ids.shape[0]
-    cap = -(-num_tokens // SEGMENT_BLOCK_M) * SEGMENT_MAX_PIECES
+    cap = -(-num_tokens // segment_block_m(num_tokens)) * SEGMENT_MAX_PIECES
     if tuple(seg.items.shape) != (5, cap):
         raise ValueError(
             f"work_lists[{SEGMENTS_KEY}].items has shape {tuple(seg.items.shape)}; "

@@ -37,7 +37,14 @@ import numpy as np
 WORK_LIST_BLOCK_MS = (16, 32, 64, 128)
 """The token-block sizes the default tiles use (block_sizes.py): decode 16, prefill 32-128."""
 SEGMENT_BLOCK_M = 128
-"""Rows of x per tile of the segment (Mosaic GPU) shrink: aligned tiles of this many."""
+"""Rows of x per tile of the segment (Mosaic GPU) shrink past ``SEGMENT_MAX_TOKENS``
+tokens: aligned tiles of this many (`segment_block_m`)."""
+SEGMENT_SHORT_BLOCK_M = 64
+"""Rows per segment tile up to ``SEGMENT_MAX_TOKENS`` tokens. Session 13 (H200, the kernel
+alone, prompts over 8 adapters / one adapter): 64-row tiles instead of 128 at 1024 tokens
+7.5 / 7.0 -> 6.5 / 6.2 us (rank 64), 9.8 / 9.1 -> 7.9 / 7.4 (rank 128); at 4096 tokens
+14.5 / 13.2 -> 13.8 / 13.1, 18.5 / 16.0 -> 16.1 / 15.0; at 16384 tokens slower (rank
+128: 52.9 / 44.6 -> 53.6 / 50.7)."""
 SEGMENT_MAX_PIECES = 4
 """Most runs (pieces) a tile may hold for the segment shrink to take it."""
 SEGMENT_MIN_TOKENS = 1024
@@ -58,6 +65,11 @@ SEGMENT_REST_BLOCK_MS = (32, 64)
 SEGMENTS_KEY = 0
 """The key of the segment schedule in `build_work_lists`'s dict (no block_m is 0; an int,
 so that the dict's keys sort as a pytree)."""
+
+
+def segment_block_m(num_tokens: int) -> int:
+    """Rows per segment-shrink tile for a step of this many (static) tokens."""
+    return SEGMENT_SHORT_BLOCK_M if num_tokens <= SEGMENT_MAX_TOKENS else SEGMENT_BLOCK_M
 
 
 def num_work_blocks(num_tokens: int, max_loras: int, block_m: int) -> int:
@@ -199,7 +211,7 @@ PROMPT_TILES = ("none", "some", "all")
 def prompt_tiles(
     token_lora_indices,
     *,
-    block_m: int = SEGMENT_BLOCK_M,
+    block_m: int | None = None,
     max_pieces: int = SEGMENT_MAX_PIECES,
 ) -> str:
     """On the host (numpy, no device work): how many of a step's mapped tokens
@@ -220,6 +232,7 @@ def prompt_tiles(
     num_tokens = idx.shape[0]
     if num_tokens == 0:
         return "none"
+    block_m = segment_block_m(num_tokens) if block_m is None else block_m
     t = np.arange(num_tokens)
     starts = np.ones(num_tokens, bool)
     starts[1:] = idx[1:] != idx[:-1]
@@ -279,9 +292,8 @@ def build_segments(
 ) -> Segments:
     """The segment shrink's schedule for one step: its pieces and, per ``block_ms``
     entry, the Triton work list of the other tokens (`segment_items`, `rest_order`)."""
-    items, mine = segment_items(
-        token_lora_indices, block_m=SEGMENT_BLOCK_M, max_pieces=SEGMENT_MAX_PIECES
-    )
+    block_m = segment_block_m(token_lora_indices.shape[0])
+    items, mine = segment_items(token_lora_indices, block_m=block_m, max_pieces=SEGMENT_MAX_PIECES)
     del slot_token_starts  # the kept tokens' starts are new
     counts, starts, order = rest_order(
         token_lora_indices, slot_token_counts, sorted_token_ids, mine

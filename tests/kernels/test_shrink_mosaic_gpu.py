@@ -65,16 +65,16 @@ def test_host_prompt_tiles_agree_with_the_device_schedule():
     """`work_list.prompt_tiles` (numpy, on the host) says "all" / "some" / "none" exactly
     as the device schedule's ``mine`` covers all, some or none of the mapped tokens."""
     rng = np.random.default_rng(7)
-    items_of = jax.jit(lambda idx: work_list.segment_items(idx, block_m=128, max_pieces=4))
     seen = set()
     for trial in range(24):
-        num_tokens = (1, 130, 640, 1024)[trial % 4]
+        num_tokens = (1, 130, 640, 1024, 4096, 4200)[trial % 6]
+        block_m = work_list.segment_block_m(num_tokens)  # 64 up to 4096 tokens, then 128
         idx = _runs(rng, num_tokens, 5, (4, 60, 400)[trial % 3])
         if trial % 6 == 2:
             idx = rng.permutation(idx)
         if trial % 8 == 5:
             idx[:] = -1
-        _, mine = items_of(jnp.asarray(idx))
+        _, mine = work_list.segment_items(jnp.asarray(idx), block_m=block_m, max_pieces=4)
         mine, mapped = np.asarray(mine), idx >= 0
         want = "none" if not mine.any() else "all" if mine.sum() == mapped.sum() else "some"
         assert work_list.prompt_tiles(idx) == want, (trial, idx)
