@@ -22,8 +22,9 @@ from lora_jax.sharding import unshard
 class LoRAMapping:
     """Token→slot mapping plus the grouping metadata the kernels use.
 
-    Build it with `make_lora_mapping`; all fields are arrays (a pytree), so it can be
-    passed through `jax.jit`, `shard_map` and NNX state.
+    Build it with `make_lora_mapping`; its arrays are pytree leaves and ``is_prefill`` /
+    ``prompt_tiles`` static metadata, so it can be passed through `jax.jit`, `shard_map`
+    and NNX state (a new static value is a new trace).
 
     Example:
         >>> m = make_lora_mapping(jnp.array([1, -1, 1, 0], jnp.int32), max_loras=2)
