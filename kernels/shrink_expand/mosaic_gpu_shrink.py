@@ -110,9 +110,10 @@ MAX_STAGES = 6
 def default_tiles(rank: int, block_m: int = 128) -> MosaicTiles:
     """The default tiles at this rank: the deepest pipeline, 4 to ``MAX_STAGES`` copies in
     flight, whose buffers and output tile fit ``SMEM_BUDGET``: in 128-row tiles 6 up to
-    rank 64, 5 at 96, 4 at 128; in 64-row tiles 6 at every rank. Session 12 (H200, the kernel alone, rank 64): 6 stages instead of 4 ran
-    2-5 % faster (T = 4096: 13.4 -> 13.1 us; T = 16384 prompts over 8 adapters: 45.8 ->
-    43.3 us); 256-row tiles ran slower (14.9 us at T = 4096)."""
+    rank 64, 5 at 96, 4 at 128; in 64-row tiles 6 at every rank. Session 12 (H200, the
+    kernel alone, rank 64): 6 stages instead of 4 ran 2-5 % faster (T = 4096: 13.4 ->
+    13.1 us; T = 16384 prompts over 8 adapters: 45.8 -> 43.3 us); 256-row tiles ran
+    slower (14.9 us at T = 4096)."""
     tiles = MosaicTiles(block_m=block_m)
     per_stage = (block_m + rank) * tiles.block_k * 2
     stages = MAX_STAGES
