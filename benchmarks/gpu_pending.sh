@@ -237,6 +237,11 @@ for what in "$@"; do
     step rows64_runs 75 "${OPS[@]}" --layout runs --ops shrink --tokens 2048,4096 \
       --hiddens 4096 --ranks 64,128 --adapters 8 --impls ours --time-budget 65 \
       --out "$OUT/rows64_runs" ;;
+  sweep_e16)  # next: the expand at 1024 tokens with 16-token blocks (n = 64 gives each
+    # adapter ~16 tokens; the prefill default's 32-token blocks run half empty there)
+    step sweep_e16 150 "${OPS[@]}" --sweep --candidates 5,8,9,10 --ops expand --tokens 1024 \
+      --hiddens 4096 --ranks 16,64 --adapters 64 --impls ours --time-budget 130 \
+      --out "$OUT/sweep_e16" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -267,7 +272,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 tp1 two" >&2
     exit 2 ;;
   esac
 done
