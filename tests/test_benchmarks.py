@@ -12,6 +12,7 @@ import profile_decode  # noqa: E402
 import tp  # noqa: E402
 
 
+@pytest.mark.slow  # ~1 min; tests/test_sharding_hlo.py checks the collectives in every run
 def test_tp_small_lora_adds_no_collective_bytes(tmp_path, capsys):
     """At tp = 2 plain LoRA's collectives equal the base model's (column LoRA stays
     sharded, row LoRA joins the base all-reduce); fully sharded adds some; tp = 1 none."""

@@ -109,7 +109,9 @@ def test_writing_a_slot_leaves_other_slots_bit_identical(kind):
     assert not np.allclose(after[~untouched], before[~untouched])
 
 
-@pytest.mark.parametrize("tokens,want", [(512, "all"), (200, None)])
+@pytest.mark.parametrize(
+    "tokens,want", [(512, "all"), pytest.param(200, None, marks=pytest.mark.slow)]
+)
 def test_dp_shards_keep_the_steps_flags(monkeypatch, tokens, want):
     """With tokens split over dp = 2, each shard rebuilds its mapping: it keeps the step's
     ``is_prefill``, and its ``prompt_tiles`` where its share is whole 128-token tiles

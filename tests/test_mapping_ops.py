@@ -228,11 +228,13 @@ def test_told_prompt_tiles_and_the_rows_rule():
     with pytest.raises(ValueError, match="prompt_tiles must be None, 'none', 'some' or 'all'"):
         lj.make_lora_mapping(idx, 4, prompt_tiles="most")
     rng = np.random.default_rng(1)
-    for rows in (PROMPT_ROWS_MIN_TOKENS, 64, 128, 512):
-        for _ in range(4):
-            slots = rng.integers(-1, 6, 4096 // rows).astype(np.int32)
-            if (slots < 0).all():
-                slots[0] = 2
-            assert lj.make_lora_mapping(np.repeat(slots, rows), 6).prompt_tiles == "all"
-    short = np.repeat(np.arange(16) % 6, PROMPT_ROWS_MIN_TOKENS // 4).astype(np.int32)
-    assert lj.make_lora_mapping(np.tile(short, 8), 6).prompt_tiles != "all"  # 8 runs / tile
+    for tokens in (2048, 8192):  # 64- and 128-row tiles
+        for rows in (PROMPT_ROWS_MIN_TOKENS, 64, 128, 512):
+            for _ in range(4):
+                slots = rng.integers(-1, 6, tokens // rows).astype(np.int32)
+                slots[0] = 2  # at least one mapped token
+                assert work_list.prompt_tiles(np.repeat(slots, rows)) == "all"
+    rows = np.repeat(np.arange(2048 // PROMPT_ROWS_MIN_TOKENS) % 7 - 1, PROMPT_ROWS_MIN_TOKENS)
+    assert lj.make_lora_mapping(rows.astype(np.int32), 6).prompt_tiles == "all"  # the same
+    short = np.repeat(np.arange(256) % 6, PROMPT_ROWS_MIN_TOKENS // 4).astype(np.int32)
+    assert lj.make_lora_mapping(short, 6).prompt_tiles != "all"  # 8 runs a tile
