@@ -242,6 +242,15 @@ for what in "$@"; do
     step sweep_e16 150 "${OPS[@]}" --sweep --candidates 5,8,9,10 --ops expand --tokens 1024 \
       --hiddens 4096 --ranks 16,64 --adapters 64 --impls ours --time-budget 130 \
       --out "$OUT/sweep_e16" ;;
+  e16b)  # session 14: 16-token expand blocks at rank 16 over 1024-4096 tokens, n = 1 / 8 / 64
+    step e16b 200 "${OPS[@]}" --sweep --sweep-set prefill --candidates 17,18,19 --ops expand \
+      --tokens 1024,2048,4096 --hiddens 4096 --ranks 16 --adapters 1,8,64 --impls ours \
+      --time-budget 185 --out "$OUT/e16b" ;;
+  pallas_decode)  # session 14: decode steps with the Pallas kernels forced (default: XLA
+    # below 128 tokens, chosen on session 4's kernels)
+    step pallas_decode 300 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64 \
+      --pallas-batches 1,16,64 --variants base,lora --prefill '' --reps 3 \
+      --out "$OUT/pallas_decode/tp1.json" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -272,7 +281,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -594,6 +594,12 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=4),
         BlockSizes(block_m=32, block_n=64, num_stages=2, tiles_n=4),
         BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=2),
+        # 17-19 (session 14): 16-token blocks at low rank (n = 64 at 1024 tokens gives each
+        # adapter ~16 tokens, and 32-token blocks run half empty; SWEEP["expand"][8] was
+        # 11.2 -> 9.0 us there in session 14's first run)
+        BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=2),
+        BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=1),
+        BlockSizes(block_m=16, block_n=64, num_stages=2, tiles_n=4),
     ],
 }
 

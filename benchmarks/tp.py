@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import time
@@ -192,6 +193,12 @@ def main(argv=None):
         help="also time plain LoRA with the XLA ops backend at these decode batches",
     )
     p.add_argument(
+        "--pallas-batches",
+        default="",
+        help="also time plain LoRA with the Pallas ops backend forced at these decode batches "
+        "(the GPU default is XLA below lora_jax.ops.PALLAS_MIN_TOKENS tokens)",
+    )
+    p.add_argument(
         "--fused-batches",
         default="",
         help="also time plain LoRA with the fused 'pallas_fused' ops backend at these batches",
@@ -249,6 +256,13 @@ def main(argv=None):
             if fully is False and args.xla_batches:
                 xb = [int(v) for v in args.xla_batches.split(",")]
                 cases += [(k, b, n, "xla") for k, b, n in cases if k == "decode" and b in xb]
+            if fully is False and args.pallas_batches:
+                pb_ = [int(v) for v in args.pallas_batches.split(",")]
+                cases += [
+                    (k, b, n, "pallas")
+                    for k, b, n, *rest in cases
+                    if k == "decode" and b in pb_ and not rest
+                ]
             if fully is False and args.fused_batches:
                 fb = [int(v) for v in args.fused_batches.split(",")]
                 cases += [
@@ -303,7 +317,9 @@ def report(rows):
             if b and r.get("adapter_read_ms")
             else float("nan")
         )
-        r["ratio_vs_base"], r["added_over_read"] = ratio, added
+        # JSON has no NaN: a ratio without a base (or without adapters) is written as null
+        r["ratio_vs_base"] = None if math.isnan(ratio) else ratio
+        r["added_over_read"] = None if math.isnan(added) else added
         coll = sum(r["collective_bytes"].values()) / 1e6
         print(
             f"{r['tp']:>3} {r['variant']:<19} {r['kind']:<7} {r['tokens']:>5} {r['adapters']:>3} "
