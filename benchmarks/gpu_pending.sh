@@ -251,6 +251,19 @@ for what in "$@"; do
     step pallas_decode 300 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64 \
       --pallas-batches 1,16,64 --variants base,lora --prefill '' --reps 3 \
       --out "$OUT/pallas_decode/tp1.json" ;;
+  r16)  # session 14: the rank-16 expand default (16-token blocks up to 4096 tokens): GPU
+    # tests of the Triton kernels, the grid's rank-16 expand cells, tiles around it
+    JAX_DEFAULT_MATMUL_PRECISION=highest step r16_tests 200 python3 -P -m pytest \
+      tests/kernels/test_shrink_expand_pallas_triton.py -m gpu -q -p no:cacheprovider
+    step r16 120 "${OPS[@]}" --ops expand --tokens 1024,4096,16384 --hiddens 4096 --ranks 16 \
+      --adapters 1,8,64 --impls ours,gather,onehot --time-budget 105 --out "$OUT/r16"
+    step r16_tiles 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 20,21,22,23 \
+      --ops expand --tokens 1024,2048 --hiddens 4096 --ranks 16 --adapters 8,64 --impls ours \
+      --time-budget 85 --out "$OUT/r16_tiles" ;;
+  split16)  # session 14: H = 8192 shrink, n = 8, hidden split up to 16 (ours[39..41])
+    step split16 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 39,40,41 \
+      --ops shrink --tokens 1024,4096 --hiddens 8192 --ranks 64 --adapters 8,64 --impls ours \
+      --time-budget 85 --out "$OUT/split16" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -281,7 +294,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 tp1 two" >&2
     exit 2 ;;
   esac
 done

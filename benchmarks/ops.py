@@ -571,6 +571,15 @@ PREFILL_SWEEP = {
         dataclasses.replace(PREFILL_BIG, num_stages=4, persistent=False),
         # 38 (session 9): 64-token, 64-rank blocks with twice the atomic items
         dataclasses.replace(PREFILL_BIG, block_r=64, atomic_programs=1056),
+        # 39-41 (session 14): a hidden split of up to 16 at H = 8192 (the default's cap
+        # is 8): the T = 1024 default's tiles, with twice the items, and the T = 4096 one's
+        BlockSizes(
+            block_m=32, block_r=64, block_k=64, num_stages=3, split_k=16, atomic_programs=528
+        ),
+        BlockSizes(
+            block_m=32, block_r=64, block_k=64, num_stages=3, split_k=16, atomic_programs=1056
+        ),
+        dataclasses.replace(PREFILL_BIG, block_r=64, split_k=16, persistent=False),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
@@ -600,6 +609,12 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=2),
         BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=1),
         BlockSizes(block_m=16, block_n=64, num_stages=2, tiles_n=4),
+        # 20-23 (session 14): around [17] (the rank-16 default since): 2 warps, one
+        # 256-column tile, 2 x 64 columns, 3 stages
+        BlockSizes(block_m=16, block_n=128, num_stages=2, num_warps=2, tiles_n=2),
+        BlockSizes(block_m=16, block_n=256, num_stages=2, tiles_n=1),
+        BlockSizes(block_m=16, block_n=64, num_stages=2, tiles_n=2),
+        BlockSizes(block_m=16, block_n=128, num_stages=3, tiles_n=2),
     ],
 }
 

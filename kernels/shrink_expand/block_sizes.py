@@ -22,6 +22,9 @@ session-5 trace-timed sweep: T = 4096 split 4 ways beat 2 by 12-20 % at R <= 64)
 ATOMIC_PROGRAMS = 528
 """Atomic split-K shrinks aim for this many (block, k range) items: 4 per SM of an H200
 (the session-6 sweep: 528 beat 264 by up to 18 % at T = 64, n = 64)."""
+SHORT_PREFILL_MAX_TOKENS = 4096
+"""Up to this many tokens the rank-16 prefill expand uses 16-token blocks (measured up to
+4096 on an H200; 16384 keeps the 32-token blocks)."""
 PREFILL_MAX_SPLIT_K = 8
 """Most hidden splits above the decode regime (the H200 sweep went up to 8)."""
 
@@ -194,6 +197,14 @@ class BlockSizes:
                 # T = 2048 23.9 / 34.9 -> 16.2 / 31.7 us).
                 tiles_n = 4 if num_tokens <= 2048 else 8
                 return cls(block_m=64, block_n=64, num_stages=2, tiles_n=tiles_n)
+            if rank_p <= 16 and num_tokens <= SHORT_PREFILL_MAX_TOKENS:
+                # Rank 16 up to 4096 tokens: 16-token blocks, 2 column tiles per program
+                # (session 14, n = 1 / 8 / 64: T = 1024 8.9 / 10.0 / 11.3 -> 7.7 / 7.8 /
+                # 9.2 us, T = 2048 14.8 / 14.8 / 15.6 -> 12.0 / 12.2 / 12.8, T = 4096
+                # 1-3 % faster). At n = 64 each adapter has ~T / 64 tokens, and 32-token
+                # blocks ran half empty at 1024 tokens; h is 64 bytes a row at rank 16,
+                # so fewer column tiles per program cost little.
+                return cls(block_m=16, block_n=128, num_stages=2, tiles_n=2)
             return cls(block_m=32, block_n=128, num_stages=2, tiles_n=4)
         if op == "fused":
             return fused_default(num_tokens, hidden, rank_p, out_features, num_slices)
