@@ -27,6 +27,9 @@ SHORT_PREFILL_MAX_TOKENS = 4096
 4096 on an H200; 16384 keeps the 32-token blocks)."""
 PREFILL_MAX_SPLIT_K = 8
 """Most hidden splits above the decode regime (the H200 sweep went up to 8)."""
+WIDE_PREFILL_MAX_SPLIT_K = 16
+"""Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
+the hidden size keeps 8 k steps of 64 per split (H >= 8192)."""
 
 
 def next_pow2(n: int) -> int:
@@ -168,7 +171,9 @@ class BlockSizes:
                 else TARGET_PROGRAMS
             )
             want = max(1, target // live)
-            max_split = min(PREFILL_MAX_SPLIT_K, max(1, hidden // 512))  # >= 8 k steps each
+            # >= 8 k steps per split; up to 16 splits at H >= 8192 (session 14: T = 1024,
+            # H = 8192, R = 64, n = 8 15.8 -> 14.5 us, n = 64 equal)
+            max_split = min(WIDE_PREFILL_MAX_SPLIT_K, max(1, hidden // 512))
             split_k = min(1 << (want.bit_length() - 1), max_split)
             # The split's partials are added atomically, the split picked at run time up
             # to max_split (sessions 6 and 9: T = 1024 3 % faster; T = 2048, R = 64
@@ -201,10 +206,13 @@ class BlockSizes:
                 # Rank 16 up to 4096 tokens: 16-token blocks, 2 column tiles per program
                 # (session 14, n = 1 / 8 / 64: T = 1024 8.9 / 10.0 / 11.3 -> 7.7 / 7.8 /
                 # 9.2 us, T = 2048 14.8 / 14.8 / 15.6 -> 12.0 / 12.2 / 12.8, T = 4096
-                # 1-3 % faster). At n = 64 each adapter has ~T / 64 tokens, and 32-token
-                # blocks ran half empty at 1024 tokens; h is 64 bytes a row at rank 16,
-                # so fewer column tiles per program cost little.
-                return cls(block_m=16, block_n=128, num_stages=2, tiles_n=2)
+                # 1-3 % faster), tiles of 64 columns up to 2048 tokens (n = 8 / 64: T =
+                # 1024 7.7 / 8.9 -> 7.6 / 8.6 us, T = 2048 12.2 / 12.7 -> 11.7 / 12.1). At
+                # n = 64 each adapter has ~T / 64 tokens, and 32-token blocks ran half
+                # empty at 1024 tokens; h is 64 bytes a row at rank 16, so fewer column
+                # tiles per program cost little.
+                block_n = 64 if num_tokens <= 2048 else 128
+                return cls(block_m=16, block_n=block_n, num_stages=2, tiles_n=2)
             return cls(block_m=32, block_n=128, num_stages=2, tiles_n=4)
         if op == "fused":
             return fused_default(num_tokens, hidden, rank_p, out_features, num_slices)

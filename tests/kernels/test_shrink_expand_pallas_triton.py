@@ -368,7 +368,7 @@ def test_prefill_default_split_matches_reference():
     ref = lora_shrink_reference(x, (a,), **meta, scale=0.5)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-2, atol=2e-2)
     # The default prefill expand walks several column tiles per program: 600 columns
-    # are 5 tiles of 128, so 3 groups of 2, the last partly past the slice.
+    # are 10 tiles of 64, so 5 groups of 2, the last partly past the slice.
     bs = BlockSizes.get_default("expand", num_tokens=300, hidden=600, rank=16)
     assert bs.tiles_n > 1 and bs.tiles_n * bs.block_n < 600
     b = jnp.asarray(rng.standard_normal((case.max_loras, 600, case.rank)), case.dtype)
