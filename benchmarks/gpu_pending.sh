@@ -271,6 +271,10 @@ for what in "$@"; do
       --ranks 16 --adapters 8,64 --impls ours --time-budget 65 --out "$OUT/final14_expand"
     step final14_wide 80 "${OPS[@]}" --ops shrink --tokens 1024 --hiddens 8192 --ranks 64 \
       --adapters 8,64 --impls ours,gather,onehot --time-budget 65 --out "$OUT/final14_wide" ;;
+  r16_more)  # session 14: tiles around the rank-16 expand default at 1024-2048 tokens
+    step r16_more 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 24,25,26 \
+      --ops expand --tokens 1024,2048 --hiddens 4096 --ranks 16 --adapters 8,64 --impls ours \
+      --time-budget 85 --out "$OUT/r16_more" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -301,7 +305,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -615,6 +615,10 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=16, block_n=256, num_stages=2, tiles_n=1),
         BlockSizes(block_m=16, block_n=64, num_stages=2, tiles_n=2),
         BlockSizes(block_m=16, block_n=128, num_stages=3, tiles_n=2),
+        # 24-26 (session 14): around [22] (the default up to 2048 tokens since)
+        BlockSizes(block_m=16, block_n=64, num_stages=3, tiles_n=2),
+        BlockSizes(block_m=16, block_n=64, num_stages=2, tiles_n=1),
+        BlockSizes(block_m=16, block_n=32, num_stages=2, tiles_n=4),
     ],
 }
 
