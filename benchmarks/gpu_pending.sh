@@ -275,6 +275,10 @@ for what in "$@"; do
     step r16_more 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 24,25,26 \
       --ops expand --tokens 1024,2048 --hiddens 4096 --ranks 16 --adapters 8,64 --impls ours \
       --time-budget 85 --out "$OUT/r16_more" ;;
+  onehot)  # session 14: decode steps with the XLA backend multiplying against every slot
+    # (one matmul per slice) rather than gathering each token's adapter
+    step onehot 200 python3 -P benchmarks/tp.py --tp 1 --batches 16,64 --onehot-batches 16,64 \
+      --variants base,lora --prefill '' --reps 3 --out "$OUT/onehot/tp1.json" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -305,7 +309,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot tp1 two" >&2
     exit 2 ;;
   esac
 done

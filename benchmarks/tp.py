@@ -199,6 +199,12 @@ def main(argv=None):
         "(the GPU default is XLA below lora_jax.ops.PALLAS_MIN_TOKENS tokens)",
     )
     p.add_argument(
+        "--onehot-batches",
+        default="",
+        help="also time plain LoRA with the XLA backend multiplying against every slot "
+        "(lora_jax.ops.ONE_HOT_TOKENS_PER_SLOT = 0) at these decode batches",
+    )
+    p.add_argument(
         "--fused-batches",
         default="",
         help="also time plain LoRA with the fused 'pallas_fused' ops backend at these batches",
@@ -263,6 +269,13 @@ def main(argv=None):
                     for k, b, n, *rest in cases
                     if k == "decode" and b in pb_ and not rest
                 ]
+            if fully is False and args.onehot_batches:
+                ob = [int(v) for v in args.onehot_batches.split(",")]
+                cases += [
+                    (k, b, n, "xla_onehot")
+                    for k, b, n, *rest in cases
+                    if k == "decode" and b in ob and not rest
+                ]
             if fully is False and args.fused_batches:
                 fb = [int(v) for v in args.fused_batches.split(",")]
                 cases += [
@@ -273,12 +286,16 @@ def main(argv=None):
             for case in cases:
                 kind, b, n = case[:3]
                 backend = case[3] if len(case) > 3 else None
-                lj.ops.set_default_backend(backend)
+                ratio = lj.ops.ONE_HOT_TOKENS_PER_SLOT
+                if backend == "xla_onehot":
+                    lj.ops.ONE_HOT_TOKENS_PER_SLOT = 0.0
+                lj.ops.set_default_backend("xla" if backend == "xla_onehot" else backend)
                 if kind == "decode":
                     t, c, coll = bench_decode(model, cfg, rules, b, n, args)
                 else:
                     t, c, coll = bench_prefill(model, cfg, b // ps, ps, n, args)
                 lj.ops.set_default_backend(None)
+                lj.ops.ONE_HOT_TOKENS_PER_SLOT = ratio
                 row = dict(
                     tp=tp,
                     variant=variant + (f"[{backend}]" if backend else ""),

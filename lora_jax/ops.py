@@ -103,10 +103,16 @@ def _check_stacks(name: str, stacks: Sequence[jax.Array], mapping: LoRAMapping) 
             )
 
 
+ONE_HOT_TOKENS_PER_SLOT = 1.0
+"""The XLA backend multiplies against every slot (one matmul) once tokens outnumber slots
+by this factor, and gathers each token's adapter below it (a per-token gather copies one
+adapter per token, which beats touching every slot only when tokens are fewer). On an
+H200, every slot at 16-64 tokens and 64 slots made a Llama-3-8B-shaped decode step
+3.2-3.5 ms slower than the gather (benchmarks/RESULTS.md, session 14)."""
+
+
 def _use_one_hot(num_tokens: int, num_slots: int) -> bool:
-    """XLA path choice: a per-token gather copies one adapter per token, which beats
-    touching every slot only when tokens are fewer than slots."""
-    return num_tokens > num_slots
+    return num_tokens > ONE_HOT_TOKENS_PER_SLOT * num_slots
 
 
 def _gather_slot(stack: jax.Array, idx: jax.Array) -> jax.Array:
