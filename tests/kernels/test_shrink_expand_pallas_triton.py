@@ -290,6 +290,26 @@ def test_split_partials_are_added_atomically_where_measured_faster():
         assert wide.split_k == 1 and wide.atomic_programs == 0  # plain stores, no zeroing
 
 
+def test_session14_defaults_rank16_expand_and_wide_split():
+    """Rank <= 16 prefill expands up to SHORT_PREFILL_MAX_TOKENS use 16-token blocks with 2
+    column tiles (64 columns up to 2048 tokens); longer prompts and higher ranks keep
+    their tiles. Below LONG_PREFILL_TOKENS a hidden of 8192 may split 16 ways, each split
+    still >= 8 k steps; 4096 stays at 8."""
+    from lora_jax.kernels.shrink_expand import block_sizes as B
+
+    def expand(t, r=16):
+        return BlockSizes.get_default("expand", num_tokens=t, hidden=4096, rank=r)
+
+    for t, n in ((300, 64), (1024, 64), (2048, 64), (2049, 128), (B.SHORT_PREFILL_MAX_TOKENS, 128)):
+        bs = expand(t)
+        assert (bs.block_m, bs.block_n, bs.tiles_n) == (16, n, 2), (t, bs)
+    assert expand(B.SHORT_PREFILL_MAX_TOKENS + 1).block_m == 32
+    assert expand(1024, r=64).block_m == 32 and expand(1024, r=8).block_m == 16
+    for h, cap in ((4096, 8), (8192, 16), (16384, 16), (1024, 2)):
+        bs = BlockSizes.get_default("shrink", num_tokens=1024, hidden=h, rank=64)
+        assert bs.split_k == cap and h // bs.split_k >= 8 * bs.block_k, (h, bs)
+
+
 @pytest.mark.parametrize(
     "cc, want",
     [
