@@ -259,30 +259,18 @@ def main(argv=None):
             if args.prefill:
                 pb, ps = (int(v) for v in args.prefill.split("x"))
                 cases.append(("prefill", pb * ps, 0 if fully is None else pb))
-            if fully is False and args.xla_batches:
-                xb = [int(v) for v in args.xla_batches.split(",")]
-                cases += [(k, b, n, "xla") for k, b, n in cases if k == "decode" and b in xb]
-            if fully is False and args.pallas_batches:
-                pb_ = [int(v) for v in args.pallas_batches.split(",")]
-                cases += [
-                    (k, b, n, "pallas")
-                    for k, b, n, *rest in cases
-                    if k == "decode" and b in pb_ and not rest
-                ]
-            if fully is False and args.onehot_batches:
-                ob = [int(v) for v in args.onehot_batches.split(",")]
-                cases += [
-                    (k, b, n, "xla_onehot")
-                    for k, b, n, *rest in cases
-                    if k == "decode" and b in ob and not rest
-                ]
-            if fully is False and args.fused_batches:
-                fb = [int(v) for v in args.fused_batches.split(",")]
-                cases += [
-                    (k, b, n, "pallas_fused")
-                    for k, b, n, *rest in cases
-                    if k == "decode" and b in fb and not rest
-                ]
+            # Plain LoRA again with one ops backend forced, at the decode batches each
+            # flag names.
+            forced = [
+                ("xla", args.xla_batches),
+                ("pallas", args.pallas_batches),
+                ("xla_onehot", args.onehot_batches),
+                ("pallas_fused", args.fused_batches),
+            ]
+            defaults = [c for c in cases if c[0] == "decode"]
+            for backend, flag in forced if fully is False else []:
+                wanted = {int(v) for v in flag.split(",") if v}
+                cases += [(k, b, n, backend) for k, b, n in defaults if b in wanted]
             for case in cases:
                 kind, b, n = case[:3]
                 backend = case[3] if len(case) > 3 else None
