@@ -11,7 +11,7 @@ from layer_cases import logical_output
 from serving_toy import ToyLM, peft_tensors
 
 import lora_jax as lj
-from lora_jax.serving import manager as manager_mod
+from lora_jax.serving import slot_writes
 from lora_jax.serving.manager import LoRAModelManager, LoRARequest, LRUCacheLoRAModelManager
 from lora_jax.serving.peft import PEFTConfig, adapter_from_tensors
 from lora_jax.serving.wrap import lora_layers, wrap_model
@@ -243,8 +243,8 @@ X = jnp.asarray(np.random.default_rng(0).normal(size=(6, 32)), jnp.float32)
 def test_one_jitted_write_per_activation(monkeypatch):
     model, mgr = _setup(n_layers=2)
     calls = []
-    real = manager_mod._write_slots
-    monkeypatch.setattr(manager_mod, "_write_slots", lambda *a: calls.append(len(a[0])) or real(*a))
+    real = slot_writes._write_slots
+    monkeypatch.setattr(slot_writes, "_write_slots", lambda *a: calls.append(len(a[0])) or real(*a))
     mgr.add_adapter(_adapter(model, 1, n_layers=2))
     mgr.activate_adapter(1)
     n_vars = sum(2 * layer.n_slices + 1 for layer in lora_layers(model).values())

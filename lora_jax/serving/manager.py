@@ -18,23 +18,19 @@ choices are deterministic, so every process of a multi-host run makes the same o
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
 import os
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from lora_jax.config import LoRAConfig
 from lora_jax.layers import LoRAContext, find_lora_context
+from lora_jax.serving.lru import LRUCache
 from lora_jax.serving.peft import LoRAAdapter, load_peft_adapter
+from lora_jax.serving.slot_writes import layer_variables, write_slot_updates
 from lora_jax.serving.wrap import layer_packed_modules, lora_layers
 
 
@@ -50,117 +46,6 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
-
-
-class _LRUCache:
-    """Ordered dict with pinning; `on_remove(key, value)` runs for every removal."""
-
-    def __init__(self, capacity: int, on_remove: Callable[[Hashable, Any], None]):
-        self.capacity = capacity
-        self.on_remove = on_remove
-        self.cache: collections.OrderedDict = collections.OrderedDict()
-        self.pinned: set = set()
-
-    def __contains__(self, key) -> bool:
-        return key in self.cache
-
-    def __len__(self) -> int:
-        return len(self.cache)
-
-    def touch(self, key) -> None:
-        if key in self.cache:
-            self.cache.move_to_end(key)
-
-    def get(self, key):
-        self.touch(key)
-        return self.cache.get(key)
-
-    def put(self, key, value) -> None:
-        if key not in self.cache:
-            while len(self.cache) >= self.capacity:
-                self.remove_oldest()
-        self.cache[key] = value
-        self.cache.move_to_end(key)
-
-    def pop(self, key, default=None):
-        if key not in self.cache:
-            return default
-        value = self.cache.pop(key)
-        self.pinned.discard(key)
-        self.on_remove(key, value)
-        return value
-
-    def pin(self, key) -> None:
-        if key not in self.cache:
-            raise ValueError(f"cannot pin {key!r}: not in the cache")
-        self.pinned.add(key)
-
-    def remove_oldest(self) -> None:
-        for key in self.cache:
-            if key not in self.pinned:
-                self.pop(key)
-                return
-        raise RuntimeError("All items are pinned, cannot remove oldest from the cache.")
-
-
-def _slot_sharding(stack: jax.Array, axis: int):
-    sharding = getattr(stack, "sharding", None)
-    if isinstance(sharding, NamedSharding):
-        spec = list(tuple(sharding.spec) + (None,) * (stack.ndim - len(sharding.spec)))
-        del spec[axis]
-        return NamedSharding(sharding.mesh, P(*spec))
-    return None
-
-
-@functools.partial(jax.jit, donate_argnums=(0,), static_argnums=(3,))
-def _write_slots(stacks, index, values, axes):
-    out = []
-    for stack, value, axis in zip(stacks, values, axes):
-        at = (slice(None),) * axis + (index,)
-        # A scatter (not a dynamic_update_slice): it accepts an update whose sharding is
-        # the stack's minus the slot dim on Explicit meshes too.
-        if value is None:  # zeros typed (and sharded) like one slot of the stack
-            update = jnp.zeros_like(jax.lax.index_in_dim(stack, 0, axis, keepdims=False))
-        else:
-            update = value.astype(stack.dtype)
-        out.append(stack.at[at].set(update))
-    return tuple(out)
-
-
-def write_slot_updates(index: int, updates: Sequence[tuple[nnx.Variable, int, Any]]) -> None:
-    """Writes `(variable, slot axis, content or None = zeros)` triples in one jitted call.
-
-    The old stacks are donated: their buffers are reused for the new values.
-
-    Example:
-        >>> write_slot_updates(0, layer.slot_updates(layer.prepare_lora(0, a, b)))  # doctest: +SKIP
-    """
-    if not updates:
-        return
-    stacks, values, axes = [], [], []
-    for var, axis, value in updates:
-        stack = var.get_value()
-        stacks.append(stack)
-        axes.append(axis)
-        if value is None:
-            values.append(None)
-            continue
-        value = np.asarray(value).astype(stack.dtype)  # cast on host: fewer bytes to move
-        sharding = _slot_sharding(stack, axis)
-        values.append(jax.device_put(value, sharding) if sharding is not None else value)
-    new = _write_slots(tuple(stacks), jnp.int32(index), tuple(values), tuple(axes))
-    for (var, _, _), arr in zip(updates, new):
-        var.set_value(arr)
-
-
-def _layer_variables(layer) -> list[nnx.Variable]:
-    """A LoRA layer's own variables (not the base layer's, not the shared context)."""
-    out = []
-    for path, node in nnx.iter_graph(layer):
-        if isinstance(node, nnx.Variable) and not isinstance(node, LoRAContext):
-            if not path or path[0] != "base_layer":
-                out.append(node)
-    return out
 
 
 class LoRAModelManager:
@@ -436,7 +321,7 @@ class LoRAModelManager:
 
     def _commit(self, slot: int, plan) -> None:
         updates, legacy, adapter = plan
-        snapshot = [(v, v.get_value()) for layer, _ in legacy for v in _layer_variables(layer)]
+        snapshot = [(v, v.get_value()) for layer, _ in legacy for v in layer_variables(layer)]
         try:
             for layer, m in legacy:
                 if m is None:
@@ -519,10 +404,10 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
     """
 
     def _make_registry(self):
-        return _LRUCache(self.capacity, lambda key, _: self.deactivate_adapter(key))
+        return LRUCache(self.capacity, lambda key, _: self.deactivate_adapter(key))
 
     def _make_active(self):
-        return _LRUCache(self.lora_slots, lambda key, _: self._free_slot(key))
+        return LRUCache(self.lora_slots, lambda key, _: self._free_slot(key))
 
     def _register(self, adapter: LoRAAdapter) -> None:
         self._registered_adapters.put(adapter.id, adapter)
@@ -590,11 +475,11 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
 
 
 def _items(cache):
-    return cache.cache.items() if isinstance(cache, _LRUCache) else cache.items()
+    return cache.cache.items() if isinstance(cache, LRUCache) else cache.items()
 
 
 def _keys(cache):
-    return list(cache.cache) if isinstance(cache, _LRUCache) else list(cache)
+    return list(cache.cache) if isinstance(cache, LRUCache) else list(cache)
 
 
 def _progress(items: list, desc: str, enabled: bool):
