@@ -9,6 +9,7 @@ shared by every LoRA layer, with static shapes so a new mix never recompiles.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -127,33 +128,41 @@ def make_lora_mapping(
         raise ValueError(f"token_lora_indices must be 1-D [T], got shape {idx.shape}")
     if not jnp.issubdtype(idx.dtype, jnp.integer):
         raise ValueError(f"token_lora_indices must be integers, got {idx.dtype}")
-    idx = unshard(idx).astype(jnp.int32)  # the sort below needs it replicated
-    idx = jnp.where((idx >= 0) & (idx < max_loras), idx, -1)
     prompts = _prompt_tiles(token_lora_indices, max_loras) if host else prompt_tiles
     if is_prefill is False:
         prompts = "none"
+    seq = None if seq_lora_indices is None else jnp.asarray(seq_lora_indices, jnp.int32)
+    return LoRAMapping(
+        **_device_metadata(idx, int(max_loras), segments=prompts != "none" and _segments_run()),
+        seq_lora_indices=seq,
+        is_prefill=is_prefill,
+        prompt_tiles=prompts,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("max_loras", "segments"))
+def _device_metadata(idx: jax.Array, max_loras: int, *, segments: bool) -> dict:
+    """The mapping's arrays, in one jitted call: an eager caller (a server loop that
+    builds each step's mapping outside its model's jit) pays one dispatch, not one per op;
+    under an outer jit it is inlined."""
+    idx = unshard(idx).astype(jnp.int32)  # the sort below needs it replicated
+    idx = jnp.where((idx >= 0) & (idx < max_loras), idx, -1)
     # -1 sorts after every slot; argsort is stable so tokens keep their order per slot.
     key = jnp.where(idx < 0, max_loras, idx)
     sorted_ids = jnp.argsort(key, stable=True).astype(jnp.int32)
     counts = jnp.zeros((max_loras + 1,), jnp.int32).at[key].add(1)[:max_loras]
-    starts = jnp.cumsum(counts) - counts
+    starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)
     is_active = counts > 0
     # Active slots first in ascending order: sort by (inactive, slot).
     order = jnp.argsort(jnp.where(is_active, 0, 1) * max_loras + jnp.arange(max_loras), stable=True)
-    active = jnp.where(is_active[order], order, -1).astype(jnp.int32)
-    seq = None if seq_lora_indices is None else jnp.asarray(seq_lora_indices, jnp.int32)
-    starts = starts.astype(jnp.int32)
-    return LoRAMapping(
+    return dict(
         token_lora_indices=idx,
         sorted_token_ids=sorted_ids,
         slot_token_counts=counts,
         slot_token_starts=starts,
-        active_slots=active,
+        active_slots=jnp.where(is_active[order], order, -1).astype(jnp.int32),
         num_active=jnp.sum(is_active).astype(jnp.int32),
-        seq_lora_indices=seq,
-        work_lists=_work_lists(counts, starts, sorted_ids, idx, prompts=prompts != "none"),
-        is_prefill=is_prefill,
-        prompt_tiles=prompts,
+        work_lists=_work_lists(counts, starts, sorted_ids, idx, segments=segments),
     )
 
 
@@ -176,14 +185,21 @@ def _prompt_tiles(token_lora_indices: np.ndarray, max_loras: int) -> str | None:
     return prompt_tiles(np.where((idx >= 0) & (idx < max_loras), idx, -1))
 
 
-def _work_lists(counts, starts, sorted_ids, idx, *, prompts: bool):
-    """The kernels' work lists, built once per step (unused ones vanish under jit);
-    the prompt tiles' schedule only if ``prompts``."""
+def _segments_run() -> bool:
+    """Whether the prompt tiles' schedule has a kernel to feed (a Hopper GPU): eager
+    callers elsewhere would pay for building it."""
     try:
         from lora_jax.kernels.shrink_expand.mosaic_gpu_shrink import available
+    except ImportError:  # pragma: no cover - only when the kernels package is absent
+        return False
+    return available()
+
+
+def _work_lists(counts, starts, sorted_ids, idx, *, segments: bool):
+    """The kernels' work lists, built once per step (unused ones vanish under jit);
+    the prompt tiles' schedule only if ``segments``."""
+    try:
         from lora_jax.kernels.shrink_expand.work_list import build_work_lists
     except ImportError:  # pragma: no cover - only when the kernels package is absent
         return None
-    # The segment schedule only where its kernel can run (a Hopper GPU): eager callers
-    # elsewhere would pay for it.
-    return build_work_lists(counts, starts, sorted_ids, idx if prompts and available() else None)
+    return build_work_lists(counts, starts, sorted_ids, idx if segments else None)

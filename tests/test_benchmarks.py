@@ -202,3 +202,16 @@ def test_mosaic_probe_layouts_are_what_they_say():
     assert (np.diff(shuffled) != 0).mean() > 0.9  # no long runs
     with pytest.raises(ValueError, match="one, runs8 or shuffled64"):
         mosaic_probe.layout("sorted", 16, rng)
+
+
+def test_mapping_benchmark_times_each_token_count(tmp_path):
+    """benchmarks/mapping.py: one row per token count, both timings, in the JSON."""
+    import json
+
+    import mapping
+
+    out = tmp_path / "mapping.json"
+    mapping.main(["--tokens", "16,40", "--calls", "3", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [16, 40]
+    assert all(r["eager_ms"] > 0 and r["dispatch_ms"] > 0 for r in rows)

@@ -9,13 +9,20 @@ import lora_jax as lj
 from lora_jax import ops
 
 
+@pytest.mark.parametrize("build", ["jit", "eager"])
 @pytest.mark.parametrize(
     "idx",
     [[-1, -1, -1], [2, 2, 2, 2], [3, 1, -1, 1, 0, 7, 3], [0, 1, 2, 3], [5]],
 )
-def test_mapping_metadata(idx):
+def test_mapping_metadata(idx, build):
+    """Inside a jit, and eagerly from host indices (one jitted call for the arrays, the
+    prompt tiles found with numpy): the same arrays, and both match numpy."""
     L = 4
     m = jax.jit(lj.make_lora_mapping, static_argnums=1)(jnp.asarray(idx, jnp.int32), L)
+    if build == "eager":
+        jitted, m = m, lj.make_lora_mapping(np.asarray(idx, np.int32), L)
+        for got, want in zip(jax.tree.leaves(m), jax.tree.leaves(jitted), strict=True):
+            np.testing.assert_array_equal(got, want)
     clean = np.array([i if 0 <= i < L else -1 for i in idx])
     np.testing.assert_array_equal(m.token_lora_indices, clean)
     key = np.where(clean < 0, L, clean)
