@@ -279,6 +279,17 @@ for what in "$@"; do
     # (one matmul per slice) rather than gathering each token's adapter
     step onehot 200 python3 -P benchmarks/tp.py --tp 1 --batches 16,64 --onehot-batches 16,64 \
       --variants base,lora --prefill '' --reps 3 --out "$OUT/onehot/tp1.json" ;;
+  probe)  # session 15: where the Triton shrink's time goes (atomics, x, A) in the missed cells
+    step probe 330 python3 -P benchmarks/shrink_probe.py --cells \
+      4096x4096x16x64,4096x4096x16x1,4096x4096x64x64,1024x4096x64x64,1024x8192x64x8,4096x8192x64x8,256x4096x64x64 \
+      --out "$OUT/probe/probe.json" ;;
+  e512)  # session 15: the rank-16 expand default between 257 and 1023 tokens (measured at
+    # 1024-4096 only): [22] (the default there), [17], the old 32-token blocks [4]
+    step e512 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 4,17,22 --ops expand \
+      --tokens 512 --hiddens 4096 --ranks 16 --adapters 1,8,64 --impls ours,gather,onehot \
+      --time-budget 85 --out "$OUT/e512" ;;
+  mapping)  # session 15: an eager LoRAMapping's host cost next to a GPU
+    step mapping 120 python3 -P benchmarks/mapping.py --out "$OUT/mapping/mapping.json" ;;
   tp1)  # the model at tp = 1
     step tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp1/tp1.json" ;;
@@ -309,7 +320,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done

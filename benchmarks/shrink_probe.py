@@ -1,0 +1,145 @@
+"""Where the Triton shrink's time goes: the default kernel against copies of it with one
+part taken out (a diagnostic: those copies compute wrong results and are never checked).
+
+For each cell (shuffled tokens, as the ops grid), from a profiler trace (GPU busy time
+per call, ``calls`` different calls inside one jit, each with its own x and weights):
+
+* ``default``: `lora_shrink` as the library runs it (checked against the jnp oracle);
+* ``store``: the atomic split's adds made plain stores (what the atomics cost);
+* ``no_x``: x's tiles not loaded (ones instead): what reading x costs;
+* ``no_a``: the adapter tiles not loaded: what reading A costs;
+* ``partials``: the default tiles with the split's partials written to [split, S, T, R]
+  and summed by XLA (no atomics, a second kernel), a real alternative.
+
+    python3 -P benchmarks/shrink_probe.py --cells 4096x4096x64x64,1024x8192x64x8 --out out/p.json
+
+A cell is ``TxHxRxn`` (tokens, hidden, rank, adapters of 64 slots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ops as ops_bench  # noqa: E402  (cells, inputs, the oracle check and the trace timer)
+from lora_jax.kernels import lora_shrink  # noqa: E402
+from lora_jax.kernels.shrink_expand import pallas_triton_shrink as pts  # noqa: E402
+from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes  # noqa: E402
+
+VARIANTS = ("default", "store", "no_x", "no_a", "partials")
+
+
+def _plain_store(o_ref, idx, val, mask, interpret):
+    del interpret
+    pts.plgpu.store(o_ref.at[idx], val, mask=mask)
+
+
+def _tile_without(part: str):
+    """`_shrink_tile` with x's or A's load replaced by ones."""
+
+    def tile(x_ref, a_ref, rows, slot, r, r_mask, k, hidden, dtype, precision):
+        plgpu = pts.plgpu
+        if part == "x":
+            xt = jnp.ones((rows.shape[0], k.shape[0]), dtype)
+        else:
+            xt = plgpu.load(x_ref.at[rows[:, None], k[None, :]])
+        if part == "a":
+            at = jnp.ones((r.shape[0], k.shape[0]), dtype)
+        else:
+            at = plgpu.load(
+                a_ref.at[slot, r[:, None], k[None, :]],
+                mask=jnp.broadcast_to(r_mask[:, None], (r.shape[0], k.shape[0])),
+                other=0,
+            )
+        return plgpu.dot(xt.astype(dtype), at.astype(dtype), trans_b=True, precision=precision)
+
+    return tile
+
+
+@contextlib.contextmanager
+def patched(variant: str):
+    """The kernel module with ``variant``'s part taken out, while tracing."""
+    saved = pts._add_to, pts._shrink_tile
+    if variant == "store":
+        pts._add_to = _plain_store
+    elif variant in ("no_x", "no_a"):
+        pts._shrink_tile = _tile_without(variant[-1])
+    jax.clear_caches()  # the public op is jitted: trace it again under the patch
+    try:
+        yield
+    finally:
+        pts._add_to, pts._shrink_tile = saved
+        jax.clear_caches()
+
+
+def default_tiles(c: ops_bench.Case) -> BlockSizes:
+    return BlockSizes.get_default("shrink", num_tokens=c.tokens, hidden=c.hidden, rank=c.rank)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--cells", default="4096x4096x16x64,4096x4096x64x64,1024x8192x64x8")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke run)")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    ops_bench.TIMER = "trace"
+    ops_bench.INTERPRET = args.interpret
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    variants = args.variants.split(",")
+    print("| T | H | R | n | ideal µs | tiles | max rel err | " + " | ".join(variants) + " |")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(variants))
+    rows = []
+    for cell in args.cells.split(","):
+        t, h, r, n = map(int, cell.split("x"))
+        c = ops_bench.Case("shrink", t, h, r, n)
+        calls = 2 if args.interpret else 8 if t >= 4096 else 32
+        xs, w, metas = ops_bench.build(c, calls)
+        bs = default_tiles(c)
+        err = ops_bench.max_rel_err(c, xs, w, metas, None, "none")
+        row = dict(dataclasses.asdict(c), ideal_us=ops_bench.ideal_bytes(c) / 4.3e6)
+        row.update(tiles=str(bs), max_rel_err=err, us={}, kernels_us={})
+        for v in variants:
+            tiles = bs
+            if v == "partials":
+                if not bs.atomic_programs:
+                    row["us"][v] = float("nan")
+                    continue
+                tiles = dataclasses.replace(bs, atomic_programs=0)
+            # Triton alone ("none"): the Mosaic segment kernel is not what is probed here.
+            def one(x, a, m, tiles=tiles):
+                return lora_shrink(
+                    x, (a,), **m, block_sizes=tiles, prompt_tiles="none", interpret=args.interpret
+                )
+
+            with patched(v):
+                fn = jax.jit(lambda xs, w, ms, one=one: [
+                    one(x, w[i % len(w)], m) for i, (x, m) in enumerate(zip(xs, ms))
+                ])  # fmt: skip
+                compiled = fn.lower(xs, w, metas).compile()
+            row["us"][v] = ops_bench.time_calls(compiled, (xs, w, metas), calls)
+            row["kernels_us"][v] = dict(ops_bench.LAST_KERNELS)
+        rows.append(row)
+        cells = " | ".join(f"{row['us'][v]:.1f}" for v in variants)
+        print(
+            f"| {t} | {h} | {r} | {n} | {row['ideal_us']:.1f} | {bs.block_m}x{bs.block_r}x"
+            f"{bs.block_k}/{bs.num_stages}/split {bs.split_k}"
+            f"{' atomic' if bs.atomic_programs else ''} | {err:.1e} | {cells} |",
+            flush=True,
+        )
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
