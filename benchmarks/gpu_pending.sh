@@ -283,6 +283,19 @@ for what in "$@"; do
     step probe 330 python3 -P benchmarks/shrink_probe.py --cells \
       4096x4096x16x64,4096x4096x16x1,4096x4096x64x64,1024x4096x64x64,1024x8192x64x8,4096x8192x64x8,256x4096x64x64 \
       --out "$OUT/probe/probe.json" ;;
+  relaxed)  # session 15: the shrink's split-K adds as relaxed atomics (the default since):
+    # the probe against Pallas's acquire-release add, the shrink grid, the Triton GPU tests
+    step relaxed_probe 150 python3 -P benchmarks/shrink_probe.py --variants default,acq_rel,store \
+      --cells 4096x4096x16x64,4096x4096x16x1,4096x4096x64x64,1024x4096x64x64,1024x8192x64x8,4096x8192x64x8,256x4096x64x64 \
+      --out "$OUT/relaxed_probe/probe.json"
+    step relaxed_prefill 170 "${OPS[@]}" --ops shrink --tokens 1024,2048,4096,16384 \
+      --hiddens 4096,8192 --ranks 16,64,128 --adapters 1,8,64 --impls ours --time-budget 150 \
+      --out "$OUT/relaxed_prefill"
+    step relaxed_decode 120 "${OPS[@]}" --ops shrink --tokens 1,16,64,256 --hiddens 4096,8192 \
+      --ranks 16,64,128 --adapters 1,8,64 --impls ours --time-budget 100 \
+      --out "$OUT/relaxed_decode"
+    JAX_DEFAULT_MATMUL_PRECISION=highest step relaxed_tests 150 python3 -P -m pytest \
+      tests/kernels/test_shrink_expand_pallas_triton.py -m gpu -q -p no:cacheprovider ;;
   e512)  # session 15: the rank-16 expand default between 257 and 1023 tokens (measured at
     # 1024-4096 only): [22] (the default there), [17], the old 32-token blocks [4]
     step e512 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 4,17,22 --ops expand \
@@ -320,7 +333,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -5,6 +5,8 @@ For each cell (shuffled tokens, as the ops grid), from a profiler trace (GPU bus
 per call, ``calls`` different calls inside one jit, each with its own x and weights):
 
 * ``default``: `lora_shrink` as the library runs it (checked against the jnp oracle);
+* ``acq_rel``: the atomic split's adds as Pallas's own (acquire-release) atomic add, the
+  library's default before session 15 (``LORA_JAX_RELAXED_ATOMICS=0``);
 * ``store``: the atomic split's adds made plain stores (what the atomics cost);
 * ``no_x``: x's tiles not loaded (ones instead): what reading x costs;
 * ``no_a``: the adapter tiles not loaded: what reading A costs;
@@ -34,7 +36,7 @@ from lora_jax.kernels import lora_shrink  # noqa: E402
 from lora_jax.kernels.shrink_expand import pallas_triton_shrink as pts  # noqa: E402
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes  # noqa: E402
 
-VARIANTS = ("default", "store", "no_x", "no_a", "partials")
+VARIANTS = ("default", "acq_rel", "store", "no_x", "no_a", "partials")
 
 
 def _plain_store(o_ref, idx, val, mask, interpret):
@@ -68,7 +70,10 @@ def _tile_without(part: str):
 def patched(variant: str):
     """The kernel module with ``variant``'s part taken out, while tracing."""
     saved = pts._add_to, pts._shrink_tile
-    if variant == "store":
+    env = os.environ.get("LORA_JAX_RELAXED_ATOMICS")
+    if variant == "acq_rel":
+        os.environ["LORA_JAX_RELAXED_ATOMICS"] = "0"
+    elif variant == "store":
         pts._add_to = _plain_store
     elif variant in ("no_x", "no_a"):
         pts._shrink_tile = _tile_without(variant[-1])
@@ -77,6 +82,10 @@ def patched(variant: str):
         yield
     finally:
         pts._add_to, pts._shrink_tile = saved
+        if env is None:
+            os.environ.pop("LORA_JAX_RELAXED_ATOMICS", None)
+        else:
+            os.environ["LORA_JAX_RELAXED_ATOMICS"] = env
         jax.clear_caches()
 
 
@@ -88,7 +97,9 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cells", default="4096x4096x16x64,4096x4096x64x64,1024x8192x64x8")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke run)")
+    p.add_argument(
+        "--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke run)"
+    )
     p.add_argument("--out", default="")
     args = p.parse_args()
     ops_bench.TIMER = "trace"
@@ -114,6 +125,7 @@ def main():
                     row["us"][v] = float("nan")
                     continue
                 tiles = dataclasses.replace(bs, atomic_programs=0)
+
             # Triton alone ("none"): the Mosaic segment kernel is not what is probed here.
             def one(x, a, m, tiles=tiles):
                 return lora_shrink(

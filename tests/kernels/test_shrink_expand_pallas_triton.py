@@ -145,6 +145,48 @@ def test_lowers_for_cuda(dtype, tiles):
     assert ("lora_shrink_atomic" in text) == (tiles is None or tiles.atomic_programs > 0)
 
 
+@pytest.mark.parametrize("relaxed", [True, False], ids=["relaxed", "acq_rel"])
+def test_split_k_adds_lower_relaxed(monkeypatch, relaxed):
+    """The atomic split's adds lower to relaxed atomics (Pallas's own add is
+    acquire-release), and LORA_JAX_RELAXED_ATOMICS=0 brings back Pallas's add."""
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    from jax._src.pallas.triton import lowering as tl
+    from lora_jax.kernels.shrink_expand import relaxed_atomic
+
+    assert relaxed_atomic.available()
+    if not relaxed:
+        monkeypatch.setenv("LORA_JAX_RELAXED_ATOMICS", "0")
+    seen = []
+    original = tl._atomic_rmw
+
+    def spy(op, ptr, val, mask=None, **kw):
+        seen.append(str(kw.get("semantic", "default")))
+        return original(op, ptr, val, mask=mask, **kw)
+
+    monkeypatch.setattr(tl, "_atomic_rmw", spy)
+    jax.clear_caches()
+    num_tokens, hidden, rank, max_loras = 64, 512, 16, 4
+    meta = make_metadata(np.arange(num_tokens) % max_loras, max_loras)
+    sds = jax.ShapeDtypeStruct
+    x, lora_a = (
+        sds((num_tokens, hidden), jnp.bfloat16),
+        sds((max_loras, rank, hidden), jnp.bfloat16),
+    )
+
+    def step(x, lora_a, meta):
+        return lora_shrink(x, (lora_a,), **meta, block_sizes=_DECODE_ATOMIC)
+
+    with abstract_gpu_context():
+        jax.jit(step).trace(x, lora_a, meta).lower(lowering_platforms=("cuda",))
+    jax.clear_caches()
+    assert seen, "no atomic add was lowered"
+    if relaxed:
+        assert all("relaxed" in s.lower() for s in seen), seen
+    else:
+        assert seen == ["default"] * len(seen), seen
+
+
 def test_work_list_covers_every_token_once():
     rng = np.random.default_rng(0)
     for num_tokens, max_loras, block_m in [(1, 4, 16), (37, 5, 16), (300, 8, 32), (16, 64, 16)]:
