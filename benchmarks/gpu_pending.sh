@@ -296,6 +296,24 @@ for what in "$@"; do
       --out "$OUT/relaxed_decode"
     JAX_DEFAULT_MATMUL_PRECISION=highest step relaxed_tests 150 python3 -P -m pytest \
       tests/kernels/test_shrink_expand_pallas_triton.py -m gpu -q -p no:cacheprovider ;;
+  relaxed2)  # session 15, with relaxed adds: decode against the gather einsum, the prefill
+    # cells run 2's budget cut, tiles near the cells within a few % of 70 %
+    step r2_decode 130 "${OPS[@]}" --ops shrink --tokens 1,16,64 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 1,8,64 --impls ours,gather --time-budget 115 \
+      --out "$OUT/r2_decode"
+    step r2_wide 130 "${OPS[@]}" --ops shrink --tokens 1024,2048,4096,16384 --hiddens 8192 \
+      --ranks 64 --adapters 1,8,64 --impls ours --time-budget 115 --out "$OUT/r2_wide"
+    step r2_r128 80 "${OPS[@]}" --ops shrink --tokens 4096,16384 --hiddens 4096 --ranks 128 \
+      --adapters 1,8,64 --impls ours --time-budget 65 --out "$OUT/r2_r128"
+    step r2_sweep_d 90 "${OPS[@]}" --sweep --candidates 15,16,17,23,25,26 --ops shrink \
+      --tokens 64 --hiddens 4096 --ranks 16,64 --adapters 64 --impls ours --no-check \
+      --time-budget 75 --out "$OUT/r2_sweep_d"
+    step r2_sweep_p 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 14,15,16,22,38 \
+      --ops shrink --tokens 2048 --hiddens 4096 --ranks 64 --adapters 64 --impls ours \
+      --no-check --time-budget 85 --out "$OUT/r2_sweep_p"
+    step r2_sweep_16 60 "${OPS[@]}" --sweep --sweep-set prefill --candidates 28,29,30,32 \
+      --ops shrink --tokens 4096 --hiddens 4096 --ranks 16 --adapters 1 --impls ours \
+      --no-check --time-budget 45 --out "$OUT/r2_sweep_16" ;;
   e512)  # session 15: the rank-16 expand default between 257 and 1023 tokens (measured at
     # 1024-4096 only): [22] (the default there), [17], the old 32-token blocks [4]
     step e512 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 4,17,22 --ops expand \
@@ -333,7 +351,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done
