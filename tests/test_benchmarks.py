@@ -51,6 +51,7 @@ def test_profile_summary_matches_brute_force():
     assert got["launches"] == pytest.approx(40 / 10)
 
 
+@pytest.mark.slow  # ~20 s; the benchmark tool, checked on the oldest jax only
 def test_ops_accuracy_check_catches_a_wrong_kernel(tmp_path, monkeypatch):
     """benchmarks/ops.py checks our kernels against the jnp oracle (in token chunks, the
     last one partial) for every cell, and flags a kernel that is 1 % off."""
@@ -215,3 +216,26 @@ def test_mapping_benchmark_times_each_token_count(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["tokens"] for r in rows] == [16, 40]
     assert all(r["eager_ms"] > 0 and r["dispatch_ms"] > 0 for r in rows)
+
+
+@pytest.mark.slow  # ~10 s of interpret-mode kernels
+def test_shrink_probe_checks_the_default_and_times_each_variant(tmp_path, monkeypatch):
+    """benchmarks/shrink_probe.py: the default kernel matches the jnp oracle, every asked
+    variant is timed, and the acquire-release variant restores the environment."""
+    import json
+    import os
+    import sys
+
+    import shrink_probe
+
+    monkeypatch.delenv("LORA_JAX_RELAXED_ATOMICS", raising=False)
+    out = tmp_path / "probe.json"
+    argv = ["shrink_probe.py", "--cells", "40x256x16x4", "--interpret"]
+    argv += ["--variants", "default,acq_rel", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    shrink_probe.main()
+    (row,) = json.loads(out.read_text())
+    assert (row["tokens"], row["hidden"], row["rank"], row["adapters"]) == (40, 256, 16, 4)
+    assert row["max_rel_err"] < 1e-4
+    assert set(row["us"]) == {"default", "acq_rel"} and all(v > 0 for v in row["us"].values())
+    assert "LORA_JAX_RELAXED_ATOMICS" not in os.environ
