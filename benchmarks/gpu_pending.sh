@@ -328,6 +328,10 @@ for what in "$@"; do
       tests/kernels -m gpu -q -p no:cacheprovider
     step final15_tp1 240 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/final15_tp1/tp1.json" ;;
+  h8192_decode)  # session 15: the H = 8192 decode shrink with relaxed adds, against gather
+    step h8192_decode 140 "${OPS[@]}" --ops shrink --tokens 1,16,64,256 --hiddens 8192 \
+      --ranks 64 --adapters 1,8,64 --impls ours,gather --time-budget 120 \
+      --out "$OUT/h8192_decode" ;;
   e512)  # session 15: the rank-16 expand default between 257 and 1023 tokens (measured at
     # 1024-4096 only): [22] (the default there), [17], the old 32-token blocks [4]
     step e512 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 4,17,22 --ops expand \
@@ -365,7 +369,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done
