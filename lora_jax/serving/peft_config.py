@@ -1,0 +1,156 @@
+"""A PEFT `adapter_config.json` → `PEFTConfig`: what decides how an adapter is served.
+
+Refuses what cannot be served exactly (DoRA, `modules_to_save`, LoRA bias, layer filters,
+`target_parameters` other than fused MoE experts) and resolves per-module ranks and alphas
+with PEFT's pattern rule (the first key `k` with `re.match(rf"(.*\\.)?({k})$", name)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from lora_jax.config import LoRAConfig
+
+CONFIG_NAME = "adapter_config.json"
+# PEFT `target_parameters` on transformers 5's fused experts (ParamWrapper): A is
+# `[r * E, in]` (expert-major rows), B is `[out, r * E]` (rank-major columns); a second
+# targeted parameter of the same module nests its keys under `.base_layer`.
+EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def _pattern_key(keys: Sequence[str], name: str) -> str | None:
+    for key in keys:
+        if re.match(rf"(.*\.)?({key})$", name):
+            return key
+    return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PEFTConfig:
+    """The parts of a PEFT `LoraConfig` that decide how an adapter is served.
+
+    Example:
+        >>> cfg = PEFTConfig(r=8, lora_alpha=16, rank_pattern=(("q_proj", 4),))
+        >>> cfg.rank_for("model.layers.0.self_attn.q_proj"), cfg.scaling_for("x.v_proj")
+        (4, 2.0)
+    """
+
+    r: int
+    """Default rank."""
+    lora_alpha: float
+    """Default alpha; the scaling is alpha / r (alpha / sqrt(r) with rsLoRA)."""
+    use_rslora: bool = False
+    """rsLoRA scaling alpha / sqrt(r)."""
+    target_modules: tuple[str, ...] | str | None = None
+    """PEFT names (a module matches `name` or `*.name`) or one regex (full match)."""
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    """(pattern, rank) pairs in the config's order; the first match wins."""
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
+    """(pattern, alpha) pairs in the config's order; the first match wins."""
+    source: str = CONFIG_NAME
+    """Where the config came from (for error messages)."""
+    target_parameters: tuple[str, ...] = ()
+    """PEFT `target_parameters`: only fused MoE expert weights (`*experts.gate_up_proj`,
+    `*experts.down_proj`), served by `FusedMoE3DWithLoRA`."""
+
+    def __post_init__(self):
+        for what, r in [
+            ("r", self.r),
+            *((f"rank_pattern[{k!r}]", v) for k, v in self.rank_pattern),
+        ]:
+            if isinstance(r, bool) or not isinstance(r, int | np.integer) or r <= 0:
+                raise ValueError(f"{self.source}: {what}={r!r} must be a positive integer")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = CONFIG_NAME) -> PEFTConfig:
+        """Parses an `adapter_config.json` dict; refuses what lora_jax cannot serve."""
+        peft_type = str(d.get("peft_type", "LORA")).upper()
+        if peft_type != "LORA":
+            raise ValueError(f"{source}: peft_type={peft_type!r} is not supported; only LORA")
+        if d.get("use_dora"):
+            raise ValueError(f"{source}: use_dora=True: lora_jax does not yet support DoRA")
+        if d.get("modules_to_save"):
+            raise ValueError(
+                f"{source}: modules_to_save={d['modules_to_save']!r}: lora_jax only supports "
+                "modules_to_save being None"
+            )
+        if d.get("bias", "none") != "none":
+            raise ValueError(f"{source}: bias={d['bias']!r} is not supported; only 'none'")
+        if d.get("lora_bias"):
+            raise ValueError(f"{source}: lora_bias=True is not supported")
+        for key in (
+            "layers_to_transform",
+            "layers_pattern",
+            "trainable_token_indices",
+        ):
+            if d.get(key) not in (None, [], {}, ""):
+                raise ValueError(f"{source}: {key}={d[key]!r} is not supported")
+        params = tuple(d.get("target_parameters") or ())
+        bad = [t for t in params if not t.endswith(EXPERT_PARAMS)]
+        if bad:
+            raise ValueError(
+                f"{source}: target_parameters {bad} are not supported; only fused MoE expert "
+                f"weights ending in {EXPERT_PARAMS}"
+            )
+        if "r" not in d or "lora_alpha" not in d:
+            raise ValueError(f"{source}: needs 'r' and 'lora_alpha'")
+        targets = d.get("target_modules")
+        if targets is not None and not isinstance(targets, str):
+            targets = tuple(sorted(targets))
+        return cls(
+            r=d["r"],
+            lora_alpha=float(d["lora_alpha"]),
+            use_rslora=bool(d.get("use_rslora", False)),
+            target_modules=targets,
+            rank_pattern=tuple((str(k), v) for k, v in (d.get("rank_pattern") or {}).items()),
+            alpha_pattern=tuple(
+                (str(k), float(v)) for k, v in (d.get("alpha_pattern") or {}).items()
+            ),
+            source=source,
+            target_parameters=params,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> PEFTConfig:
+        """Reads `<path>/adapter_config.json`."""
+        file = os.path.join(os.fspath(path), CONFIG_NAME)
+        if not os.path.isfile(file):
+            raise ValueError(f"{path}: no {CONFIG_NAME} (not a PEFT adapter directory)")
+        try:
+            with open(file) as f:
+                d = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{file}: cannot read the adapter config: {e}") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"{file}: expected a JSON object")
+        return cls.from_dict(d, source=file)
+
+    def rank_for(self, name: str) -> int:
+        key = _pattern_key([k for k, _ in self.rank_pattern], name)
+        return self.r if key is None else int(dict(self.rank_pattern)[key])
+
+    def alpha_for(self, name: str) -> float:
+        key = _pattern_key([k for k, _ in self.alpha_pattern], name)
+        return self.lora_alpha if key is None else float(dict(self.alpha_pattern)[key])
+
+    def scaling_for(self, name: str) -> float:
+        r, alpha = self.rank_for(name), self.alpha_for(name)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def validate(self, lora_config: LoRAConfig) -> None:
+        """Every rank must fit `max_lora_rank`."""
+        R = lora_config.max_lora_rank
+        for what, r in [
+            ("r", self.r),
+            *((f"rank_pattern[{k!r}]", v) for k, v in self.rank_pattern),
+        ]:
+            if r > R:
+                raise ValueError(f"{self.source}: {what}={r} is greater than max_lora_rank={R}")
