@@ -332,6 +332,18 @@ for what in "$@"; do
     step h8192_decode 140 "${OPS[@]}" --ops shrink --tokens 1,16,64,256 --hiddens 8192 \
       --ranks 64 --adapters 1,8,64 --impls ours,gather --time-budget 120 \
       --out "$OUT/h8192_decode" ;;
+  next16)  # next (written in session 15, not yet run): where the n = 8 prefill cells'
+    # time goes (shrink: x, A or neither loaded; expand: y or B not loaded), and rank-128
+    # tiles that read x once (64 x 128, PREFILL_BIG) at n = 8
+    step n8_probe_s 150 python3 -P benchmarks/shrink_probe.py --variants default,no_x,no_a,no_xa \
+      --cells 4096x4096x16x8,4096x4096x64x8,4096x4096x128x8,1024x8192x64x8 \
+      --out "$OUT/n8_probe_s/probe.json"
+    step n8_probe_e 150 python3 -P benchmarks/shrink_probe.py --op expand \
+      --cells 4096x4096x64x8,4096x4096x128x8,16384x4096x128x8,1024x4096x16x64 \
+      --out "$OUT/n8_probe_e/probe.json"
+    step n8_r128 150 "${OPS[@]}" --sweep --sweep-set prefill --candidates 17,18,21,34,37 \
+      --ops shrink --tokens 4096,16384 --hiddens 4096 --ranks 128 --adapters 8 --impls ours \
+      --no-check --time-budget 135 --out "$OUT/n8_r128" ;;
   e512)  # session 15: the rank-16 expand default between 257 and 1023 tokens (measured at
     # 1024-4096 only): [22] (the default there), [17], the old 32-token blocks [4]
     step e512 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 4,17,22 --ops expand \
@@ -369,7 +381,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -218,24 +218,32 @@ def test_mapping_benchmark_times_each_token_count(tmp_path):
     assert all(r["eager_ms"] > 0 and r["dispatch_ms"] > 0 for r in rows)
 
 
-@pytest.mark.slow  # ~10 s of interpret-mode kernels
-def test_shrink_probe_checks_the_default_and_times_each_variant(tmp_path, monkeypatch):
+@pytest.mark.slow  # ~15 s of interpret-mode kernels
+@pytest.mark.parametrize(
+    "op, variants", [("shrink", ["default", "acq_rel"]), ("expand", ["default", "no_y"])]
+)
+def test_kernel_probe_checks_the_default_and_times_each_variant(
+    tmp_path, monkeypatch, op, variants
+):
     """benchmarks/shrink_probe.py: the default kernel matches the jnp oracle, every asked
-    variant is timed, and the acquire-release variant restores the environment."""
+    variant is timed, and the patched kernel module is restored afterwards."""
     import json
     import os
     import sys
 
     import shrink_probe
+    from lora_jax.kernels.shrink_expand import pallas_triton, pallas_triton_shrink
 
+    before = (pallas_triton.expand_tile, pallas_triton_shrink._add_to)
     monkeypatch.delenv("LORA_JAX_RELAXED_ATOMICS", raising=False)
     out = tmp_path / "probe.json"
-    argv = ["shrink_probe.py", "--cells", "40x256x16x4", "--interpret"]
-    argv += ["--variants", "default,acq_rel", "--out", str(out)]
+    argv = ["shrink_probe.py", "--op", op, "--cells", "40x256x16x4", "--interpret"]
+    argv += ["--variants", ",".join(variants), "--out", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     shrink_probe.main()
     (row,) = json.loads(out.read_text())
-    assert (row["tokens"], row["hidden"], row["rank"], row["adapters"]) == (40, 256, 16, 4)
-    assert row["max_rel_err"] < 1e-4
-    assert set(row["us"]) == {"default", "acq_rel"} and all(v > 0 for v in row["us"].values())
+    assert (row["op"], row["tokens"], row["hidden"], row["rank"]) == (op, 40, 256, 16)
+    assert row["max_rel_err"] < {"shrink": 1e-4, "expand": 8e-3}[op]
+    assert set(row["us"]) == set(variants) and all(v > 0 for v in row["us"].values())
     assert "LORA_JAX_RELAXED_ATOMICS" not in os.environ
+    assert (pallas_triton.expand_tile, pallas_triton_shrink._add_to) == before
