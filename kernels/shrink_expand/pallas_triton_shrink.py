@@ -147,7 +147,7 @@ def _shrink_kernel(
 def _add_to(o_ref, idx, val, mask, interpret: bool):
     """``o_ref[idx] += val`` where ``mask``: a relaxed atomic add on the GPU (no program
     reads the output, so no add needs ordering; session 15: Pallas's acquire-release add
-    cost 0.8-3.4 us of 12-27 us shrinks). Interpret mode runs the programs one after
+    cost 0.7-3.4 us of 12-27 us shrinks). Interpret mode runs the programs one after
     another, so there a read-modify-write is the same thing."""
     if interpret:
         at = o_ref.at[idx]
