@@ -20,7 +20,6 @@ one of 8 adapters, in order), ``shuffled64`` (64 adapters, tokens shuffled: no p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -185,10 +184,7 @@ def main():
                     f"| {us_s:.1f} | {us_t:.1f} | {us_d:.1f} |",
                     flush=True,
                 )
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    ops_bench.write_json(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -413,6 +413,15 @@ def trace_busy_us(run, reps: int) -> float:
     return summary["busy_us"]
 
 
+def write_json(path: str, rows) -> None:
+    """``rows`` as indented JSON at ``path`` (its folder made); nothing when ``path`` is empty."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
 def cases(args):
     out = []
     for op in args.ops:

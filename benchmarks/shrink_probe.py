@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import sys
 
@@ -187,10 +186,7 @@ def main():
             f"| {t} | {h} | {r} | {n} | {row['ideal_us']:.1f} | {shape} | {err:.1e} | {cells} |",
             flush=True,
         )
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    ops_bench.write_json(args.out, rows)
 
 
 if __name__ == "__main__":
