@@ -344,6 +344,30 @@ for what in "$@"; do
     step n8_r128 150 "${OPS[@]}" --sweep --sweep-set prefill --candidates 17,18,21,34,37 \
       --ops shrink --tokens 4096,16384 --hiddens 4096 --ranks 128 --adapters 8 --impls ours \
       --no-check --time-budget 135 --out "$OUT/n8_r128" ;;
+  ncu)  # session 16: hardware counters (Nsight Compute) of the cells furthest from the
+    # roofline, one process per cell (its own CSV), jax's memory pool off
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+    i=0
+    for cell in shrink:4096x4096x128x8 shrink:4096x4096x16x1 shrink:4096x4096x64x8 \
+        expand:4096x4096x64x8 shrink:4096x4096x128x1; do
+      i=$((i + 1))
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 60 "$NCU" --clock-control none \
+        -k 'regex:lora_|_kernel_body' --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis --section InstructionStats --csv --page raw \
+        python3 -P benchmarks/ncu_cells.py --cells "$cell" > "$OUT/ncu_c$i.csv" 2>> "$OUT/ncu.log"
+      echo "== ncu $cell rc=$?"
+    done
+    python3 benchmarks/ncu_cells.py --summarize "$OUT"/ncu_c*.csv ;;
+  sweep16)  # session 16: expand tiles on 8 warps (ncu: the rank-64 default ran at 23 %
+    # occupancy, 120 registers a thread) and the rank-128 shrink's 4-stage static tiles
+    # [37] (best at T = 16384, n = 8 in next16) at n = 1 and 64
+    step sweep16_e 190 "${OPS[@]}" --sweep --sweep-set prefill --candidates 27,28,29,30 \
+      --ops expand --tokens 4096 --hiddens 4096 --ranks 16,64,128 --adapters 8,64 --impls ours \
+      --no-check --time-budget 175 --out "$OUT/sweep16_e"
+    step sweep16_s 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 34,37 --ops shrink \
+      --tokens 16384 --hiddens 4096 --ranks 128 --adapters 1,64 --impls ours --no-check \
+      --time-budget 90 --out "$OUT/sweep16_s" ;;
   e512)  # session 15: the rank-16 expand default between 257 and 1023 tokens (measured at
     # 1024-4096 only): [22] (the default there), [17], the old 32-token blocks [4]
     step e512 100 "${OPS[@]}" --sweep --sweep-set prefill --candidates 4,17,22 --ops expand \
@@ -381,7 +405,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -628,6 +628,13 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=16, block_n=64, num_stages=3, tiles_n=2),
         BlockSizes(block_m=16, block_n=64, num_stages=2, tiles_n=1),
         BlockSizes(block_m=16, block_n=32, num_stages=2, tiles_n=4),
+        # 27-30 (session 16): ncu read the rank-64 default (32 x 128, 4 warps) at 120
+        # registers a thread, 23 % occupancy and stalled on loads: the same tiles on 8
+        # warps, narrower column tiles, 3 stages
+        BlockSizes(block_m=32, block_n=128, num_stages=2, num_warps=8, tiles_n=4),
+        BlockSizes(block_m=64, block_n=64, num_stages=2, num_warps=8, tiles_n=8),
+        BlockSizes(block_m=32, block_n=64, num_stages=2, tiles_n=8),
+        BlockSizes(block_m=32, block_n=128, num_stages=3, num_warps=8, tiles_n=4),
     ],
 }
 
