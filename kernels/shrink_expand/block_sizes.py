@@ -27,6 +27,9 @@ SHORT_PREFILL_MAX_TOKENS = 4096
 4096 on an H200; 16384 keeps the 32-token blocks)."""
 PREFILL_MAX_SPLIT_K = 8
 """Most hidden splits above the decode regime (the H200 sweep went up to 8)."""
+EXPAND_LIVE_PROGRAMS = 264
+"""Decode expands (ranks >= 64, 64-256 tokens) walk as many column tiles a program as keep
+about this many programs working: 2 per SM of an H200."""
 WIDE_PREFILL_MAX_SPLIT_K = 16
 """Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
 the hidden size keeps 8 k steps of 64 per split (H >= 8192)."""
@@ -86,6 +89,16 @@ class BlockSizes:
     tile per program, every column tile re-reads h, which at prefill ranks (64-128) is
     as many bytes as the tile's y and B.
     """
+    live_programs: int = 0
+    """Expand: when > 0, the column tiles one program walks are picked when the kernel
+    runs, from the step's live token blocks (the work list's row 3): the most, up to
+    ``tiles_n`` (a power of two), that keep about this many programs working. The grid
+    then has a program per column tile, and those a group does not start return at once.
+
+    At 64 tokens, 64 adapters give 64 live blocks and 4 tiles a program pays (h loaded
+    once); 8 adapters give 8 blocks, and 4 tiles a program would leave 64 programs on 132
+    SMs (session 16: vLLM's one-tile programs beat ours there).
+    """
     split_n: int = 1
     """Fused shrink-expand: column groups per (work block, slice), at most.
 
@@ -108,6 +121,14 @@ class BlockSizes:
             )
         if self.tiles_n < 1:
             raise ValueError(f"BlockSizes.tiles_n={self.tiles_n}: must be >= 1.")
+        if self.live_programs < 0:
+            raise ValueError(
+                f"BlockSizes.live_programs={self.live_programs}: must be >= 0 (0: off)."
+            )
+        if self.live_programs and self.tiles_n & (self.tiles_n - 1):
+            raise ValueError(
+                f"BlockSizes.tiles_n={self.tiles_n}: with live_programs it must be a power of two."
+            )
         if self.split_n < 1:
             raise ValueError(f"BlockSizes.split_n={self.split_n}: must be >= 1.")
         if self.num_stages < 1:
@@ -193,8 +214,16 @@ class BlockSizes:
             # tiles per program (tiles_n) load the tokens' f32 h once instead of per
             # tile: at R >= 64 that was as many bytes as the tile's y and B.
             if num_tokens <= DECODE_MAX_TOKENS:
-                if rank_p >= 64 and num_tokens >= 64:  # T = 64/256, n = 64: 14 -> 12 us
-                    return cls(block_m=16, block_n=128, num_stages=2, tiles_n=4)
+                if rank_p >= 64 and num_tokens >= 64:
+                    # Up to 4 column tiles a program (T = 64/256, n = 64: 14 -> 12 us), as
+                    # many as keep EXPAND_LIVE_PROGRAMS busy with the step's live blocks.
+                    return cls(
+                        block_m=16,
+                        block_n=128,
+                        num_stages=2,
+                        tiles_n=4,
+                        live_programs=EXPAND_LIVE_PROGRAMS,
+                    )
                 return cls(block_m=16, block_n=128, num_warps=4, num_stages=1)
             if rank_p >= 128:  # the tiles fit shared memory at 64 x 64; T = 16384: 233 -> 129 us
                 # Up to 2048 tokens, 4 column tiles per program rather than 8 (twice the

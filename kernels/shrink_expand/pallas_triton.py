@@ -150,15 +150,26 @@ def _expand_kernel(
     bm, bn, tiles = bs.block_m, bs.block_n, bs.tiles_n
     rank_p = max(16, 1 << (rank - 1).bit_length())
     precision = _dot_precision(compute_dtype)
+    max_tiles = -(-max(widths) // bn)
+    if bs.live_programs:
+        # One grid entry per column tile; `per` tiles a program, picked from the live blocks.
+        per = _tiles_per_program(tab_ref[3, 0] * num_slices * max_tiles, bs)
+        first, starts = grp, jax.lax.rem(grp, per) == 0
+    else:
+        per, first, starts = tiles, grp * tiles, True
 
     for s in range(num_slices):
         n_s, off = widths[s], offsets[s]
         blocks_s = -(-n_s // bn)
 
         @pl.when(
-            (sid == s) & (grp * tiles < blocks_s) & (tab_ref[2, pid] > 0) & (tab_ref[0, pid] >= 0)
+            (sid == s)
+            & starts
+            & (first < blocks_s)
+            & (tab_ref[2, pid] > 0)
+            & (tab_ref[0, pid] >= 0)
         )
-        def _(s=s, n_s=n_s, off=off):
+        def _(s=s, n_s=n_s, off=off, blocks_s=blocks_s):
             slot, nrows, rows = _block_rows(tab_ref, pid, bm)
             r = jnp.arange(rank_p, dtype=jnp.int32)
             r_mask = r < _true_rank(ranks_ref, s, slot, rank)
@@ -171,17 +182,31 @@ def _expand_kernel(
             row_ok = jnp.arange(bm, dtype=jnp.int32) < nrows
 
             def tile(j, carry):
-                c = (grp * tiles + j) * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
+                c = (first + j) * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
                 expand_tile(
                     y_ref, b_refs[s], ht, rows, slot, r, r_mask, c, n_s, off, compute_dtype,
                     precision, row_ok if mask_rows else None,
                 )  # fmt: skip
                 return carry
 
-            if tiles == 1:
+            if bs.live_programs:  # no tile past the slice: it would move no bytes anyway
+                jax.lax.fori_loop(0, jnp.minimum(per, blocks_s - first), tile, 0)
+            elif tiles == 1:
                 tile(0, 0)
             else:
                 jax.lax.fori_loop(0, tiles, tile, 0)
+
+
+def _tiles_per_program(live_tiles, bs: BlockSizes):
+    """Column tiles a program walks: the largest power of two up to ``bs.tiles_n`` that
+    leaves at least ``bs.live_programs`` programs for ``live_tiles`` (live blocks x
+    slices x column tiles), or 1."""
+    per = jnp.int32(1)
+    p = 2
+    while p <= bs.tiles_n:
+        per = jnp.where(live_tiles >= p * bs.live_programs, jnp.int32(p), per)
+        p *= 2
+    return per
 
 
 def _expand_dtype(lora_b, y):
@@ -235,8 +260,11 @@ def expand(
     )
     max_tiles = -(-max(widths) // bn)
     tiles = max(1, min(bs.tiles_n, max_tiles))
+    if bs.live_programs:  # a power of two, for the run-time pick
+        tiles = 1 << (tiles.bit_length() - 1)
     kernel = functools.partial(kernel, bs=dataclasses.replace(bs, tiles_n=tiles))
-    grid = (tab.shape[1], num_slices, -(-max_tiles // tiles))
+    # With live_programs, a program per column tile; the groups are picked at run time.
+    grid = (tab.shape[1], num_slices, max_tiles if bs.live_programs else -(-max_tiles // tiles))
     inputs = [tab] + ([slot_ranks] if has_ranks else []) + [h, *lora_b, y]
     return pl.pallas_call(
         kernel,

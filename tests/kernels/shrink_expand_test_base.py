@@ -96,6 +96,11 @@ _PREFILL = BlockSizes(block_m=16, block_k=32, block_r=16, block_n=32)
 _SPLIT3 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=3)
 _SPLIT4 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=4)
 _TILES2 = BlockSizes(block_m=16, block_n=16, tiles_n=2, num_stages=2)
+# Column tiles per program picked at run time from the live blocks: up to 4 (a few live
+# blocks x 3 tiles >= 4 x 2 programs), or 1 (no block count reaches 4 x 1000).
+_LIVE_MANY = BlockSizes(block_m=16, block_n=16, tiles_n=4, num_stages=2, live_programs=2)
+_LIVE_FEW = BlockSizes(block_m=16, block_n=16, tiles_n=4, num_stages=2, live_programs=1000)
+_LIVE_MID = dataclasses.replace(_LIVE_MANY, live_programs=20)
 # Atomic split-K: few workers (each walks several items) and many (a split of up to 5)
 _ATOMIC8 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=4, atomic_programs=8)
 _ATOMIC64 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=8, atomic_programs=64)
@@ -134,6 +139,15 @@ CPU_CASES = [
     # the grid's second group idle); the last slice's tail lies past y: all masked.
     Case(24, 64, 16, (48, 20, 20), jnp.bfloat16, "unsorted", block_sizes=_TILES2),
     Case(18, 64, 32, (40, 30), jnp.float32, "sorted", ranked=True, block_sizes=_TILES2),
+    # expand, tiles per program picked when it runs: 4 (slice 0's 3 tiles in one group,
+    # the rest of the grid idle); 2 (~8 live blocks x 2 slices x 3 tiles, between 2 x 20
+    # and 4 x 20); 1
+    Case(24, 64, 16, (48, 20, 20), jnp.bfloat16, "unsorted", block_sizes=_LIVE_MANY),
+    Case(
+        40, 64, 32, (40, 30), jnp.float32, "sorted", max_loras=8, ranked=True, block_sizes=_LIVE_MID
+    ),
+    Case(24, 64, 16, (48, 20), jnp.float16, "distinct", max_loras=32, block_sizes=_LIVE_FEW),
+    Case(8, 64, 16, (48,), jnp.bfloat16, "none", block_sizes=_LIVE_MANY),
     # rank 256: expand tiles shrink to fit shared memory (block_n 128 -> 64), grid follows
     Case(4, 32, 256, (200,), jnp.float16, "unsorted", max_loras=2),
 ]

@@ -82,6 +82,10 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(256, 4096, 128, (512,), jnp.bfloat16, "distinct", 256, block_sizes=_DECODE_ATOMIC),
             Case(64, 4096, 64, (4096,), jnp.bfloat16, "unsorted", 64, block_sizes=_DECODE_GRID),
             Case(16, 2049, 128, (512, 64), jnp.float16, "unsorted", 8, True, _DECODE_GRID),
+            # the default decode expand at ranks >= 64 picks its column tiles per program
+            # from the live blocks: 1 with 8 adapters at 64 tokens, 4 with 64 at 256
+            Case(64, 4096, 64, (4096, 1024), jnp.bfloat16, "unsorted", 8),
+            Case(256, 4096, 128, (4096,), jnp.bfloat16, "distinct", 256),
             # long prompts (block_sizes.long_prefill_shrink): rank 16's 128-column k
             # steps; ranks 64 and 128 (T = 4096 above) 64 x 64 tiles of 8 warps on the
             # static grid (48 KiB, over the portable budget)
@@ -113,8 +117,9 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             atomic_programs=528,
             persistent=False,
         ),  # fmt: skip
+        dataclasses.replace(_DECODE_ATOMIC, block_n=32, tiles_n=4, live_programs=8),
     ],
-    ids=["split", "atomic", "grid", "default", "long128", "long64"],
+    ids=["split", "atomic", "grid", "default", "long128", "long64", "live"],
 )
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowers_for_cuda(dtype, tiles):
@@ -350,6 +355,30 @@ def test_session14_defaults_rank16_expand_and_wide_split():
     for h, cap in ((4096, 8), (8192, 16), (16384, 16), (1024, 2)):
         bs = BlockSizes.get_default("shrink", num_tokens=1024, hidden=h, rank=64)
         assert bs.split_k == cap and h // bs.split_k >= 8 * bs.block_k, (h, bs)
+
+
+def test_session16_decode_expand_picks_its_tiles_when_it_runs():
+    """Decode expands at ranks >= 64 from 64 tokens walk up to 4 column tiles a program,
+    as many as the live blocks allow (`live_programs`); rank 16 and 16 tokens keep one
+    tile a program, prefill a static count; and the pick is the largest power of two that
+    leaves `live_programs` programs."""
+    from lora_jax.kernels.shrink_expand import block_sizes as B
+    from lora_jax.kernels.shrink_expand.pallas_triton import _tiles_per_program
+
+    def expand(t, r):
+        return BlockSizes.get_default("expand", num_tokens=t, hidden=4096, rank=r)
+
+    for t, r in ((64, 64), (256, 128), (64, 256)):
+        bs = expand(t, r)
+        assert (bs.tiles_n, bs.live_programs) == (4, B.EXPAND_LIVE_PROGRAMS), (t, r, bs)
+    for t, r in ((16, 64), (64, 16), (1024, 64)):
+        assert expand(t, r).live_programs == 0, (t, r)
+    bs = BlockSizes(tiles_n=4, live_programs=264)
+    # 64 tokens, 4096 columns of 128: 32 tiles a block; 8 live blocks -> 1, 64 -> 4
+    got = [int(_tiles_per_program(jnp.int32(n * 32), bs)) for n in (0, 8, 16, 17, 33, 64)]
+    assert got == [1, 1, 1, 2, 4, 4], got
+    with pytest.raises(ValueError, match="power"):
+        BlockSizes(tiles_n=3, live_programs=8)
 
 
 @pytest.mark.parametrize(
