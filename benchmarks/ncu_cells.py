@@ -36,19 +36,19 @@ METRICS = (
     ("µs", "gpu__time_duration.sum", 1e-3),
     ("DRAM GB/s", "dram__bytes.sum.per_second", 1e-9),
     ("DRAM % peak", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", 1),
-    ("DRAM MB", "dram__bytes.sum", 1e-6),
     ("L2 hit %", "lts__t_sector_hit_rate.pct", 1),
     ("occupancy %", "sm__warps_active.avg.pct_of_peak_sustained_active", 1),
     ("regs", "launch__registers_per_thread", 1),
     ("smem KiB", "launch__shared_mem_per_block", 1 / 1024),
     ("grid", "launch__grid_size", 1),
     ("warps", "launch__block_size", 1 / 32),
-    ("issue %", "sm__inst_issued.avg.pct_of_peak_sustained_active", 1),
-    ("gmma inst", "sm__inst_executed_pipe_tensor_op_gmma.sum", 1),
-    ("hmma inst", "sm__inst_executed_pipe_tensor_op_hmma.sum", 1),
+    ("issue %", "sm__inst_issued.avg.pct_of_peak_sustained_elapsed", 1),
+    ("tensor pipe %", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active", 1),
+    ("gmma inst %", "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active", 1),
+    ("hmma inst %", "sm__inst_executed_pipe_tensor_op_hmma.avg.pct_of_peak_sustained_active", 1),
 )
-STALLS = "smsp__average_warp_latency_issue_stalled_"
-"""Raw-page prefix of the warp stall reasons (cycles per issued instruction)."""
+STALLS = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
+"""Raw-page prefix and suffix of the warp stall reasons (warps stalled per issue)."""
 
 
 def run_cells(cells: list[str]) -> None:
@@ -82,8 +82,9 @@ def _records(path: str):
 
 
 def summarize(paths: list[str]) -> list[dict]:
-    """One dict per profiled kernel: the METRICS, the top three stall reasons and every
-    tensor-pipe metric ncu collected."""
+    """One dict per profiled kernel: the METRICS (None where ncu did not collect one; the
+    WGMMA ``gmma`` and ``mma.sync`` ``hmma`` shares are 0 where the kernel issued none)
+    and the top three stall reasons."""
     rows = []
     for rec in (r for p in paths for r in _records(p)):
         if not rec.get("Kernel Name") or _number(rec.get("ID", "")) is None:
@@ -92,14 +93,14 @@ def summarize(paths: list[str]) -> list[dict]:
         for label, name, scale in METRICS:
             v = _number(rec.get(name, ""))
             row[label] = None if v is None else v * scale
+        pre, post = STALLS
         stalls = {
-            k[len(STALLS) :].replace(".ratio", ""): _number(v)
+            k[len(pre) : -len(post)]: _number(v)
             for k, v in rec.items()
-            if k.startswith(STALLS) and k.endswith(".ratio") and _number(v)
+            if k.startswith(pre) and k.endswith(post) and _number(v)
         }
         top = sorted(stalls.items(), key=lambda kv: -kv[1])[:3]
         row["top stalls"] = ", ".join(f"{k} {v:.1f}" for k, v in top)
-        row["tensor"] = {k: v for k, v in rec.items() if "tensor" in k and _number(v)}
         rows.append(row)
     return rows
 
@@ -122,10 +123,7 @@ def main(argv=None):
     p.add_argument("--summarize", nargs="*", default=[], help="ncu --csv --page raw files")
     a = p.parse_args(argv)
     if a.summarize:
-        rows = summarize(a.summarize)
-        print_table(rows)
-        for r in rows:
-            print(r["kernel"], r["tensor"])
+        print_table(summarize(a.summarize))
     if a.cells:
         run_cells(a.cells.split(","))
 

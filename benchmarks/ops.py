@@ -60,14 +60,17 @@ from lora_jax.kernels.shrink_expand.work_list import prompt_tiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-HBM_GBPS = 4300.0  # measured device-to-device copy on an H200 of this workplace (KINDS.md)
-MAX_LORAS = 64
-L2_BYTES = 60e6  # H200
-
-
-def rotation(nbytes: int, calls: int) -> int:
-    """Copies to rotate over so one copy is evicted before it is used again."""
-    return int(min(calls, max(4, -(-2 * L2_BYTES // max(nbytes, 1)))))
+# The cells (jax-free, shared with vllm_ops.py; the probes take them from here too).
+from cells import (  # noqa: E402
+    ERR_BOUND,
+    HBM_GBPS,
+    MAX_LORAS,
+    Case,
+    grid,
+    ideal_bytes,
+    mappings,
+    rotation,
+)
 
 
 def metadata(idx: np.ndarray, max_loras: int) -> dict[str, jax.Array]:
@@ -97,38 +100,11 @@ def metadata(idx: np.ndarray, max_loras: int) -> dict[str, jax.Array]:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    op: str
-    tokens: int
-    hidden: int
-    rank: int
-    adapters: int
-
-
-def ideal_bytes(c: Case) -> float:
-    if c.op == "shrink":
-        return c.tokens * c.hidden * 2 + c.adapters * c.rank * c.hidden * 2 + c.tokens * c.rank * 4
-    return c.tokens * c.rank * 4 + c.adapters * c.hidden * c.rank * 2 + 2 * c.tokens * c.hidden * 2
-
-
 def build(c: Case, calls: int, seed: int = 0):
     """(inputs, weights, metas) for ``calls`` calls. Shrink inputs: one x [T, H] per call.
     Expand inputs: (one h [1, T, R] per call, rotated y buffers [T, N]); call i updates
     ``ys[i % len(ys)]``. Weights: one stack per call."""
-    rng = np.random.default_rng(seed)
-    chosen = rng.permutation(MAX_LORAS)[: c.adapters]
-    base = chosen[np.arange(c.tokens) % c.adapters]
-    if LAYOUT == "runs":  # prompts: each adapter's tokens in one run, runs in random order
-        metas = [
-            metadata(
-                np.repeat(rng.permutation(chosen), -(-c.tokens // c.adapters))[: c.tokens],
-                MAX_LORAS,
-            )
-            for _ in range(calls)
-        ]
-    else:  # the issue's grid: tokens shuffled (decode-like scatter at every length)
-        metas = [metadata(rng.permutation(base), MAX_LORAS) for _ in range(calls)]
+    metas = [metadata(idx, MAX_LORAS) for idx in mappings(c, calls, LAYOUT, seed)]
     k = jax.random.key(seed)
     dt = jnp.bfloat16
     copies = calls  # weights of their own per call: nothing for XLA to merge
@@ -158,9 +134,6 @@ def build(c: Case, calls: int, seed: int = 0):
     return (hs, ys), w, metas
 
 
-# max |ours - oracle| / max |oracle| allowed per op (bf16 inputs, f32 accumulation): the
-# shrink's f32 output differs only by summation order; the expand rounds to bf16 once.
-ERR_BOUND = {"shrink": 1e-4, "expand": 8e-3}
 REF_CHUNK_BYTES = 1 << 30  # the oracle gathers [tokens, R, H] f32: chunk the tokens
 
 
@@ -423,18 +396,7 @@ def write_json(path: str, rows) -> None:
 
 
 def cases(args):
-    out = []
-    for op in args.ops:
-        for hidden in args.hiddens:
-            for rank in args.ranks:
-                for t in args.tokens:
-                    if hidden == 8192 and rank != 64:
-                        continue  # trimmed grid: H = 8192 only at rank 64
-                    for n in args.adapters:
-                        if n > t and not (n == args.adapters[0] and t < n):
-                            continue
-                        out.append(Case(op, t, hidden, rank, min(n, t)))
-    return list(dict.fromkeys(out))
+    return grid(args.ops, args.hiddens, args.ranks, args.tokens, args.adapters)
 
 
 # The decode shrink tiles before split-K (commit 694f20a), for before/after rows.

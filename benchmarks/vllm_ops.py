@@ -59,62 +59,19 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
 
-HBM_GBPS = 4300.0  # as in ops.py: a device-to-device copy on this workplace's H200
-MAX_LORAS = 64  # adapter slots, as in ops.py
-L2_BYTES = 60e6  # H200
-ERR_BOUND = {"shrink": 1e-4, "expand": 8e-3}  # ops.py's max rel err bounds
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# ops.py's cells, bounds and mappings (cells.py imports no jax)
+from cells import ERR_BOUND, HBM_GBPS, MAX_LORAS, Case, ideal_bytes, mappings, rotation  # noqa: E402
+from cells import grid as _grid  # noqa: E402
+
 IMPL = "vllm"
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    op: str
-    tokens: int
-    hidden: int
-    rank: int
-    adapters: int
-
-
-def ideal_bytes(c: Case) -> float:
-    """ops.py's roofline bytes: x (or h, y read + written) + the adapters used + outputs."""
-    if c.op == "shrink":
-        return c.tokens * c.hidden * 2 + c.adapters * c.rank * c.hidden * 2 + c.tokens * c.rank * 4
-    return c.tokens * c.rank * 4 + c.adapters * c.hidden * c.rank * 2 + 2 * c.tokens * c.hidden * 2
-
-
 def cases(ops: list[str], tokens, hiddens, ranks, adapters) -> list[Case]:
-    """ops.py's grid: H = 8192 only at rank 64; no more adapters than tokens."""
-    out = []
-    for op in ops:
-        for hidden in hiddens:
-            for rank in ranks:
-                for t in tokens:
-                    if hidden == 8192 and rank != 64:
-                        continue
-                    for n in adapters:
-                        if n > t and not (n == adapters[0] and t < n):
-                            continue
-                        out.append(Case(op, t, hidden, rank, min(n, t)))
-    return list(dict.fromkeys(out))
-
-
-def rotation(nbytes: int, calls: int) -> int:
-    """Copies to rotate over so one copy is evicted before it is used again (as ops.py)."""
-    return int(min(calls, max(4, -(-2 * L2_BYTES // max(nbytes, 1)))))
-
-
-def mappings(c: Case, calls: int, layout: str, seed: int = 0) -> list[np.ndarray]:
-    """Token -> slot indices [T] of each call: the same numpy draws as ops.py's ``build``."""
-    rng = np.random.default_rng(seed)
-    chosen = rng.permutation(MAX_LORAS)[: c.adapters]
-    base = chosen[np.arange(c.tokens) % c.adapters]
-    if layout == "runs":  # each adapter's tokens in one run, runs in random order
-        per = -(-c.tokens // c.adapters)
-        return [np.repeat(rng.permutation(chosen), per)[: c.tokens] for _ in range(calls)]
-    return [rng.permutation(base) for _ in range(calls)]
+    """ops.py's grid of these axes (cells.grid)."""
+    return _grid(ops, hiddens, ranks, tokens, adapters)
 
 
 def captured_counts(max_loras: int) -> list[int]:

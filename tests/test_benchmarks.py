@@ -98,6 +98,7 @@ def test_ops_impls_agree_and_calls_share_nothing(op, monkeypatch):
     """Every impl that benchmarks/ops.py times computes the same calls (ours, the work
     lists built per call, gather, one-hot, ragged_dot); every call has its own x / h, and
     the expand's rotated y buffers each take exactly their calls' updates."""
+    import cells
     import jax.numpy as jnp
     import ops
 
@@ -105,7 +106,7 @@ def test_ops_impls_agree_and_calls_share_nothing(op, monkeypatch):
     c = ops.Case(op, 24, 64, 16, 5)
     calls = 6
     assert ops.rotation(24 * 64 * 2, calls) == calls  # small y: one buffer per call
-    monkeypatch.setattr(ops, "L2_BYTES", 1)  # a tiny L2: rotate y over the minimum, 4
+    monkeypatch.setattr(cells, "L2_BYTES", 1)  # a tiny L2: rotate y over the minimum, 4
     inputs, w, metas = ops.build(c, calls)
     assert len(w) == calls and all(v.shape[0] == ops.MAX_LORAS for v in w)
     if op == "expand":
@@ -247,3 +248,38 @@ def test_kernel_probe_checks_the_default_and_times_each_variant(
     assert set(row["us"]) == set(variants) and all(v > 0 for v in row["us"].values())
     assert "LORA_JAX_RELAXED_ATOMICS" not in os.environ
     assert (pallas_triton.expand_tile, pallas_triton_shrink._add_to) == before
+
+
+def test_ncu_summary_reads_a_raw_csv(tmp_path, capsys):
+    """ncu_cells.py --summarize: the program's own output lines are dropped, the units row
+    skipped, each kernel's metrics scaled, the top stall reasons kept."""
+    import ncu_cells
+
+    cols = [
+        "ID",
+        "Kernel Name",
+        "gpu__time_duration.sum",
+        "dram__bytes.sum.per_second",
+        "launch__shared_mem_per_block",
+        "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+        "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+        "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+    ]
+    rows = [
+        cols,
+        ["", "", "nsecond", "byte/second", "byte", "", "", "%"],
+        ["0", "lora_shrink_atomic", "19,488", "2.39e12", "50176", "3.5", "8.0", "27.4"],
+    ]
+    path = tmp_path / "raw.csv"
+    lines = ["jax 0.11.2, NVIDIA H200"] + [",".join(f'"{v}"' for v in r) for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+    (got,) = ncu_cells.summarize([str(path)])
+    assert got["kernel"] == "lora_shrink_atomic"
+    assert got["µs"] == pytest.approx(19.488)
+    assert got["DRAM GB/s"] == pytest.approx(2390.0)
+    assert got["smem KiB"] == pytest.approx(49.0)
+    assert got["top stalls"] == "long_scoreboard 8.0, barrier 3.5"
+    assert got["L2 hit %"] is None  # not in this file
+    assert got["tensor pipe %"] == pytest.approx(27.4)
+    ncu_cells.print_table([got])
+    assert "| lora_shrink_atomic | 19.5 |" in capsys.readouterr().out
