@@ -156,7 +156,7 @@ def _expand_kernel(
         per = _tiles_per_program(tab_ref[3, 0] * num_slices * max_tiles, bs)
         first, starts = grp, jax.lax.rem(grp, per) == 0
     else:
-        per, first, starts = tiles, grp * tiles, True
+        first, starts = grp * tiles, True
 
     for s in range(num_slices):
         n_s, off = widths[s], offsets[s]
