@@ -23,7 +23,6 @@ if _CACHE and not _CUDA:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 30))  # LRU past 1 GiB
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
