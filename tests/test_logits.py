@@ -409,11 +409,12 @@ def _peft_adapters(hf, tmp_path):
     """Two adapters on lm_head + embed_tokens (+ q_proj), random A and B, saved as PEFT dirs."""
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
+    # Not "a": peft warns that a name inside its "lora_" prefix may be re-initialised.
     specs = {
-        "a": peft.LoraConfig(
+        "first": peft.LoraConfig(
             r=8, lora_alpha=16, target_modules=["lm_head", "embed_tokens", "q_proj"]
         ),
-        "b": peft.LoraConfig(
+        "second": peft.LoraConfig(
             r=4, lora_alpha=8, use_rslora=True, target_modules=["lm_head", "embed_tokens"]
         ),
     }
@@ -456,7 +457,7 @@ def test_peft_lm_head_and_embedding_mixed_batch_match_hf(tmp_path, tied):
     peft_model, dirs = _peft_adapters(hf, tmp_path)
     B, S = 4, 7
     ids = np.random.default_rng(0).integers(0, 120, size=(B, S)).astype(np.int32)
-    names = ["a", "__base__", "b", "a"]
+    names = ["first", "__base__", "second", "first"]
     with torch.no_grad():
         ref = peft_model(input_ids=torch.tensor(ids, dtype=torch.long), adapter_names=names)
         ref = ref.logits.float().numpy()
@@ -470,7 +471,7 @@ def test_peft_lm_head_and_embedding_mixed_batch_match_hf(tmp_path, tied):
     cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
     wrap_model(model, cfg, target_modules=["lm_head", "embed_tokens", "q_proj"])
     mgr = LoRAModelManager(model, cfg)
-    mgr.load_adapters(dirs, activate=True, progress=False)  # ids 1 (a), 2 (b)
+    mgr.load_adapters(dirs, activate=True, progress=False)  # ids 1 (first), 2 (second)
     requests = [1, None, 2, 1]
     tok = mgr.token_mapping(requests, tokens_per_request=S)
     got = _logits(model, ids, tok)
