@@ -392,6 +392,17 @@ for what in "$@"; do
     step vw_ours 200 "${OPS[@]}" "${G[@]}" --impls ours --time-budget 185 --out "$OUT/vw_ours"
     step vw_vllm 250 python3 -P benchmarks/vllm_ops.py "${G[@]}" --out "$OUT/vw_vllm/vllm.json" \
       --against "$OUT/vw_ours/ops.json" ;;
+  vllm_runs)  # next (session 17): side by side with prompts (one run of tokens per adapter)
+    G=(--ops shrink,expand --tokens 1024,4096 --hiddens 4096 --ranks 16,64,128 --adapters 8,64
+      --layout runs)
+    step vr_ours 140 "${OPS[@]}" "${G[@]}" --impls ours --time-budget 125 --out "$OUT/vr_ours"
+    step vr_vllm 170 python3 -P benchmarks/vllm_ops.py "${G[@]}" --out "$OUT/vr_vllm/vllm.json" \
+      --against "$OUT/vr_ours/ops.json" ;;
+  decode17)  # session 17: the decode shrink with more warps or items a SM ([29]-[32]) beside
+    # the default and session 8's [25], against the gather einsum
+    step decode17 230 "${OPS[@]}" --sweep --candidates 25,29,30,31,32 --ops shrink \
+      --tokens 64,256 --hiddens 4096 --ranks 16,64 --adapters 8,64 --impls ours,gather \
+      --time-budget 215 --out "$OUT/decode17" ;;
   final16)  # session 16: the decode expand's run-time column tiles (live_programs): the
     # Triton kernel GPU tests, then the decode expand cells, ours and vLLM's side by side
     JAX_DEFAULT_MATMUL_PRECISION=highest step final16_tests 210 python3 -P -m pytest \
@@ -438,7 +449,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide final16 e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 final16 e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -442,6 +442,14 @@ SWEEP = {
         # 27-28: deeper pipelines, over 48 KiB of shared memory (LORA_JAX_TRITON_SMEM_BUDGET)
         dataclasses.replace(ATOMIC_DECODE, block_k=256, num_stages=3, split_k=16),
         dataclasses.replace(ATOMIC_DECODE, num_stages=4),
+        # 29-32 (session 17: ncu put the rank-16, n = 64 decode shrink at 8 two-warp
+        # programs a SM, 23 % occupancy, waiting on loads): more warps or items a SM
+        dataclasses.replace(ATOMIC_DECODE, num_warps=4, atomic_programs=1056),
+        dataclasses.replace(ATOMIC_DECODE, num_warps=2, atomic_programs=2112),
+        dataclasses.replace(ATOMIC_DECODE, num_warps=1, atomic_programs=2112),
+        dataclasses.replace(
+            ATOMIC_DECODE, block_k=64, split_k=64, num_warps=2, atomic_programs=2112
+        ),
     ],
     "expand": [
         BlockSizes(block_m=16, block_n=64, num_stages=1),
