@@ -407,6 +407,10 @@ ATOMIC_DECODE = BlockSizes(
     block_m=16, block_r=64, block_k=128, num_stages=2, split_k=32, atomic_programs=528
 )
 
+# Per-token (BGMV) tiles: a program per token x k range (shrink) or column tile (expand).
+BGMV_SHRINK = BlockSizes(per_token=True, block_r=16, block_k=512, split_k=8, num_stages=1)
+BGMV_EXPAND = BlockSizes(per_token=True, block_n=128, num_stages=1)
+
 SWEEP = {
     "shrink": [
         OLD_DECODE_SHRINK,
@@ -450,6 +454,15 @@ SWEEP = {
         dataclasses.replace(
             ATOMIC_DECODE, block_k=64, split_k=64, num_warps=2, atomic_programs=2112
         ),
+        # 33-39 (session 18): per-token programs (pallas_triton_bgmv.py), each loading its
+        # token's whole [block_r, block_k] tile of A at once: split_k k ranges x rank blocks
+        BGMV_SHRINK,
+        dataclasses.replace(BGMV_SHRINK, block_r=64, block_k=256, split_k=16),
+        dataclasses.replace(BGMV_SHRINK, block_r=64, block_k=128, split_k=32),
+        dataclasses.replace(BGMV_SHRINK, block_r=32, block_k=256, split_k=16),
+        dataclasses.replace(BGMV_SHRINK, block_r=64, block_k=256, split_k=16, num_warps=8),
+        dataclasses.replace(BGMV_SHRINK, block_k=1024, split_k=4),
+        dataclasses.replace(BGMV_SHRINK, block_r=64, block_k=512, split_k=8, num_warps=8),
     ],
     "expand": [
         BlockSizes(block_m=16, block_n=64, num_stages=1),
@@ -464,6 +477,13 @@ SWEEP = {
         BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4),
         BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=8),
         BlockSizes(block_m=16, block_n=128, num_stages=1),  # decode default before session 5
+        # 12-16 (session 18): per-token programs (pallas_triton_bgmv.py), a [block_n, R]
+        # tile of B a program (16: two tiles, h loaded once)
+        BGMV_EXPAND,
+        dataclasses.replace(BGMV_EXPAND, block_n=256, num_warps=8),
+        dataclasses.replace(BGMV_EXPAND, block_n=64),
+        dataclasses.replace(BGMV_EXPAND, block_n=512, num_warps=8),
+        dataclasses.replace(BGMV_EXPAND, tiles_n=2, num_stages=2),
     ],
 }
 

@@ -20,7 +20,12 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink, pallas_triton, pallas_triton_shrink
+from lora_jax.kernels.shrink_expand import (
+    mosaic_gpu_shrink,
+    pallas_triton,
+    pallas_triton_bgmv,
+    pallas_triton_shrink,
+)
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 from lora_jax.kernels.shrink_expand.work_list import (
     PROMPT_TILES,
@@ -196,6 +201,16 @@ def lora_shrink(
             "shrink", num_tokens=num_tokens, hidden=hidden, rank=rank
         )
     ranks = None if slot_ranks is None else slot_ranks.astype(jnp.int32)
+    if block_sizes.per_token:
+        if mosaic:
+            raise ValueError(
+                "lora_shrink: mosaic=True runs the segment shrink, but block_sizes has "
+                "per_token=True; pass one or the other."
+            )
+        return pallas_triton_bgmv.shrink(
+            x, lora_a, token_lora_indices, ranks, scale=float(scale), bs=block_sizes,
+            interpret=interpret,
+        )  # fmt: skip
     tiles = _segment_tiles(mosaic, x, lora_a, interpret, prompt_tiles)
     if tiles is None:
         tab = get_work_list(
@@ -314,6 +329,12 @@ def lora_expand(
         block_sizes = BlockSizes.get_default(
             "expand", num_tokens=num_tokens, hidden=width, rank=rank
         )
+    ranks = None if slot_ranks is None else slot_ranks.astype(jnp.int32)
+    if block_sizes.per_token:
+        return pallas_triton_bgmv.expand(
+            y, h, lora_b, token_lora_indices, ranks, offsets=offsets, bs=block_sizes,
+            interpret=interpret,
+        )  # fmt: skip
     # Fitting the tiles to shared memory may halve block_m: the work list must use the
     # token blocks the kernel walks.
     block_sizes = pallas_triton.expand_tiles(block_sizes, lora_b, y)
@@ -329,7 +350,7 @@ def lora_expand(
         h,
         lora_b,
         tab,
-        None if slot_ranks is None else slot_ranks.astype(jnp.int32),
+        ranks,
         offsets=offsets,
         bs=block_sizes,
         interpret=interpret,

@@ -99,6 +99,13 @@ class BlockSizes:
     once); 8 adapters give 8 blocks, and 4 tiles a program would leave 64 programs on 132
     SMs (session 16: vLLM's one-tile programs beat ours there).
     """
+    per_token: bool = False
+    """Shrink / expand: a program per token (pallas_triton_bgmv.py, Punica's BGMV) and
+    ``split_k`` k ranges x ``block_r`` rank rows (shrink) or ``tiles_n`` column tiles of
+    ``block_n`` (expand), each reading its own token's adapter rows and summing their
+    products with x (h) on the CUDA cores; no work list and no token blocks. ``block_m``
+    is not used. For decode steps where most tokens have an adapter of their own.
+    """
     split_n: int = 1
     """Fused shrink-expand: column groups per (work block, slice), at most.
 

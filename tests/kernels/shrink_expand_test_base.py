@@ -89,6 +89,7 @@ class Case:
             f"{self.mapping}{'-ranked' if self.ranked else ''}"
             f"{'-atomic' if self.block_sizes and self.block_sizes.atomic_programs else ''}"
             f"{'-grid' if self.block_sizes and not self.block_sizes.persistent else ''}"
+            f"{'-bgmv' if self.block_sizes and self.block_sizes.per_token else ''}"
         )
 
 
@@ -107,6 +108,10 @@ _ATOMIC64 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=8, atomic_pro
 _ATOMIC_GRID = BlockSizes(
     block_m=16, block_k=32, block_r=16, split_k=4, atomic_programs=16, persistent=False
 )
+# Per-token (BGMV) programs: 5 k steps of 32 split 3 ways (uneven, the last past H),
+# rank 32 in two 16-row blocks, 2 column tiles a program; and one k range of 64 columns.
+_BGMV3 = BlockSizes(per_token=True, block_k=32, block_r=16, split_k=3, block_n=16, tiles_n=2)
+_BGMV1 = BlockSizes(per_token=True, block_k=64, block_r=32, block_n=32)
 
 # Small grids: interpret mode runs every program through XLA on the CPU.
 CPU_CASES = [
@@ -148,6 +153,11 @@ CPU_CASES = [
     ),
     Case(24, 64, 16, (48, 20), jnp.float16, "distinct", max_loras=32, block_sizes=_LIVE_FEW),
     Case(8, 64, 16, (48,), jnp.bfloat16, "none", block_sizes=_LIVE_MANY),
+    # per-token programs (no work list): atomic k ranges, masked ranks, -1 tokens
+    Case(9, 130, 32, (40, 20), jnp.float32, "unsorted", ranked=True, block_sizes=_BGMV3),
+    Case(12, 64, 8, (16, 16, 8), jnp.bfloat16, "unsorted", block_sizes=_BGMV3),
+    Case(6, 64, 16, (48,), jnp.float16, "distinct", max_loras=8, block_sizes=_BGMV1),
+    Case(8, 64, 16, (32,), jnp.float32, "none", block_sizes=_BGMV1),
     # rank 256: expand tiles shrink to fit shared memory (block_n 128 -> 64), grid follows
     Case(4, 32, 256, (200,), jnp.float16, "unsorted", max_loras=2),
 ]

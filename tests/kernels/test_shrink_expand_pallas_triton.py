@@ -36,6 +36,12 @@ _DECODE_ATOMIC = BlockSizes(
     block_m=16, block_r=64, block_k=128, num_stages=2, split_k=32, atomic_programs=264
 )
 _DECODE_GRID = dataclasses.replace(_DECODE_ATOMIC, persistent=False)
+# the per-token (BGMV) kernels: a program per token, k range and rank block
+_BGMV = BlockSizes(per_token=True, block_r=16, block_k=128, split_k=8, block_n=64)
+_BGMV_WIDE = BlockSizes(
+    per_token=True, block_r=64, block_k=256, split_k=16, block_n=256, num_warps=8
+)
+_BGMV_ONE = BlockSizes(per_token=True, block_r=64, block_k=256, block_n=128, tiles_n=2)
 _BIG_SMEM = 200 * 1024  # what an H100/H200 lets the shrink opt in to (pallas_triton.py)
 
 
@@ -91,6 +97,12 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             # static grid (48 KiB, over the portable budget)
             Case(4096, 4096, 16, (4096,), jnp.bfloat16, "unsorted", max_loras=64),
             Case(8192, 4096, 64, (1024,), jnp.bfloat16, "one", max_loras=2),
+            # per-token (BGMV) programs: atomic k ranges; wide tiles with true ranks; one
+            # k range over a ragged hidden size
+            Case(64, 4096, 16, (4096,), jnp.bfloat16, "distinct", 64, block_sizes=_BGMV),
+            Case(256, 4096, 128, (4096, 1024), jnp.bfloat16, "unsorted", 64, True, _BGMV_WIDE),
+            Case(16, 2049, 64, (512,), jnp.float16, "unsorted", 8, True, _BGMV_ONE),
+            Case(37, 1000, 8, (200, 100), jnp.float32, "unsorted", 8, block_sizes=_BGMV),
         ],
         ids=str,
     )
@@ -118,8 +130,10 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             persistent=False,
         ),  # fmt: skip
         dataclasses.replace(_DECODE_ATOMIC, block_n=32, tiles_n=4, live_programs=8),
+        _BGMV,
+        dataclasses.replace(_BGMV, split_k=1, block_k=64, block_n=32, tiles_n=4),
     ],
-    ids=["split", "atomic", "grid", "default", "long128", "long64", "live"],
+    ids=["split", "atomic", "grid", "default", "long128", "long64", "live", "bgmv", "bgmv1"],
 )
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowers_for_cuda(dtype, tiles):
@@ -136,7 +150,10 @@ def test_lowers_for_cuda(dtype, tiles):
 
     def step(x, lora_a, lora_b, y, meta):
         h = lora_shrink(x, lora_a, **meta, slot_ranks=ranks, block_sizes=tiles)
-        return lora_expand(y, h[:2], lora_b, offsets=(0, 110), **meta, slot_ranks=ranks[:2])
+        bgmv = tiles if tiles is not None and tiles.per_token else None
+        return lora_expand(
+            y, h[:2], lora_b, offsets=(0, 110), **meta, slot_ranks=ranks[:2], block_sizes=bgmv
+        )
 
     with abstract_gpu_context():
         text = (
@@ -148,6 +165,9 @@ def test_lowers_for_cuda(dtype, tiles):
     assert text.count("triton") >= 2
     # the decode default (64 tokens) adds its split's partials atomically
     assert ("lora_shrink_atomic" in text) == (tiles is None or tiles.atomic_programs > 0)
+    per_token = tiles is not None and tiles.per_token
+    assert ("lora_shrink_bgmv" in text) == per_token
+    assert ("lora_expand_bgmv" in text) == per_token
 
 
 @pytest.mark.parametrize("relaxed", [True, False], ids=["relaxed", "acq_rel"])
