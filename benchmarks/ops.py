@@ -921,11 +921,17 @@ def main(argv=None):
         variants = [("ours", ours(c, None, prompt_tiles=tiles), w)]
         if "ours_blind" in impls and c.op == "shrink":  # the mapping built on the device
             variants.append(("ours_blind", ours(c, None), w))
+        candidates = {}
         if a.sweep:
             candidates = {f"ours[{i}]": bs for i, bs in enumerate(sweep_set[c.op]) if bs}
             variants += [
                 (name, ours(c, bs, prompt_tiles=tiles), w) for name, bs in candidates.items()
             ]
+        if "ours_pt" in impls:  # the per-token (BGMV) default tiles
+            candidates["ours_pt"] = BlockSizes.get_default(
+                c.op, num_tokens=c.tokens, hidden=c.hidden, rank=c.rank, per_token=True
+            )
+            variants.append(("ours_pt", ours(c, candidates["ours_pt"]), w))
         if "gather" in impls:
             gathered = c.tokens * c.rank * c.hidden * 2
             if gathered > 4e9:
@@ -960,7 +966,7 @@ def main(argv=None):
                 res["impls"][name] = {"skipped": f"run: {type(e).__name__}: {str(e)[:100]}"}
                 continue
             res["impls"][name] = {"us": us, "gbps": ideal_bytes(c) / us / 1e3}
-            if a.check and name.startswith("ours["):  # a candidate must be right to count
+            if a.check and name in candidates:  # a candidate must be right to count
                 err = max_rel_err(c, inputs, w, metas, candidates[name], tiles)
                 res["impls"][name]["max_rel_err"] = err
                 if err > ERR_BOUND[c.op]:

@@ -151,13 +151,18 @@ class BlockSizes:
         rank: int,
         out_features: int = 0,
         num_slices: int = 1,
+        per_token: bool = False,
     ) -> BlockSizes:
         """Tuned defaults for H200 (see benchmarks/RESULTS.md), by op and static shape.
 
         ``op`` is "shrink", "expand" or "fused" (`lora_shrink_expand`; there
         ``out_features`` is the widest slice and ``num_slices`` the slice count).
+        ``per_token``: the per-token (BGMV) tiles of a shrink or expand, for steps whose
+        tokens mostly have an adapter of their own (`per_token_default`).
         """
         rank_p = max(16, next_pow2(rank))
+        if per_token and op in ("shrink", "expand"):
+            return per_token_default(op, hidden, rank_p)
         if op == "shrink":
             if num_tokens <= DECODE_MAX_TOKENS:
                 # Decode: a few token blocks, A dominates the bytes. Split the hidden
@@ -303,6 +308,27 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
             persistent=False,
         )
     return None
+
+
+PER_TOKEN_K = 128
+"""Hidden columns per per-token shrink program: one k step each, so every program has its
+whole tile of A in flight at once."""
+
+
+def per_token_default(op: str, hidden: int, rank_p: int) -> BlockSizes:
+    """Per-token (BGMV) tiles. H200, session 18 (benchmarks/RESULTS.md), T = 64 with 64
+    adapters (a token each), µs against the segment default: shrink [64-row rank blocks,
+    128-column k ranges, 4 warps] R = 16 / 64 / 128 4.2 / 11.0 / 18.8 vs 5.9 / 11.3 / 19.5;
+    expand [128 columns at rank 16, 64 above] 4.4 / 11.0 / 19.4 vs 7.0 / 12.8 / 21.0."""
+    if op == "shrink":
+        return BlockSizes(
+            per_token=True,
+            block_r=min(rank_p, 64),
+            block_k=PER_TOKEN_K,
+            split_k=max(1, hidden // PER_TOKEN_K),
+            num_stages=1,
+        )
+    return BlockSizes(per_token=True, block_n=128 if rank_p <= 32 else 64, num_stages=1)
 
 
 FUSED_TARGET_PROGRAMS = 132
