@@ -56,6 +56,11 @@ class LoRAMapping:
     # few prompt runs fill (`lora_jax.kernels` work_list.prompt_tiles), so the shrink
     # launches only the kernels that have work; None: not known (device indices).
     prompt_tiles: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # Static, found on the host like ``prompt_tiles``: mapped tokens per active slot,
+    # bucketed (`TOKENS_PER_SLOT`): 1 (every mapped token has a slot of its own), 2 (two
+    # on average at most), 0 (more, or no mapped token); None: not known. The kernels
+    # run a program per token where that is faster (a decode step of many adapters).
+    tokens_per_slot: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def num_tokens(self) -> int:
@@ -82,7 +87,16 @@ class LoRAMapping:
         (``is_prefill=False``) has no prompt tiles, so no Mosaic GPU launch; what the
         host found (``prompt_tiles``) skips a kernel with nothing to do."""
         mosaic = False if self.is_prefill is False else None
-        return dict(self.kernel_kwargs(), mosaic=mosaic, prompt_tiles=self.prompt_tiles)
+        return dict(
+            self.kernel_kwargs(),
+            mosaic=mosaic,
+            prompt_tiles=self.prompt_tiles,
+            tokens_per_slot=self.tokens_per_slot,
+        )
+
+    def expand_kwargs(self) -> dict:
+        """`kernel_kwargs` plus what the host found of the step's tokens per slot."""
+        return dict(self.kernel_kwargs(), tokens_per_slot=self.tokens_per_slot)
 
     def with_sequences(self, seq_lora_indices: jax.Array) -> LoRAMapping:
         """A copy carrying the per-sequence mapping used by the logits layer."""
@@ -99,6 +113,7 @@ def make_lora_mapping(
     *,
     is_prefill: bool | None = None,
     prompt_tiles: str | None = None,
+    tokens_per_slot: int | None = None,
 ) -> LoRAMapping:
     """Builds the step metadata from `token_lora_indices` (int32 `[T]`, -1 = no adapter).
 
@@ -109,7 +124,8 @@ def make_lora_mapping(
     prompt tiles are also found on the host (`LoRAMapping.prompt_tiles`); a caller that
     knows its layout may say it instead (``prompt_tiles="all"`` for rows of one slot
     each whose length is a power of two of at least `PROMPT_ROWS_MIN_TOKENS`, as a padded
-    prefill batch's are).
+    prefill batch's are). ``tokens_per_slot`` likewise (`LoRAMapping.tokens_per_slot`;
+    `host_tokens_per_slot` of numpy indices): a performance hint, never a change of result.
 
     Example:
         >>> m = jax.jit(make_lora_mapping, static_argnums=1)(jnp.zeros(8, jnp.int32), 4)
@@ -122,6 +138,12 @@ def make_lora_mapping(
         raise ValueError(
             f"prompt_tiles must be None, 'none', 'some' or 'all', got {prompt_tiles!r}"
         )
+    if tokens_per_slot not in (None, *TOKENS_PER_SLOT):
+        raise ValueError(
+            f"tokens_per_slot must be None or one of {TOKENS_PER_SLOT}, got {tokens_per_slot!r}"
+        )
+    if isinstance(token_lora_indices, np.ndarray) and tokens_per_slot is None:
+        tokens_per_slot = host_tokens_per_slot(token_lora_indices, max_loras)
     host = isinstance(token_lora_indices, np.ndarray) and prompt_tiles is None
     idx = jnp.asarray(token_lora_indices)
     if idx.ndim != 1:
@@ -137,7 +159,30 @@ def make_lora_mapping(
         seq_lora_indices=seq,
         is_prefill=is_prefill,
         prompt_tiles=prompts,
+        tokens_per_slot=tokens_per_slot,
     )
+
+
+TOKENS_PER_SLOT = (0, 1, 2)
+"""`LoRAMapping.tokens_per_slot` buckets: 1 every mapped token's slot is its own, 2 at
+most two mapped tokens per active slot on average, 0 more (or nothing mapped)."""
+
+
+def host_tokens_per_slot(token_lora_indices, max_loras: int) -> int:
+    """On the host (numpy): the `TOKENS_PER_SLOT` bucket of mapped tokens per active slot.
+
+    Example:
+        >>> host_tokens_per_slot(np.array([3, 1, -1, 2]), 4)
+        1
+        >>> host_tokens_per_slot(np.array([0, 0, 1]), 4)  # 1.5 tokens per active slot
+        2
+    """
+    idx = np.asarray(token_lora_indices).reshape(-1)
+    mapped = idx[(idx >= 0) & (idx < max_loras)]
+    if mapped.size == 0:
+        return 0
+    per = mapped.size / np.unique(mapped).size
+    return 1 if per <= 1 else 2 if per <= 2 else 0
 
 
 @functools.partial(jax.jit, static_argnames=("max_loras", "segments"))

@@ -245,3 +245,86 @@ def test_told_prompt_tiles_and_the_rows_rule():
     assert lj.make_lora_mapping(rows.astype(np.int32), 6).prompt_tiles == "all"  # the same
     short = np.repeat(np.arange(256) % 6, PROMPT_ROWS_MIN_TOKENS // 4).astype(np.int32)
     assert lj.make_lora_mapping(short, 6).prompt_tiles != "all"  # 8 runs a tile
+
+
+def test_tokens_per_slot_found_on_the_host_only():
+    """From numpy indices the mapping buckets its mapped tokens per active slot (static,
+    no array leaf): 1 a slot each, 2 at most two on average, 0 more or none mapped; from
+    device indices it does not know (None); a caller may say it, checked."""
+    cases = {
+        (3, 1, -1, 2): 1,
+        (0, 0, 1, -1): 2,  # 1.5 a slot
+        (0, 0, 0, 1): 2,  # 2.0 a slot
+        (0, 0, 0, 0, 1): 0,  # 2.5 a slot
+        (-1, -1): 0,
+        (7, 7, 1): 1,  # 7 is past max_loras = 4: unmapped, not a shared slot
+    }
+    for idx, want in cases.items():
+        m = lj.make_lora_mapping(np.asarray(idx, np.int32), 4)
+        assert m.tokens_per_slot == want, idx
+        assert m.shrink_kwargs()["tokens_per_slot"] == want
+        assert m.expand_kwargs()["tokens_per_slot"] == want
+        assert all(isinstance(v, jax.Array) for v in jax.tree.leaves(m))
+        assert lj.make_lora_mapping(jnp.asarray(idx, jnp.int32), 4).tokens_per_slot is None
+    assert lj.make_lora_mapping(jnp.zeros(4, jnp.int32), 4, tokens_per_slot=1).tokens_per_slot == 1
+    with pytest.raises(ValueError, match=r"tokens_per_slot must be None or one of \(0, 1, 2\)"):
+        lj.make_lora_mapping(np.zeros(4, np.int32), 4, tokens_per_slot=3)
+
+
+def test_host_hint_makes_pallas_the_gpu_default_at_any_batch(monkeypatch):
+    """On a GPU (faked) small batches go to XLA unless the mapping carries the host's
+    tokens per slot; explicit and global choices still win."""
+    monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
+    assert ops.resolve_backend(None, 16) == "xla"
+    assert ops.resolve_backend(None, 16, host_hint=True) == "pallas"
+    assert ops.resolve_backend(None, ops.PALLAS_MIN_TOKENS) == "pallas"
+    assert ops.resolve_backend("xla", 16, host_hint=True) == "xla"
+
+
+@pytest.mark.parametrize(
+    "per_slot,rank,bgmv",
+    [(1, 64, True), (2, 16, True), (2, 64, False), (0, 16, False), (None, 16, False)],
+)
+def test_tokens_per_slot_picks_the_per_token_kernels(monkeypatch, per_slot, rank, bgmv):
+    """Lowered for CUDA on this CPU: a step with a slot per token (or two a slot at rank
+    16) runs the per-token (BGMV) shrink and expand; others the segment kernels."""
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    from tests.kernels.shrink_expand_test_base import abstract_gpu_context
+
+    monkeypatch.setattr(ops, "PALLAS_INTERPRET", False)
+    tokens, hidden = 64, 1024
+    idx = np.random.default_rng(0).permutation(64)[:tokens].astype(np.int32)
+    if per_slot is None:  # device indices: not known
+        idx = jnp.asarray(idx)
+    m = lj.make_lora_mapping(idx, 64, tokens_per_slot=per_slot)
+    x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
+    a = jax.ShapeDtypeStruct((64, rank, hidden), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((64, 512, rank), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((tokens, 512), jnp.bfloat16)
+
+    def step(x, a, b, y):
+        return ops.add_lora_linear(y, x, [a], [b], m, backend="pallas")
+
+    with abstract_gpu_context():
+        text = jax.jit(step).trace(x, a, b, y).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("lora_shrink_bgmv" in text) == bgmv
+    assert ("lora_expand_bgmv" in text) == bgmv
+    assert ("lora_shrink_atomic" in text) == (not bgmv)
+
+
+def test_tokens_per_slot_changes_no_result(monkeypatch):
+    """The hint picks kernels only: interpret mode, per-token vs segment vs XLA."""
+    monkeypatch.setattr(ops, "PALLAS_INTERPRET", True)
+    rng = np.random.default_rng(1)
+    idx = np.array([5, -1, 2, 7, 0, 3], np.int32)
+    x = jnp.asarray(rng.normal(size=(6, 96)), jnp.float32)
+    a = jnp.asarray(rng.normal(size=(8, 16, 96)) / 10, jnp.float32)
+    b = jnp.asarray(rng.normal(size=(8, 40, 16)) / 4, jnp.float32)
+    y = jnp.asarray(rng.normal(size=(6, 40)), jnp.float32)
+    want = ops.add_lora_linear(y, x, [a], [b], lj.make_lora_mapping(idx, 8), backend="xla")
+    for per_slot in (1, None):
+        m = lj.make_lora_mapping(jnp.asarray(idx), 8, tokens_per_slot=per_slot)
+        got = ops.add_lora_linear(y, x, [a], [b], m, backend="pallas")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        assert np.array_equal(np.asarray(got)[1], np.asarray(y)[1])

@@ -26,7 +26,7 @@ from lora_jax.kernels.shrink_expand import (
     pallas_triton_bgmv,
     pallas_triton_shrink,
 )
-from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
+from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, use_per_token
 from lora_jax.kernels.shrink_expand.work_list import (
     PROMPT_TILES,
     SEGMENT_LONG_RANK,
@@ -125,7 +125,15 @@ def _segment_tiles(mosaic, x, lora_a, interpret: bool, prompt_tiles: str | None)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "block_sizes", "mosaic", "prompt_tiles", "interpret")
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "block_sizes",
+        "mosaic",
+        "prompt_tiles",
+        "tokens_per_slot",
+        "interpret",
+    ),
 )
 def lora_shrink(
     x: jax.Array,
@@ -143,6 +151,7 @@ def lora_shrink(
     block_sizes: BlockSizes | None = None,
     mosaic: bool | None = None,
     prompt_tiles: str | None = None,
+    tokens_per_slot: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """``out[s, t] = scale * x[t] @ lora_a[s][idx[t]].T``, f32 [S, T, R], one launch
@@ -166,6 +175,11 @@ def lora_shrink(
     or "all" (the split runs the Mosaic kernel alone on a zeroed output: no Triton
     launch). None: not known, both kernels run. A wrong "all" leaves the tokens outside
     prompt tiles at 0.
+
+    ``tokens_per_slot``: what the host knows of the step's mapped tokens per active slot
+    (`lora_jax.mapping.LoRAMapping.tokens_per_slot`). Without ``block_sizes``, a step
+    where that is 1 (or 2 at rank 16) runs the per-token kernel (pallas_triton_bgmv.py).
+    It picks kernels only: any value gives the same result.
 
     Example::
 
@@ -198,7 +212,11 @@ def lora_shrink(
     )
     if block_sizes is None:
         block_sizes = BlockSizes.get_default(
-            "shrink", num_tokens=num_tokens, hidden=hidden, rank=rank
+            "shrink",
+            num_tokens=num_tokens,
+            hidden=hidden,
+            rank=rank,
+            per_token=use_per_token(tokens_per_slot, rank) and not mosaic,
         )
     ranks = None if slot_ranks is None else slot_ranks.astype(jnp.int32)
     if block_sizes.per_token:
@@ -264,7 +282,9 @@ def _get_segments(work_lists, token_lora_indices, counts, starts, sorted_ids, *,
     return seg
 
 
-@functools.partial(jax.jit, static_argnames=("offsets", "block_sizes", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("offsets", "block_sizes", "tokens_per_slot", "interpret")
+)
 def lora_expand(
     y: jax.Array,
     h: jax.Array,
@@ -280,6 +300,7 @@ def lora_expand(
     slot_ranks: jax.Array | None = None,
     work_lists: Mapping[int, jax.Array] | None = None,
     block_sizes: BlockSizes | None = None,
+    tokens_per_slot: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """``y[t, off_s:off_s+n_s] += h[s, t] @ lora_b[s][idx[t]].T``, all slices in one launch.
@@ -288,6 +309,7 @@ def lora_expand(
     S arrays [max_loras, n_s, R]; offsets: static column offset of each slice.
     Sums are formed in f32 and cast once; rows with idx -1 are returned
     bit-identical. Donate ``y`` under an outer jit to update it in place.
+    ``tokens_per_slot`` picks the kernel as in `lora_shrink`.
 
     Example::
 
@@ -327,7 +349,11 @@ def lora_expand(
     )
     if block_sizes is None:
         block_sizes = BlockSizes.get_default(
-            "expand", num_tokens=num_tokens, hidden=width, rank=rank
+            "expand",
+            num_tokens=num_tokens,
+            hidden=width,
+            rank=rank,
+            per_token=use_per_token(tokens_per_slot, rank),
         )
     ranks = None if slot_ranks is None else slot_ranks.astype(jnp.int32)
     if block_sizes.per_token:

@@ -328,7 +328,14 @@ class BaseLayerWithLoRA(nnx.Module):
 
         def local(xl, kl, a, b, ranks, m):
             if not isinstance(m, LoRAMapping):
-                m = make_lora_mapping(m, L, is_prefill=mapping.is_prefill, prompt_tiles=shard_tiles)
+                # tokens_per_slot: a hint (1 holds for any share of the tokens)
+                m = make_lora_mapping(
+                    m,
+                    L,
+                    is_prefill=mapping.is_prefill,
+                    prompt_tiles=shard_tiles,
+                    tokens_per_slot=mapping.tokens_per_slot,
+                )
             y = base.local_matmul(xl, kl)
             return self._lora_local(y, xl, a, b, ranks, m)
 
@@ -371,10 +378,12 @@ def set_lora_mapping(
     *,
     is_prefill: bool | None = None,
     prompt_tiles: str | None = None,
+    tokens_per_slot: int | None = None,
 ) -> LoRAMapping | None:
     """Sets the step's mapping on every LoRA layer of `model` (call inside your jit).
     ``is_prefill=False`` marks a decode step (`LoRAMapping.is_prefill`); ``prompt_tiles``
-    says what the caller knows of its prompts' layout (`make_lora_mapping`).
+    and ``tokens_per_slot`` say what the caller knows of its prompts' layout and of its
+    tokens per adapter (`make_lora_mapping`).
 
     Example:
         >>> set_lora_mapping(model, jnp.array([0, 0, -1, 2], jnp.int32))  # doctest: +SKIP
@@ -392,6 +401,7 @@ def set_lora_mapping(
             seq_lora_indices,
             is_prefill=is_prefill,
             prompt_tiles=prompt_tiles,
+            tokens_per_slot=tokens_per_slot,
         )
     ctx.set_value(mapping)
     return mapping
