@@ -420,6 +420,21 @@ for what in "$@"; do
     step pt18 440 "${OPS[@]}" --ops shrink,expand --tokens 16,64,128 --hiddens 4096 \
       --ranks 16,64,128 --adapters 16,32,64 --impls ours,ours_pt,gather --time-budget 420 \
       --out "$OUT/pt18" ;;
+  final18)  # session 18: GPU tests of the per-token kernels and the host's hint; the
+    # per-token tiles at 1-16 tokens and H = 8192; the tp = 1 model with the hint
+    JAX_DEFAULT_MATMUL_PRECISION=highest step final18_tests 130 \
+      python3 -P -m pytest tests/kernels/test_shrink_expand_pallas_triton.py \
+      tests/test_mapping_ops.py -m "gpu or not gpu" -k "bgmv or tokens_per_slot or host_hint" \
+      -q -p no:cacheprovider
+    step final18_small 100 "${OPS[@]}" --ops shrink,expand --tokens 1,16 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 8 --impls ours,ours_pt,gather --time-budget 90 \
+      --out "$OUT/final18_small"
+    step final18_wide 70 "${OPS[@]}" --ops shrink,expand --tokens 16,64 --hiddens 8192 \
+      --ranks 64 --adapters 16,64 --impls ours,ours_pt,gather --time-budget 60 \
+      --out "$OUT/final18_wide"
+    step final18_model 380 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64 \
+      --variants base,lora --prefill "" --hinted-batches 1,16,64 --reps 3 \
+      --out "$OUT/final18_model.json" ;;
   final16)  # session 16: the decode expand's run-time column tiles (live_programs): the
     # Triton kernel GPU tests, then the decode expand cells, ours and vLLM's side by side
     JAX_DEFAULT_MATMUL_PRECISION=highest step final16_tests 210 python3 -P -m pytest \
@@ -466,7 +481,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 bgmv18 bgmv18e pt18 final16 e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 bgmv18 bgmv18e pt18 final18 final16 e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -102,13 +102,14 @@ def token_slots(batch: int, n_adapters: int, seed: int = 0) -> np.ndarray:
     return slots.astype(np.int32)
 
 
-def make_decode(model, steps: int):
+def make_decode(model, steps: int, tokens_per_slot: int | None = None):
+    """``tokens_per_slot``: the host's hint for the step's mapping (`LoRAMapping`)."""
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def run(state, cache, ids, pos, idx):
         m = nnx.merge(graphdef, state)
-        lj.set_lora_mapping(m, idx)
+        lj.set_lora_mapping(m, idx, tokens_per_slot=tokens_per_slot)
 
         def body(i, carry):
             cache, ids = carry
@@ -145,15 +146,15 @@ def timeit(fn, *args, reps: int) -> tuple[float, float]:
     return float(np.median(times)), compile_s
 
 
-def bench_decode(model, cfg, rules, batch, n_adapters, args):
-    run, state = make_decode(model, args.steps)
+def bench_decode(model, cfg, rules, batch, n_adapters, args, hinted: bool = False):
+    slots = token_slots(batch, n_adapters) if n_adapters else np.full(batch, -1, np.int32)
+    hint = lj.mapping.host_tokens_per_slot(slots, args.max_loras) if hinted else None
+    run, state = make_decode(model, args.steps, hint)
     max_len = args.context + args.steps + 1
     cache = KVCache.init(cfg, batch, max_len, rules=rules, dtype=jnp.bfloat16)
     ids = jnp.zeros((batch,), jnp.int32)
     pos = jnp.full((batch,), args.context, jnp.int32)
-    idx = jnp.asarray(
-        token_slots(batch, n_adapters) if n_adapters else np.full(batch, -1, np.int32)
-    )
+    idx = jnp.asarray(slots)
     hlo = run.lower(state, cache, ids, pos, idx).compile().as_text()
     t, c = timeit(run, state, cache, ids, pos, idx, reps=args.reps)
     return t / args.steps, c, collective_bytes(hlo)
@@ -203,6 +204,13 @@ def main(argv=None):
         default="",
         help="also time plain LoRA with the XLA backend multiplying against every slot "
         "(lora_jax.ops.ONE_HOT_TOKENS_PER_SLOT = 0) at these decode batches",
+    )
+    p.add_argument(
+        "--hinted-batches",
+        default="",
+        help="also time plain LoRA whose mapping carries the host's tokens per slot "
+        "(LoRAMapping.tokens_per_slot: the Pallas default at any batch, per-token kernels "
+        "where each request has its own adapter) at these decode batches",
     )
     p.add_argument(
         "--fused-batches",
@@ -266,6 +274,7 @@ def main(argv=None):
                 ("pallas", args.pallas_batches),
                 ("xla_onehot", args.onehot_batches),
                 ("pallas_fused", args.fused_batches),
+                ("hinted", args.hinted_batches),
             ]
             defaults = [c for c in cases if c[0] == "decode"]
             for backend, flag in forced if fully is False else []:
@@ -277,9 +286,10 @@ def main(argv=None):
                 ratio = lj.ops.ONE_HOT_TOKENS_PER_SLOT
                 if backend == "xla_onehot":
                     lj.ops.ONE_HOT_TOKENS_PER_SLOT = 0.0
-                lj.ops.set_default_backend("xla" if backend == "xla_onehot" else backend)
+                forced_backend = {"xla_onehot": "xla", "hinted": None}.get(backend, backend)
+                lj.ops.set_default_backend(forced_backend)
                 if kind == "decode":
-                    t, c, coll = bench_decode(model, cfg, rules, b, n, args)
+                    t, c, coll = bench_decode(model, cfg, rules, b, n, args, backend == "hinted")
                 else:
                     t, c, coll = bench_prefill(model, cfg, b // ps, ps, n, args)
                 lj.ops.set_default_backend(None)
