@@ -432,7 +432,7 @@ for what in "$@"; do
     step final18_wide 70 "${OPS[@]}" --ops shrink,expand --tokens 16,64 --hiddens 8192 \
       --ranks 64 --adapters 16,64 --impls ours,ours_pt,gather --time-budget 60 \
       --out "$OUT/final18_wide"
-    step final18_model 380 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64 \
+    step final18_model 290 python3 -P benchmarks/tp.py --tp 1 --layers 16 --batches 1,16,64 \
       --variants base,lora --prefill "" --hinted-batches 1,16,64 --reps 3 \
       --out "$OUT/final18_model.json" ;;
   final16)  # session 16: the decode expand's run-time column tiles (live_programs): the
