@@ -435,6 +435,11 @@ for what in "$@"; do
     step final18_model 290 python3 -P benchmarks/tp.py --tp 1 --layers 16 --batches 1,16,64 \
       --variants base,lora --prefill "" --hinted-batches 1,16,64 --reps 3 \
       --out "$OUT/final18_model.json" ;;
+  model18)  # session 18: the 16-layer tp = 1 decode step on XLA (default below 128 tokens),
+    # the Pallas segment kernels, and Pallas with the host's tokens-per-slot hint
+    step model18 320 python3 -P benchmarks/tp.py --tp 1 --layers 16 --batches 1,16,64 \
+      --variants base,lora --prefill "" --pallas-batches 1,16,64 --hinted-batches 1,16,64 \
+      --reps 3 --out "$OUT/model18.json" ;;
   final16)  # session 16: the decode expand's run-time column tiles (live_programs): the
     # Triton kernel GPU tests, then the decode expand cells, ours and vLLM's side by side
     JAX_DEFAULT_MATMUL_PRECISION=highest step final16_tests 210 python3 -P -m pytest \
@@ -481,7 +486,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 bgmv18 bgmv18e pt18 final18 final16 e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done

@@ -208,9 +208,9 @@ def main(argv=None):
     p.add_argument(
         "--hinted-batches",
         default="",
-        help="also time plain LoRA whose mapping carries the host's tokens per slot "
-        "(LoRAMapping.tokens_per_slot: the Pallas default at any batch, per-token kernels "
-        "where each request has its own adapter) at these decode batches",
+        help="also time plain LoRA on the Pallas backend with the host's tokens per slot in "
+        "its mapping (LoRAMapping.tokens_per_slot: per-token kernels where each request "
+        "has its own adapter) at these decode batches",
     )
     p.add_argument(
         "--fused-batches",
@@ -286,7 +286,7 @@ def main(argv=None):
                 ratio = lj.ops.ONE_HOT_TOKENS_PER_SLOT
                 if backend == "xla_onehot":
                     lj.ops.ONE_HOT_TOKENS_PER_SLOT = 0.0
-                forced_backend = {"xla_onehot": "xla", "hinted": None}.get(backend, backend)
+                forced_backend = {"xla_onehot": "xla", "hinted": "pallas"}.get(backend, backend)
                 lj.ops.set_default_backend(forced_backend)
                 if kind == "decode":
                     t, c, coll = bench_decode(model, cfg, rules, b, n, args, backend == "hinted")

@@ -10,10 +10,8 @@ expand leaves `y` bit-identical).
 
 Backends: "pallas" (the GPU kernels in `lora_jax.kernels`) and "xla" (a gather einsum, or
 one matmul over all slots when tokens outnumber slots; runs anywhere). The default is
-"pallas" on GPU for batches of at least `PALLAS_MIN_TOKENS` tokens, or of any size whose
-mapping was built from host indices (`LoRAMapping.tokens_per_slot`: the kernels then run
-a program per token where a step's tokens mostly have adapters of their own), and "xla"
-otherwise: on an H200, in a Llama-3-8B decode step at 64 tokens, XLA was as fast as the kernels with
+"pallas" on GPU for batches of at least `PALLAS_MIN_TOKENS` tokens and "xla" otherwise:
+on an H200, in a Llama-3-8B decode step at 64 tokens, XLA was as fast as the kernels with
 8 adapters and faster with 64 (benchmarks/RESULTS.md, "model"), while the kernels win
 from 256 tokens up. Force one per call with `backend=`, globally with
 `set_default_backend`, or with the environment variable `LORA_JAX_OPS_BACKEND`.
@@ -44,7 +42,10 @@ BACKENDS = ("xla", "pallas", "pallas_fused")
 # Below this many tokens (per shard) the GPU default is XLA: at decode a kernel call has a
 # floor of ~2.5-3 us of GPU time, and on an H200 XLA's gather einsum was still faster for
 # the shrink at 1-16 tokens and at 64 tokens with 64 adapters (benchmarks/RESULTS.md, ops,
-# session 6), and as fast in a whole decode step at 64 tokens ("model", session 4).
+# session 6), and as fast in a whole decode step at 64 tokens ("model", session 4). With
+# the per-token kernels (session 18, a mapping from host indices) a 16-layer decode step
+# was 4 % faster at 1 and at 64 tokens with 8 adapters, 4 % slower at 16 with 16, equal at
+# 64 with 64: no clear win, so the default stays.
 PALLAS_MIN_TOKENS = 128
 _default_backend: str | None = os.environ.get("LORA_JAX_OPS_BACKEND") or None
 PALLAS_INTERPRET = False
@@ -73,15 +74,8 @@ def _kernels():
     return kernels if hasattr(kernels, "lora_shrink") else None
 
 
-def resolve_backend(
-    backend: str | None = None, num_tokens: int | None = None, host_hint: bool = False
-) -> str:
+def resolve_backend(backend: str | None = None, num_tokens: int | None = None) -> str:
     """The backend an op will use: explicit > global default > GPU and batch size.
-
-    ``host_hint``: the step's mapping carries what the host found of its tokens per slot
-    (`LoRAMapping.tokens_per_slot`), so the kernels pick the per-token path where it is
-    faster; then the GPU default is "pallas" at every batch size (H200, session 18: with
-    that pick, the kernels beat or tie XLA's gather einsum at 16-128 tokens).
 
     Example:
         >>> resolve_backend("xla")
@@ -90,17 +84,13 @@ def resolve_backend(
     choice = backend or _default_backend
     if choice is None:
         gpu = jax.default_backend() == "gpu" and _kernels() is not None
-        big = num_tokens is None or num_tokens >= PALLAS_MIN_TOKENS or host_hint
+        big = num_tokens is None or num_tokens >= PALLAS_MIN_TOKENS
         choice = "pallas" if gpu and big else "xla"
     if choice not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
     if choice in ("pallas", "pallas_fused") and _kernels() is None:
         raise ValueError(f"backend={choice!r} requested but lora_jax.kernels is not available")
     return choice
-
-
-def _hinted(mapping: LoRAMapping) -> bool:
-    return mapping.tokens_per_slot is not None
 
 
 def _check_stacks(name: str, stacks: Sequence[jax.Array], mapping: LoRAMapping) -> None:
@@ -152,7 +142,7 @@ def lora_shrink(
     """
     lora_a = tuple(lora_a)
     _check_stacks("lora_a", lora_a, mapping)
-    if resolve_backend(backend, x.shape[0], _hinted(mapping)) in ("pallas", "pallas_fused"):
+    if resolve_backend(backend, x.shape[0]) in ("pallas", "pallas_fused"):
         return _kernels().lora_shrink(
             x,
             lora_a,
@@ -218,7 +208,7 @@ def lora_expand(
             raise ValueError(
                 f"lora_expand: slice {s} [{off}, {off + b.shape[1]}) exceeds y width {y.shape[-1]}"
             )
-    if resolve_backend(backend, y.shape[0], _hinted(mapping)) in ("pallas", "pallas_fused"):
+    if resolve_backend(backend, y.shape[0]) in ("pallas", "pallas_fused"):
         return _kernels().lora_expand(
             y,
             h,
@@ -281,7 +271,7 @@ def add_lora_linear(
         >>> y = add_lora_linear(y, x, a_slices, b_slices, mapping)  # doctest: +SKIP
         >>> y = add_lora_linear(y, x, a, b, mapping, backend="pallas_fused")  # doctest: +SKIP
     """
-    if resolve_backend(backend, x.shape[0], _hinted(mapping)) == "pallas_fused":
+    if resolve_backend(backend, x.shape[0]) == "pallas_fused":
         lora_a, lora_b = tuple(lora_a), tuple(lora_b)
         _check_stacks("lora_a", lora_a, mapping)
         _check_stacks("lora_b", lora_b, mapping)

@@ -271,29 +271,27 @@ def test_tokens_per_slot_found_on_the_host_only():
         lj.make_lora_mapping(np.zeros(4, np.int32), 4, tokens_per_slot=3)
 
 
-def test_host_hint_makes_pallas_the_gpu_default_at_any_batch(monkeypatch):
-    """On a GPU (faked) small batches go to XLA unless the mapping carries the host's
-    tokens per slot; explicit and global choices still win."""
-    monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
-    assert ops.resolve_backend(None, 16) == "xla"
-    assert ops.resolve_backend(None, 16, host_hint=True) == "pallas"
-    assert ops.resolve_backend(None, ops.PALLAS_MIN_TOKENS) == "pallas"
-    assert ops.resolve_backend("xla", 16, host_hint=True) == "xla"
-
-
 @pytest.mark.parametrize(
-    "per_slot,rank,bgmv",
-    [(1, 64, True), (2, 16, True), (2, 64, False), (0, 16, False), (None, 16, False)],
+    "per_slot,rank,tokens,bgmv",
+    [
+        (1, 64, 64, True),
+        (2, 16, 64, True),
+        (2, 64, 16, True),
+        (2, 64, 64, False),
+        (0, 16, 64, False),
+        (None, 16, 64, False),
+    ],
 )
-def test_tokens_per_slot_picks_the_per_token_kernels(monkeypatch, per_slot, rank, bgmv):
+def test_tokens_per_slot_picks_the_per_token_kernels(monkeypatch, per_slot, rank, tokens, bgmv):
     """Lowered for CUDA on this CPU: a step with a slot per token (or two a slot at rank
-    16) runs the per-token (BGMV) shrink and expand; others the segment kernels."""
+    16 or at up to 16 tokens) runs the per-token (BGMV) shrink and expand; others the
+    segment kernels."""
     if not hasattr(jax.jit(lambda v: v), "trace"):
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
     from tests.kernels.shrink_expand_test_base import abstract_gpu_context
 
     monkeypatch.setattr(ops, "PALLAS_INTERPRET", False)
-    tokens, hidden = 64, 1024
+    hidden = 1024
     idx = np.random.default_rng(0).permutation(64)[:tokens].astype(np.int32)
     if per_slot is None:  # device indices: not known
         idx = jnp.asarray(idx)

@@ -178,8 +178,9 @@ def lora_shrink(
 
     ``tokens_per_slot``: what the host knows of the step's mapped tokens per active slot
     (`lora_jax.mapping.LoRAMapping.tokens_per_slot`). Without ``block_sizes``, a step
-    where that is 1 (or 2 at rank 16) runs the per-token kernel (pallas_triton_bgmv.py).
-    It picks kernels only: any value gives the same result.
+    where that is 1 (or 2 at rank 16 or up to 16 tokens: `use_per_token`) runs the
+    per-token kernel (pallas_triton_bgmv.py). It picks kernels only: any value gives the
+    same result.
 
     Example::
 
@@ -216,7 +217,7 @@ def lora_shrink(
             num_tokens=num_tokens,
             hidden=hidden,
             rank=rank,
-            per_token=use_per_token(tokens_per_slot, rank) and not mosaic,
+            per_token=use_per_token(tokens_per_slot, rank, num_tokens) and not mosaic,
         )
     ranks = None if slot_ranks is None else slot_ranks.astype(jnp.int32)
     if block_sizes.per_token:
@@ -353,7 +354,7 @@ def lora_expand(
             num_tokens=num_tokens,
             hidden=width,
             rank=rank,
-            per_token=use_per_token(tokens_per_slot, rank),
+            per_token=use_per_token(tokens_per_slot, rank, num_tokens),
         )
     ranks = None if slot_ranks is None else slot_ranks.astype(jnp.int32)
     if block_sizes.per_token:

@@ -310,16 +310,22 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
     return None
 
 
-def use_per_token(tokens_per_slot: int | None, rank: int) -> bool:
+PER_TOKEN_SMALL_TOKENS = 16
+"""Up to this many tokens, two tokens a slot also run the per-token kernels at every rank."""
+
+
+def use_per_token(tokens_per_slot: int | None, rank: int, num_tokens: int) -> bool:
     """Whether a step whose host found ``tokens_per_slot`` (`LoRAMapping.tokens_per_slot`:
     1 a slot per mapped token, 2 at most two a slot on average, 0 more, None not known)
     runs the per-token kernels. H200, session 18 (benchmarks/RESULTS.md, shrink / expand
-    µs, per-token vs segment): a token a slot wins at every rank (T = 64, R = 64: 10.9 /
-    11.0 vs 11.2 / 12.7); two a slot only at rank 16 (T = 128: 5.6 / 5.6 vs 5.9 / 7.3;
-    at R = 64, T = 64 8.4 / 8.6 vs 7.3 / 8.4)."""
+    µs, per-token vs segment): a token a slot wins at every rank and size measured (T = 1,
+    R = 64: 1.6 / 1.5 vs 2.2 / 2.1; T = 64, R = 64: 10.9 / 11.0 vs 11.2 / 12.7); two a slot
+    at rank 16 (T = 128: 5.6 / 5.6 vs 5.9 / 7.3) and at 16 tokens (R = 128: 4.9 / 5.2 vs
+    5.8 / 6.7), not at rank 64 from 64 tokens (8.4 / 8.6 vs 7.3 / 8.4)."""
     if tokens_per_slot == 1:
         return True
-    return tokens_per_slot == 2 and max(16, next_pow2(rank)) <= 16
+    small = max(16, next_pow2(rank)) <= 16 or num_tokens <= PER_TOKEN_SMALL_TOKENS
+    return tokens_per_slot == 2 and small
 
 
 PER_TOKEN_K = 128
