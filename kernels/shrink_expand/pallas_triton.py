@@ -106,6 +106,14 @@ def _true_rank(ranks_ref, s: int, slot, rank: int):
     return jnp.minimum(ranks_ref[s, jnp.maximum(slot, 0)], rank)
 
 
+def expand_refs(refs, has_ranks: bool, num_slices: int):
+    """An expand kernel's refs after its schedule: (slot_ranks [S, L] or None, h [S, T, R],
+    S x B [L, n_s, R], the output y [T, N] aliased to the y input)."""
+    ranks_ref, refs = (refs[0], refs[1:]) if has_ranks else (None, refs)
+    h_ref, rest = refs[0], refs[1:]
+    return ranks_ref, h_ref, rest[:num_slices], rest[num_slices + 1]
+
+
 def expand_tile(
     y_ref, b_ref, h, rows, slot, r, r_mask, c, n_s: int, off: int, dtype, precision, row_ok
 ):
@@ -140,12 +148,7 @@ def _expand_kernel(
     bs: BlockSizes,
     mask_rows: bool,
 ):
-    if has_ranks:
-        ranks_ref, h_ref, *rest = refs  # [S, L], [S, T, R]
-    else:
-        ranks_ref, (h_ref, *rest) = None, refs
-    b_refs = rest[:num_slices]  # S x [L, n_s, R]
-    y_ref = rest[num_slices + 1]  # output aliased to the y input: [T, N]
+    ranks_ref, h_ref, b_refs, y_ref = expand_refs(refs, has_ranks, num_slices)
     pid, sid, grp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm, bn, tiles = bs.block_m, bs.block_n, bs.tiles_n
     rank_p = max(16, 1 << (rank - 1).bit_length())

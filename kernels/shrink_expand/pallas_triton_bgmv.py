@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, next_pow2
-from lora_jax.kernels.shrink_expand.pallas_triton import _true_rank
+from lora_jax.kernels.shrink_expand.pallas_triton import _true_rank, expand_refs
 from lora_jax.kernels.shrink_expand.pallas_triton_shrink import _add_to, _shrink_refs
 
 
@@ -152,12 +152,7 @@ def _expand_kernel(
     rank: int,
     bs: BlockSizes,
 ):
-    if has_ranks:
-        ranks_ref, h_ref, *rest = refs  # [S, L], [S, T, R]
-    else:
-        ranks_ref, (h_ref, *rest) = None, refs
-    b_refs = rest[:num_slices]  # S x [L, n_s, R]
-    y_ref = rest[num_slices + 1]  # output aliased to the y input: [T, N]
+    ranks_ref, h_ref, b_refs, y_ref = expand_refs(refs, has_ranks, num_slices)
     t, sid, grp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bn, tiles = bs.block_n, bs.tiles_n
     rank_p = max(16, next_pow2(rank))

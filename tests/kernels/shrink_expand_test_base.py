@@ -162,6 +162,13 @@ CPU_CASES = [
     Case(4, 32, 256, (200,), jnp.float16, "unsorted", max_loras=2),
 ]
 
+# Cases whose kernel path another case already takes (tiles, mapping kind, dtype): they
+# run on the oldest jax only (marked slow; the newest-jax CI run skips slow tests).
+_REPEATS = {1, 8, 9, 11, 13, 14, 16, 18, 20, 22, 23, 24, 26, 28}
+CPU_PARAMS = [
+    pytest.param(c, marks=pytest.mark.slow) if i in _REPEATS else c for i, c in enumerate(CPU_CASES)
+]
+
 
 class ShrinkExpandTestBase:
     """Subclass and set `interpret`; `cases` may be overridden with larger shapes."""
@@ -203,7 +210,7 @@ class ShrinkExpandTestBase:
         )
         return idx, meta, x, lora_a, lora_b, y, offsets, slot_ranks, h
 
-    @pytest.mark.parametrize("case", CPU_CASES, ids=str)
+    @pytest.mark.parametrize("case", CPU_PARAMS, ids=str)
     def test_shrink(self, case: Case):
         if case.block_sizes is not None and case.block_sizes.live_programs:
             pytest.skip("expand tiling (live_programs): the shrink runs as the cases above")
@@ -223,7 +230,7 @@ class ShrinkExpandTestBase:
             past = np.arange(case.rank)[None, None, :] >= np.asarray(slot_ranks)[:, safe][..., None]
             assert np.all(np.asarray(out)[past] == 0)
 
-    @pytest.mark.parametrize("case", CPU_CASES, ids=str)
+    @pytest.mark.parametrize("case", CPU_PARAMS, ids=str)
     def test_expand(self, case: Case):
         idx, meta, _, _, lora_b, y, offsets, slot_ranks, h = self._inputs(case)
         kw = dict(meta, offsets=offsets, slot_ranks=slot_ranks)

@@ -38,6 +38,11 @@ FUSED_CASES = [
     Case(24, 72, 24, (40,), jnp.float32, "sorted", ranked=True, block_sizes=_ONE_TILE_EACH),
     Case(1, 64, 16, (16,), jnp.float32, "one"),
 ]
+# Paths another case takes too: the oldest jax only (slow; the newest-jax CI run skips them).
+FUSED_PARAMS = [
+    pytest.param(c, marks=pytest.mark.slow) if i in (1, 3, 4, 8) else c
+    for i, c in enumerate(FUSED_CASES)
+]
 
 
 class FusedTestBase:
@@ -68,7 +73,7 @@ class FusedTestBase:
         assert np.array_equal(out_np[idx < 0], y_np[idx < 0])
         assert np.array_equal(out_np[:, sum(case.widths) :], y_np[:, sum(case.widths) :])
 
-    @pytest.mark.parametrize("case", FUSED_CASES, ids=str)
+    @pytest.mark.parametrize("case", FUSED_PARAMS, ids=str)
     def test_fused(self, case: Case):
         self.check(case)
 
