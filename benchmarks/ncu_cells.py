@@ -61,7 +61,12 @@ def run_cells(cells: list[str]) -> None:
         t, h, r, n = map(int, shape.split("x"))
         c = ops_bench.Case(op, t, h, r, n)
         inputs, w, metas = ops_bench.build(c, 1)
-        fn = ops_bench.ours(c, None, prompt_tiles=ops_bench.host_prompt_tiles(metas))
+        fn = ops_bench.ours(
+            c,
+            None,
+            prompt_tiles=ops_bench.host_prompt_tiles(metas),
+            tokens_per_slot=ops_bench.host_tokens_per_slot(metas),
+        )
         compiled = jax.jit(fn).lower(inputs, w, metas).compile()
         jax.block_until_ready(compiled(inputs, w, metas))
         print(f"ran {cell}", file=sys.stderr, flush=True)

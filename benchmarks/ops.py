@@ -17,6 +17,10 @@ Every cell also checks our kernel's first call against the jnp oracle
 (`max rel err` = max |ours - oracle| / max |oracle|, bound per op in ERR_BOUND;
 `--no-check` skips it). `--timer trace` replaces wall time by the GPU's busy time
 from a `jax.profiler` trace (kernel intervals, without launch gaps and host jitter).
+"ours" is the library's default as a server's host-built mapping runs it: the host's
+prompt tiles and tokens per slot known (session 18: the latter picks the per-token
+kernels where tokens have adapters of their own); "ours_blind" the same with neither
+known (a mapping built on the device), "ours_pt" the per-token tiles forced.
 
     python benchmarks/ops.py --out $OUT            # full grid, prints a table, writes ops.json
     python benchmarks/ops.py --sweep --out $OUT    # also try a few tile configs per case
@@ -57,6 +61,8 @@ from lora_jax.kernels import (
     lora_shrink_reference,
 )
 from lora_jax.kernels.shrink_expand.work_list import prompt_tiles
+
+from lora_jax import mapping as mapping_lib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -138,7 +144,13 @@ REF_CHUNK_BYTES = 1 << 30  # the oracle gathers [tokens, R, H] f32: chunk the to
 
 
 def max_rel_err(
-    c: Case, inputs, w, metas, bs: BlockSizes | None, prompt_tiles: str | None = None
+    c: Case,
+    inputs,
+    w,
+    metas,
+    bs: BlockSizes | None,
+    prompt_tiles: str | None = None,
+    tokens_per_slot: int | None = None,
 ) -> float:
     """Our kernel's first call vs the jnp oracle (evaluated in token chunks), relative
     to the oracle's largest magnitude."""
@@ -148,7 +160,13 @@ def max_rel_err(
     if c.op == "shrink":
         x = inputs[0]
         got = lora_shrink(
-            x, (a,), **m, block_sizes=bs, prompt_tiles=prompt_tiles, interpret=INTERPRET
+            x,
+            (a,),
+            **m,
+            block_sizes=bs,
+            prompt_tiles=prompt_tiles,
+            tokens_per_slot=tokens_per_slot,
+            interpret=INTERPRET,
         )[0]
         ref_fn = jax.jit(lambda xc, ic: lora_shrink_reference(xc, (a,), token_lora_indices=ic)[0])
         ref = jnp.concatenate(
@@ -156,7 +174,16 @@ def max_rel_err(
         )
     else:
         h, y = inputs[0][0], inputs[1][0]
-        got = lora_expand(y, h, (a,), offsets=(0,), **m, block_sizes=bs, interpret=INTERPRET)
+        got = lora_expand(
+            y,
+            h,
+            (a,),
+            offsets=(0,),
+            **m,
+            block_sizes=bs,
+            tokens_per_slot=tokens_per_slot,
+            interpret=INTERPRET,
+        )
         ref_fn = jax.jit(
             lambda yc, hc, ic: lora_expand_reference(
                 yc, hc, (a,), offsets=(0,), token_lora_indices=ic
@@ -197,15 +224,27 @@ def host_prompt_tiles(metas) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
+def host_tokens_per_slot(metas) -> int | None:
+    """What a mapping built from these steps' host indices says of their tokens per slot
+    (`lora_jax.mapping.host_tokens_per_slot`), if every step agrees."""
+    found = {
+        mapping_lib.host_tokens_per_slot(np.asarray(m["token_lora_indices"]), MAX_LORAS)
+        for m in metas
+    }
+    return found.pop() if len(found) == 1 else None
+
+
 def ours(
     c: Case,
     bs: BlockSizes | None,
     *,
     ready_work_lists: bool = True,
     prompt_tiles: str | None = None,
+    tokens_per_slot: int | None = None,
 ):
     """Our kernels; ``ready_work_lists=False``: each call builds its own work list;
-    ``prompt_tiles``: what the host found (`host_prompt_tiles`), None: not known."""
+    ``prompt_tiles`` / ``tokens_per_slot``: what the host found (`host_prompt_tiles`,
+    `host_tokens_per_slot`), None: not known."""
 
     def meta_of(m):
         return m if ready_work_lists else {k: v for k, v in m.items() if k != "work_lists"}
@@ -217,12 +256,20 @@ def ours(
             **meta_of(m),
             block_sizes=bs,
             prompt_tiles=prompt_tiles,
+            tokens_per_slot=tokens_per_slot,
             interpret=INTERPRET,
         )
 
     def expand_one(y, h, b, m):
         return lora_expand(
-            y, h, (b,), offsets=(0,), **meta_of(m), block_sizes=bs, interpret=INTERPRET
+            y,
+            h,
+            (b,),
+            offsets=(0,),
+            **meta_of(m),
+            block_sizes=bs,
+            tokens_per_slot=tokens_per_slot,
+            interpret=INTERPRET,
         )
 
     return per_call(c, shrink_one, expand_one)
@@ -909,17 +956,19 @@ def main(argv=None):
             calls = 2
         inputs, w, metas = build(c, calls)
         res = dict(dataclasses.asdict(c), ideal_us=ideal_bytes(c) / HBM_GBPS / 1e3, impls={})
-        # A server's mapping, built from host indices, knows the step's prompt tiles.
+        # A server's mapping, built from host indices, knows the step's prompt tiles and
+        # tokens per slot (session 18: the latter picks the per-token kernels).
         tiles = res["prompt_tiles"] = host_prompt_tiles(metas)
+        per_slot = res["tokens_per_slot"] = host_tokens_per_slot(metas)
         if a.check:
             try:
-                res["max_rel_err"] = max_rel_err(c, inputs, w, metas, None, tiles)
+                res["max_rel_err"] = max_rel_err(c, inputs, w, metas, None, tiles, per_slot)
                 res["err_ok"] = res["max_rel_err"] <= ERR_BOUND[c.op]
             except Exception as e:  # noqa: BLE001
                 res["max_rel_err"], res["err_ok"] = float("nan"), False
                 print(f"accuracy check failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        variants = [("ours", ours(c, None, prompt_tiles=tiles), w)]
-        if "ours_blind" in impls and c.op == "shrink":  # the mapping built on the device
+        variants = [("ours", ours(c, None, prompt_tiles=tiles, tokens_per_slot=per_slot), w)]
+        if "ours_blind" in impls:  # the mapping built on the device: neither is known
             variants.append(("ours_blind", ours(c, None), w))
         candidates = {}
         if a.sweep:
