@@ -20,6 +20,7 @@ one of 8 adapters, in order), ``shuffled64`` (64 adapters, tokens shuffled: no p
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -69,30 +70,45 @@ def main():
     )
     p.add_argument("--split", type=int, default=0)
     p.add_argument("--programs", type=int, default=0, help="persistent grid; 0: one per SM")
+    p.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated block_m:stages:compute_wgs tiles to time the Mosaic kernel with, "
+        "one row each (stages 0: the rank's default); the other impls run with the first only",
+    )
     p.add_argument("--out", default="")
     args = p.parse_args()
     ops_bench.TIMER = "trace"
 
-    def tiles_for(rank: int) -> mg.MosaicTiles:
-        return mg.MosaicTiles(
-            block_m=args.block_m,
-            block_k=args.block_k,
-            stages=args.stages or mg.default_tiles(rank, args.block_m).stages,
-            split_k=args.split,
-            programs=args.programs,
-        )
+    def tiles_for(rank: int) -> list[mg.MosaicTiles]:
+        specs = args.variants.split(",") if args.variants else [f"{args.block_m}:{args.stages}:1"]
+        out = []
+        for spec in specs:
+            bm, stages, wgs = map(int, spec.split(":"))
+            out.append(
+                mg.MosaicTiles(
+                    block_m=bm,
+                    block_k=args.block_k,
+                    stages=stages or mg.default_tiles(rank, bm).stages,
+                    split_k=args.split,
+                    programs=args.programs,
+                    compute_wgs=wgs,
+                )
+            )
+        return out
 
     rows = []
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     print(
-        "| T | R | layout | mosaic rows | max rel err (kernel / split) | mosaic µs | split µs "
-        "| triton µs | dense µs |"
+        "| T | R | layout | tiles (block_m:stages:compute_wgs) | mosaic rows "
+        "| max rel err (kernel / split) | mosaic µs | split µs | triton µs | dense µs |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for t in map(int, args.tokens.split(",")):
         for r in map(int, args.ranks.split(",")):
-            tiles = tiles_for(r)
-            for lay in args.layouts.split(","):
+            for lay, (vi, tiles) in itertools.product(
+                args.layouts.split(","), enumerate(tiles_for(r))
+            ):
                 rng = np.random.default_rng(0)
                 k = jax.random.key(0)
                 h = args.hidden
@@ -131,7 +147,7 @@ def main():
                     jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30)
                 )
                 n_mine = int(jnp.sum(mine))
-                impls = args.impls.split(",")
+                impls = args.impls.split(",") if vi == 0 else ["mosaic"]
                 nan = float("nan")
                 err_s = nan
                 if "split" in impls:  # the default split path at these tokens
@@ -180,7 +196,8 @@ def main():
                 )
                 rows.append(row)
                 print(
-                    f"| {t} | {r} | {lay} | {n_mine} | {err:.1e} / {err_s:.1e} | {us_m:.1f} "
+                    f"| {t} | {r} | {lay} | {tiles.block_m}:{tiles.stages}:{tiles.compute_wgs} "
+                    f"| {n_mine} | {err:.1e} / {err_s:.1e} | {us_m:.1f} "
                     f"| {us_s:.1f} | {us_t:.1f} | {us_d:.1f} |",
                     flush=True,
                 )
