@@ -416,8 +416,9 @@ for what in "$@"; do
       --tokens 64,256 --hiddens 4096 --ranks 16,64,128 --adapters 8,64 --impls ours,gather \
       --time-budget 365 --out "$OUT/bgmv_e" ;;
   ws19)  # session 19: the warp-specialized Mosaic shrink (two compute warpgroups and one
-    # for the TMA copies) against the one-warpgroup kernel: its GPU tests, then the kernel
-    # alone (mosaic_probe.py) at the prefill cells still under 70 % of the roofline
+    # for the TMA copies; run at commit 9309bd8, removed since: no faster) against the
+    # one-warpgroup kernel: its GPU tests, then the kernel alone at the prefill cells
+    # still under 70 % of the roofline (variants block_m:stages:compute_wgs then)
     JAX_DEFAULT_MATMUL_PRECISION=highest step ws19_tests 150 python3 -P -m pytest \
       tests/kernels/test_shrink_mosaic_gpu.py -m gpu -q -p no:cacheprovider
     step ws19_r64 200 python3 -P benchmarks/mosaic_probe.py --impls mosaic,dense \
@@ -426,6 +427,14 @@ for what in "$@"; do
     step ws19_r128 150 python3 -P benchmarks/mosaic_probe.py --impls mosaic,dense \
       --tokens 4096,16384 --ranks 128 --layouts one,runs8 --variants 128:0:1,128:0:2 \
       --out "$OUT/ws19_r128.json" ;;
+  occ19)  # session 19: two programs per SM (fewer stages, a finer hidden split) against
+    # the default one 200 KiB program per SM, the Mosaic kernel alone at 4096 tokens
+    step occ19_r64 170 python3 -P benchmarks/mosaic_probe.py --impls mosaic --tokens 4096 \
+      --ranks 64 --layouts one,runs8 --variants 128:0:0:0,128:3:8:264,64:4:4:264,128:3:4:264 \
+      --out "$OUT/occ19_r64.json"
+    step occ19_r128 140 python3 -P benchmarks/mosaic_probe.py --impls mosaic --tokens 4096 \
+      --ranks 128 --layouts one,runs8 --variants 128:0:0:0,64:3:4:264,64:3:8:264 \
+      --out "$OUT/occ19_r128.json" ;;
   pt18)  # session 18: the per-token default tiles (ours_pt) against the segment default and
     # the gather einsum, from one token an adapter to eight, to set the host's rule
     step pt18 440 "${OPS[@]}" --ops shrink,expand --tokens 16,64,128 --hiddens 4096 \
@@ -497,7 +506,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 ws19 bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 ws19 occ19 bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done

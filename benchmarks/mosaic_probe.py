@@ -73,26 +73,29 @@ def main():
     p.add_argument(
         "--variants",
         default="",
-        help="comma-separated block_m:stages:compute_wgs tiles to time the Mosaic kernel with, "
-        "one row each (stages 0: the rank's default); the other impls run with the first only",
+        help="comma-separated block_m:stages:split:programs tiles to time the Mosaic kernel "
+        "with, one row each (0: the default of each); the other impls run with the first only",
     )
     p.add_argument("--out", default="")
     args = p.parse_args()
     ops_bench.TIMER = "trace"
 
     def tiles_for(rank: int) -> list[mg.MosaicTiles]:
-        specs = args.variants.split(",") if args.variants else [f"{args.block_m}:{args.stages}:1"]
+        specs = (
+            args.variants.split(",")
+            if args.variants
+            else [f"{args.block_m}:{args.stages}:{args.split}:{args.programs}"]
+        )
         out = []
         for spec in specs:
-            bm, stages, wgs = map(int, spec.split(":"))
+            bm, stages, split, programs = map(int, spec.split(":"))
             out.append(
                 mg.MosaicTiles(
                     block_m=bm,
                     block_k=args.block_k,
                     stages=stages or mg.default_tiles(rank, bm).stages,
-                    split_k=args.split,
-                    programs=args.programs,
-                    compute_wgs=wgs,
+                    split_k=split,
+                    programs=programs,
                 )
             )
         return out
@@ -100,7 +103,7 @@ def main():
     rows = []
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     print(
-        "| T | R | layout | tiles (block_m:stages:compute_wgs) | mosaic rows "
+        "| T | R | layout | tiles (block_m:stages:split:programs) | mosaic rows "
         "| max rel err (kernel / split) | mosaic µs | split µs | triton µs | dense µs |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -196,7 +199,8 @@ def main():
                 )
                 rows.append(row)
                 print(
-                    f"| {t} | {r} | {lay} | {tiles.block_m}:{tiles.stages}:{tiles.compute_wgs} "
+                    f"| {t} | {r} | {lay} | {tiles.block_m}:{tiles.stages}:"
+                    f"{tiles.split_k}:{tiles.programs} "
                     f"| {n_mine} | {err:.1e} / {err_s:.1e} | {us_m:.1f} "
                     f"| {us_s:.1f} | {us_t:.1f} | {us_d:.1f} |",
                     flush=True,

@@ -87,11 +87,6 @@ class MosaicTiles:
     """Hidden splits per piece; 0 picks one from the tile count (`pick_split`)."""
     programs: int = 0
     """Programs of the persistent grid; 0: one per SM (`num_sms`)."""
-    compute_wgs: int = 1
-    """Warpgroups per program that run WGMMA. 1: one warpgroup issues both the TMA copies
-    and the WGMMA (`emit_pipeline`). 2: warp specialized (`emit_pipeline_warp_specialized`):
-    a memory warpgroup keeps the copies in flight while two compute warpgroups each
-    multiply half of the tile's rows (``block_m`` 128 or 256)."""
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 256):
@@ -104,11 +99,6 @@ class MosaicTiles:
             raise ValueError(f"MosaicTiles.split_k={self.split_k}: must be >= 0 (0: auto).")
         if self.programs < 0:
             raise ValueError(f"MosaicTiles.programs={self.programs}: must be >= 0 (0: auto).")
-        if self.compute_wgs not in (1, 2) or self.block_m // self.compute_wgs < 64:
-            raise ValueError(
-                f"MosaicTiles.compute_wgs={self.compute_wgs} with block_m={self.block_m}: "
-                "use 1, or 2 with block_m 128 or 256 (each warpgroup >= 64 rows)."
-            )
 
 
 SMEM_BUDGET = 200 * 1024
@@ -289,115 +279,6 @@ def _kernel_body(
     jax.lax.fori_loop(0, num_jobs, segment, jnp.int32(0))
 
 
-def _kernel_body_ws(
-    items_ref,  # [5, NI] int32 (work_list.segment_items): tile, slot, first, rows, live
-    *refs,
-    num_slices: int,
-    has_ranks: bool,
-    rank: int,
-    scale: float,
-    job_steps: int,
-    unit_steps: int,
-    programs: int,
-    tiles: MosaicTiles,
-):
-    """`_kernel_body` warp specialized: the last warpgroup issues the TMA copies, each
-    compute warpgroup ``w`` multiplies rows [w * hb, (w + 1) * hb) of the x tile and stores
-    the piece's rows among them."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    ranks_ref, refs = (refs[0], refs[1:]) if has_ranks else (None, refs)
-    x_ref, a_refs, o_ref = refs[0], refs[1 : 1 + num_slices], refs[-1]
-    bm, bk, wgs = tiles.block_m, tiles.block_k, tiles.compute_wgs
-    hb = bm // wgs
-    start, end, first_job, num_jobs = stream_k_range(
-        jax.lax.axis_index("prog"),
-        items_ref[4, 0],
-        num_slices=num_slices,
-        job_steps=job_steps,
-        unit_steps=unit_steps,
-        programs=programs,
-    )
-    wg = jax.lax.axis_index("wg")
-
-    def pipeline_for(body, tile, k0, steps, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(steps,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((bm, bk), lambda k: (tile, k0 + k), delay_release=1),
-                plgpu.BlockSpec((rank, bk), lambda k: (0, k0 + k), delay_release=1),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=wgs,
-            max_concurrent_steps=tiles.stages,
-            compute_context=compute_context,
-        )
-
-    def ignore(*_, **__):
-        return None
-
-    zero = jnp.int32(0)
-    allocs = pipeline_for(ignore, zero, zero, zero, ignore).get_allocations(x_ref, a_refs[0].at[0])
-
-    def scope(pipeline_allocs, o_all):
-        def segment(i, carry):
-            job, k0, steps, whole = stream_k_segment(i, start, end, first_job, job_steps=job_steps)
-            piece, sid = job // num_slices, job % num_slices
-            tile, slot = items_ref[0, piece], items_ref[1, piece]
-            first, count = items_ref[2, piece], items_ref[3, piece]
-            # the piece's tile rows [p0, p1) that fall in this warpgroup's half
-            p0 = first - tile * bm
-            lo = jnp.maximum(p0, wg * hb)
-            mine = jnp.maximum(jnp.minimum(p0 + count, wg * hb + hb) - lo, 0)
-
-            for s in range(num_slices):
-
-                def mma(_, x_smem, a_smem, acc_ref):
-                    plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * hb, hb)], a_smem.transpose((1, 0)))
-                    plgpu.wgmma_wait(1)
-                    return acc_ref
-
-                def compute_context(eval_pipeline, s=s, slot=slot):
-                    def acc_scope(acc_ref):
-                        eval_pipeline(acc_ref)
-                        acc = acc_ref[...] * jnp.float32(scale)
-                        if has_ranks:  # rank columns past the slot's true rank are exactly 0
-                            col = jax.lax.broadcasted_iota(jnp.int32, (hb, rank), 1)
-                            acc = jnp.where(col < ranks_ref[s, slot], acc, jnp.float32(0))
-                        o_smem = o_all.at[wg]
-                        o_smem[...] = acc
-                        plgpu.commit_smem()
-                        for add in (False, True):
-
-                            @pl.when(whole != add)
-                            def _(add=add):
-                                _store_rows(
-                                    o_smem, o_ref.at[s], lo - wg * hb, tile * bm + lo, mine,
-                                    hb, add=add,
-                                )  # fmt: skip
-
-                    pl.run_scoped(acc_scope, plgpu.ACC((hb, rank), jnp.float32))
-
-                @pl.when(sid == s)
-                def _(s=s, mma=mma, compute_context=compute_context):
-                    pipeline_for(mma, tile, k0, steps, compute_context)(
-                        x_ref, a_refs[s].at[slot], allocations=pipeline_allocs
-                    )
-
-            return carry
-
-        jax.lax.fori_loop(0, num_jobs, segment, jnp.int32(0))
-
-    pl.run_scoped(
-        scope,
-        pipeline_allocs=allocs,
-        o_all=plgpu.SMEM((wgs, hb, rank), jnp.float32),
-        collective_axes="wg",
-    )
-
-
 def shrink(
     x: jax.Array,
     lora_a: tuple[jax.Array, ...],
@@ -425,7 +306,7 @@ def shrink(
     programs = min(tiles.programs or num_sms(), num_pieces * num_slices * split)
     has_ranks = slot_ranks is not None
     body = functools.partial(
-        _kernel_body if tiles.compute_wgs == 1 else _kernel_body_ws,
+        _kernel_body,
         num_slices=num_slices,
         has_ranks=has_ranks,
         rank=rank,
@@ -439,13 +320,10 @@ def shrink(
     # A Ref argument is aliased in and out of the kernel: rows it does not store keep
     # what `out` held (plgpu.kernel has no input_output_aliases).
     out_ref = jax.new_ref(out)
-    threads = {}  # warp specialized: the compute warpgroups and one for the TMA copies
-    if tiles.compute_wgs > 1:
-        threads = dict(num_threads=tiles.compute_wgs + 1, thread_name="wg")
     pl.kernel(
         body,
         out_type=(),
-        mesh=plgpu.Mesh(grid=(programs,), grid_names=("prog",), **threads),
+        mesh=plgpu.Mesh(grid=(programs,), grid_names=("prog",)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )(*inputs, out_ref)
     return jax.freeze(out_ref)
