@@ -435,6 +435,18 @@ for what in "$@"; do
     step occ19_r128 140 python3 -P benchmarks/mosaic_probe.py --impls mosaic --tokens 4096 \
       --ranks 128 --layouts one,runs8 --variants 128:0:0:0,64:3:4:264,64:3:8:264 \
       --out "$OUT/occ19_r128.json" ;;
+  final19)  # session 19: every kernel GPU test on the final code, then the decode shrink
+    # grid as a server's host-built mapping runs it (prompt tiles and tokens per slot known)
+    # against the device-built mapping (neither), the gather and the one-hot einsums
+    JAX_DEFAULT_MATMUL_PRECISION=highest step final19_tests 240 \
+      python3 -P -m pytest tests/kernels -m gpu -q -p no:cacheprovider
+    step decode19_s 250 "${OPS[@]}" --ops shrink --tokens 1,16,64,256 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 1,8,64 --impls ours,ours_blind,gather,onehot \
+      --time-budget 235 --out "$OUT/decode19_s" ;;
+  decode19_e)  # session 19: the decode expand grid likewise
+    step decode19_e 400 "${OPS[@]}" --ops expand --tokens 1,16,64,256 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 1,8,64 --impls ours,ours_blind,gather,onehot \
+      --time-budget 385 --out "$OUT/decode19_e" ;;
   pt18)  # session 18: the per-token default tiles (ours_pt) against the segment default and
     # the gather einsum, from one token an adapter to eight, to set the host's rule
     step pt18 440 "${OPS[@]}" --ops shrink,expand --tokens 16,64,128 --hiddens 4096 \
@@ -506,7 +518,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 ws19 occ19 bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 ws19 occ19 final19 decode19_e bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done
