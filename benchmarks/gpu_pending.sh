@@ -447,6 +447,10 @@ for what in "$@"; do
     step decode19_e 400 "${OPS[@]}" --ops expand --tokens 1,16,64,256 --hiddens 4096 \
       --ranks 16,64,128 --adapters 1,8,64 --impls ours,ours_blind,gather,onehot \
       --time-budget 385 --out "$OUT/decode19_e" ;;
+  vr19_e)  # session 19: our side of the prompt-layout expand cells that session 17's
+    # vr_ours budget cut (vLLM's side is session 17's vr_vllm)
+    step vr19_e 200 "${OPS[@]}" --layout runs --ops expand --tokens 1024,4096 --hiddens 4096 \
+      --ranks 64,128 --adapters 8,64 --impls ours --time-budget 185 --out "$OUT/vr19_e" ;;
   pt18)  # session 18: the per-token default tiles (ours_pt) against the segment default and
     # the gather einsum, from one token an adapter to eight, to set the host's rule
     step pt18 440 "${OPS[@]}" --ops shrink,expand --tokens 16,64,128 --hiddens 4096 \
@@ -518,7 +522,7 @@ for what in "$@"; do
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 ws19 occ19 final19 decode19_e bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 ws19 occ19 final19 decode19_e vr19_e bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done
