@@ -1,0 +1,180 @@
+"""Where the Mosaic shrink's time goes: the same TMA pipeline with parts taken away.
+
+The segment shrink (`mosaic_gpu_shrink`) streams x and the adapter through a TMA +
+WGMMA pipeline. At 4096 x 4096, rank 64 it has sat near 12.6 µs for sessions (the ideal
+at 4.3 TB/s is 8.2 µs). This probe times simpler kernels with the kernel's tiling, one
+tile x hidden-split job per program (no work list, no stream-K, no reduce-add), each a
+step further from a bare read, so the difference between two rows is what one part costs:
+
+* ``full``: x and A tiles through the pipeline, WGMMA, the f32 tile stored (a partial
+  per hidden split, plain TMA stores);
+* ``no_mma``: the same copies, no WGMMA, nothing stored;
+* ``x_only``: only x's tiles copied;
+* ``xla_sum`` / ``dense``: XLA reading x once (a row sum) and the cuBLAS dot x @ A.T.
+
+    python3 -P benchmarks/stream_floor.py --tokens 4096 --ranks 64,128 --out out/f.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ops as ops_bench  # noqa: E402  (the trace timer)
+
+VARIANTS = ("full", "no_mma", "x_only")
+
+
+def tile_kernel(x, a, *, variant: str, block_m: int, block_k: int, stages: int, split: int):
+    """One program per (tile, hidden split): stream its x tile (and A's columns), then,
+    for ``full``, store its f32 partial into out[split, T, R]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    tokens, hidden = x.shape
+    rank = a.shape[0]
+    steps = hidden // block_k // split
+    programs = tokens // block_m * split
+
+    def body(x_ref, a_ref, o_ref):
+        prog = jax.lax.axis_index("prog")
+        tile, part = prog // split, prog % split
+        k0 = part * steps
+        x_spec = plgpu.BlockSpec((block_m, block_k), lambda k: (tile, k0 + k), delay_release=1)
+        a_spec = plgpu.BlockSpec((rank, block_k), lambda k: (0, k0 + k), delay_release=1)
+        if variant == "x_only":
+            plgpu.emit_pipeline(
+                lambda _, xs: None, grid=(steps,), in_specs=[x_spec], max_concurrent_steps=stages
+            )(x_ref)
+            return
+        if variant == "no_mma":
+            plgpu.emit_pipeline(
+                lambda _, xs, As: None,
+                grid=(steps,),
+                in_specs=[x_spec, a_spec],
+                max_concurrent_steps=stages,
+            )(x_ref, a_ref)
+            return
+
+        def mma(acc_ref):
+            plgpu.emit_pipeline(
+                lambda _, xs, As: plgpu.wgmma(acc_ref, xs, As.transpose((1, 0))),
+                grid=(steps,),
+                in_specs=[x_spec, a_spec],
+                max_concurrent_steps=stages,
+            )(x_ref, a_ref)
+            return acc_ref[...]
+
+        acc = pl.run_scoped(mma, plgpu.ACC((block_m, rank), jnp.float32))
+
+        def store(o_smem):
+            o_smem[...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[part, pl.ds(tile * block_m, block_m)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        pl.run_scoped(store, plgpu.SMEM((block_m, rank), jnp.float32))
+
+    out = jax.new_ref(jnp.zeros((split, tokens, rank), jnp.float32))
+    pl.kernel(
+        body,
+        out_type=(),
+        mesh=plgpu.Mesh(grid=(programs,), grid_names=("prog",)),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(x, a, out)
+    return jax.freeze(out).sum(0)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default="4096")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ranks", default="64,128")
+    p.add_argument("--calls", type=int, default=8)
+    p.add_argument(
+        "--tiles",
+        default="128:64:6:4",
+        help="comma list of block_m:block_k:stages:split (programs = T / block_m * split)",
+    )
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    ops_bench.TIMER = "trace"
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
+    print("| T | R | tiles (block_m:block_k:stages:split) | variant | µs | x GB/s | max rel err |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    key = jax.random.key(0)
+    for t in map(int, args.tokens.split(",")):
+        h = args.hidden
+        xs = [
+            jax.random.normal(jax.random.fold_in(key, 100 + i), (t, h), jnp.bfloat16)
+            for i in range(args.calls)
+        ]
+        for r in map(int, args.ranks.split(",")):
+            ws = [
+                jax.random.normal(jax.random.fold_in(key, i), (r, h), jnp.bfloat16) * h**-0.5
+                for i in range(args.calls)
+            ]
+            want = jnp.dot(xs[0], ws[0].T, preferred_element_type=jnp.float32)
+            cases = [("xla_sum", None), ("dense", None)]
+            for spec in args.tiles.split(","):
+                for v in args.variants.split(","):
+                    cases.append((v, tuple(map(int, spec.split(":")))))
+            for name, tiles in cases:
+                if name == "xla_sum":
+                    fn = lambda x, a: jnp.sum(x, axis=1, dtype=jnp.float32)  # noqa: E731
+                elif name == "dense":
+                    fn = lambda x, a: jnp.dot(x, a.T, preferred_element_type=jnp.float32)  # noqa: E731
+                else:
+                    bm, bk, st, sp = tiles
+                    # the deepest pipeline up to ``st`` whose buffers + f32 tile fit 200 KiB
+                    while st > 2 and st * (bm + r) * bk * 2 + bm * r * 4 > 200 * 1024:
+                        st -= 1
+                    tiles = (bm, bk, st, sp)
+                    fn = functools.partial(
+                        tile_kernel, variant=name, block_m=bm, block_k=bk, stages=st, split=sp
+                    )
+                err = float("nan")
+                try:
+                    if name in ("full", "dense"):
+                        got = jax.jit(fn)(xs[0], ws[0])
+                        err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+                    f = jax.jit(lambda xl, wl, fn=fn: [fn(x, w) for x, w in zip(xl, wl)])
+                    us = ops_bench.time_calls(f.lower(xs, ws).compile(), (xs, ws), args.calls)
+                except Exception as e:  # noqa: BLE001 - report the cell, go on
+                    why = f"{type(e).__name__}: {str(e)[:200]}"
+                    print(f"| {t} | {r} | {tiles} | {name} | failed: {why} |")
+                    continue
+                kernels = {
+                    k[:60]: round(v / args.calls, 2) for k, v in ops_bench.LAST_KERNELS.items()
+                }
+                gbps = t * h * 2 / us / 1e3
+                rows.append(
+                    dict(
+                        tokens=t,
+                        rank=r,
+                        tiles=tiles,
+                        variant=name,
+                        us=us,
+                        x_gbps=gbps,
+                        max_rel_err=err,
+                        kernels_us=kernels,
+                    )
+                )
+                tl = ":".join(map(str, tiles)) if tiles else "–"
+                print(
+                    f"| {t} | {r} | {tl} | {name} | {us:.2f} | {gbps:.0f} | {err:.1e} |", flush=True
+                )
+                print(f"    kernels µs/call: {kernels}", flush=True)
+    ops_bench.write_json(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
