@@ -108,8 +108,10 @@ def main():
     args = p.parse_args()
     ops_bench.TIMER = "trace"
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
-    print("| T | R | tiles (block_m:block_k:stages:split) | variant | µs | kernel µs | x GB/s "
-        "| max rel err |")
+    print(
+        "| T | R | tiles (block_m:block_k:stages:split) | variant | µs | kernel µs | x GB/s "
+        "| max rel err |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     key = jax.random.key(0)
@@ -172,9 +174,8 @@ def main():
                     )
                 )
                 tl = ":".join(map(str, tiles)) if tiles else "–"
-                print(
-                    f"| {t} | {r} | {tl} | {name} | {us:.2f} | {own:.2f} | {gbps:.0f} | {err:.1e} |", flush=True
-                )
+                cells = f"{us:.2f} | {own:.2f} | {gbps:.0f} | {err:.1e}"
+                print(f"| {t} | {r} | {tl} | {name} | {cells} |", flush=True)
                 print(f"    kernels µs/call: {kernels}", flush=True)
     ops_bench.write_json(args.out, rows)
 
