@@ -139,8 +139,8 @@ def main():
                 else:
                     bm, bk, st, sp = tiles
                     # the deepest pipeline up to ``st`` whose buffers + f32 tile fit 200 KiB
-                    rows = bm + (0 if name == "x_only" else r)
-                    while st > 2 and st * rows * bk * 2 + bm * r * 4 > 200 * 1024:
+                    per_row = bm + (0 if name == "x_only" else r)
+                    while st > 2 and st * per_row * bk * 2 + bm * r * 4 > 200 * 1024:
                         st -= 1
                     tiles = (bm, bk, st, sp)
                     fn = functools.partial(
