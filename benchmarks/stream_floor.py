@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import os
 import sys
 
@@ -32,22 +33,30 @@ import ops as ops_bench  # noqa: E402  (the trace timer)
 VARIANTS = ("full", "no_mma", "x_only")
 
 
-def tile_kernel(x, a, *, variant: str, block_m: int, block_k: int, stages: int, split: int):
+def tile_kernel(
+    x, a, *, variant: str, block_m: int, block_k: int, stages: int, split: int, order: str = "b"
+):
     """One program per (tile, hidden split): stream its x tile (and A's columns), then,
-    for ``full``, store its f32 partial into out[split, T, R]."""
+    for ``full``, store its f32 partial into out[split, T, R]. x may have more columns
+    than A (a padded row stride); only A's are read. ``order``: "b" gives each split a
+    block of k steps, "i" interleaves them (split p takes steps p, p + split, ...), so
+    the programs of one tile read adjacent columns at the same time."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    tokens, hidden = x.shape
-    rank = a.shape[0]
+    tokens = x.shape[0]
+    rank, hidden = a.shape
     steps = hidden // block_k // split
     programs = tokens // block_m * split
 
     def body(x_ref, a_ref, o_ref):
         prog = jax.lax.axis_index("prog")
         tile, part = prog // split, prog % split
-        k0 = part * steps
-        x_spec = plgpu.BlockSpec((block_m, block_k), lambda k: (tile, k0 + k), delay_release=1)
-        a_spec = plgpu.BlockSpec((rank, block_k), lambda k: (0, k0 + k), delay_release=1)
+
+        def col(k):
+            return k * split + part if order == "i" else part * steps + k
+
+        x_spec = plgpu.BlockSpec((block_m, block_k), lambda k: (tile, col(k)), delay_release=1)
+        a_spec = plgpu.BlockSpec((rank, block_k), lambda k: (0, col(k)), delay_release=1)
 
         def pipeline(acc_ref):
             if variant == "x_only":
@@ -101,8 +110,10 @@ def main():
     p.add_argument(
         "--tiles",
         default="128:64:6:4",
-        help="comma list of block_m:block_k:stages:split (programs = T / block_m * split)",
+        help="comma list of block_m:block_k:stages:split[:order] (programs = T / block_m *"
+        " split; order b: a block of k steps per split, i: interleaved)",
     )
+    p.add_argument("--pads", default="0", help="comma list: extra columns in x's rows")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -115,10 +126,12 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     rows = []
     key = jax.random.key(0)
-    for t in map(int, args.tokens.split(",")):
+    for t, pad in itertools.product(
+        map(int, args.tokens.split(",")), map(int, args.pads.split(","))
+    ):
         h = args.hidden
         xs = [
-            jax.random.normal(jax.random.fold_in(key, 100 + i), (t, h), jnp.bfloat16)
+            jax.random.normal(jax.random.fold_in(key, 100 + i), (t, h + pad), jnp.bfloat16)
             for i in range(args.calls)
         ]
         for r in map(int, args.ranks.split(",")):
@@ -126,25 +139,34 @@ def main():
                 jax.random.normal(jax.random.fold_in(key, i), (r, h), jnp.bfloat16) * h**-0.5
                 for i in range(args.calls)
             ]
-            want = jnp.dot(xs[0], ws[0].T, preferred_element_type=jnp.float32)
+            want = jnp.dot(xs[0][:, :h], ws[0].T, preferred_element_type=jnp.float32)
             cases = [("xla_sum", None), ("dense", None)]
             for spec in args.tiles.split(","):
                 for v in args.variants.split(","):
-                    cases.append((v, tuple(map(int, spec.split(":")))))
+                    cases.append((v, tuple(spec.split(":"))))
             for name, tiles in cases:
                 if name == "xla_sum":
-                    fn = lambda x, a: jnp.sum(x, axis=1, dtype=jnp.float32)  # noqa: E731
+                    fn = lambda x, a: jnp.sum(x[:, : a.shape[1]], axis=1, dtype=jnp.float32)  # noqa: E731
                 elif name == "dense":
-                    fn = lambda x, a: jnp.dot(x, a.T, preferred_element_type=jnp.float32)  # noqa: E731
+                    fn = lambda x, a: jnp.dot(
+                        x[:, : a.shape[1]], a.T, preferred_element_type=jnp.float32
+                    )  # noqa: E731
                 else:
-                    bm, bk, st, sp = tiles
+                    bm, bk, st, sp = map(int, tiles[:4])
+                    order = tiles[4] if len(tiles) > 4 else "b"
                     # the deepest pipeline up to ``st`` whose buffers + f32 tile fit 200 KiB
                     per_row = bm + (0 if name == "x_only" else r)
                     while st > 2 and st * per_row * bk * 2 + bm * r * 4 > 200 * 1024:
                         st -= 1
-                    tiles = (bm, bk, st, sp)
+                    tiles = (bm, bk, st, sp, order)
                     fn = functools.partial(
-                        tile_kernel, variant=name, block_m=bm, block_k=bk, stages=st, split=sp
+                        tile_kernel,
+                        variant=name,
+                        block_m=bm,
+                        block_k=bk,
+                        stages=st,
+                        split=sp,
+                        order=order,
                     )
                 err = float("nan")
                 try:
@@ -165,6 +187,7 @@ def main():
                 rows.append(
                     dict(
                         tokens=t,
+                        pad=pad,
                         rank=r,
                         tiles=tiles,
                         variant=name,
@@ -176,7 +199,7 @@ def main():
                 )
                 tl = ":".join(map(str, tiles)) if tiles else "–"
                 cells = f"{us:.2f} | {own:.2f} | {gbps:.0f} | {err:.1e}"
-                print(f"| {t} | {r} | {tl} | {name} | {cells} |", flush=True)
+                print(f"| {t} | {r} | {tl} | {name} | {cells} | pad {pad} |", flush=True)
                 print(f"    kernels µs/call: {kernels}", flush=True)
     ops_bench.write_json(args.out, rows)
 
