@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ops as ops_bench  # noqa: E402  (the trace timer)
+import stream_floor_triton  # noqa: E402
 
 VARIANTS = ("full", "no_mma", "x_only")
 
@@ -114,6 +115,12 @@ def main():
         " split; order b: a block of k steps per split, i: interleaved)",
     )
     p.add_argument("--pads", default="0", help="comma list: extra columns in x's rows")
+    p.add_argument(
+        "--triton-tiles",
+        default="",
+        help="comma list of block_m:block_k:warps:stages:split for the Pallas Triton "
+        "variants (stream_floor_triton.py); empty: none",
+    )
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -144,6 +151,9 @@ def main():
             for spec in args.tiles.split(","):
                 for v in args.variants.split(","):
                     cases.append((v, tuple(spec.split(":"))))
+            for spec in filter(None, args.triton_tiles.split(",")):
+                for v in stream_floor_triton.VARIANTS:
+                    cases.append((v, tuple(spec.split(":"))))
             for name, tiles in cases:
                 if name == "xla_sum":
                     fn = lambda x, a: jnp.sum(x[:, : a.shape[1]], axis=1, dtype=jnp.float32)  # noqa: E731
@@ -151,6 +161,17 @@ def main():
                     fn = lambda x, a: jnp.dot(
                         x[:, : a.shape[1]], a.T, preferred_element_type=jnp.float32
                     )  # noqa: E731
+                elif name.startswith("triton"):
+                    bm, bk, nw, st, sp = map(int, tiles)
+                    fn = functools.partial(
+                        stream_floor_triton.tile_kernel,
+                        variant=name,
+                        block_m=bm,
+                        block_k=bk,
+                        warps=nw,
+                        stages=st,
+                        split=sp,
+                    )
                 else:
                     bm, bk, st, sp = map(int, tiles[:4])
                     order = tiles[4] if len(tiles) > 4 else "b"
@@ -170,7 +191,7 @@ def main():
                     )
                 err = float("nan")
                 try:
-                    if name in ("full", "dense"):
+                    if name in ("full", "dense", "triton_full"):
                         got = jax.jit(fn)(xs[0], ws[0])
                         err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
                     f = jax.jit(lambda xl, wl, fn=fn: [fn(x, w) for x, w in zip(xl, wl)])
@@ -183,7 +204,11 @@ def main():
                     k[:60]: round(v / args.calls, 2) for k, v in ops_bench.LAST_KERNELS.items()
                 }
                 gbps = t * h * 2 / us / 1e3
-                own = sum(v for k, v in kernels.items() if "mosaic" in k or name in ("xla_sum",))
+                own = sum(
+                    v
+                    for k, v in kernels.items()
+                    if "mosaic" in k or "body" in k or name in ("xla_sum",)
+                )
                 rows.append(
                     dict(
                         tokens=t,
