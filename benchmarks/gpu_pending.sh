@@ -545,11 +545,21 @@ for what in "$@"; do
     step floor20_t16k 120 python3 -P benchmarks/stream_floor.py --tokens 16384 --ranks 64 \
       --variants x_only --tiles 128:64:6:1 --triton-tiles 64:128:4:3:1,128:64:4:4:1,64:64:4:4:1 \
       --out "$OUT/floor20_t16k.json" ;;
+  floor20_ts)  # session 20: the one-adapter Triton tile shrink over tiles, ranks 64 / 128
+    T=64:128:4:3:2,64:128:4:3:4,64:128:4:3:8,64:128:4:4:4,64:128:8:3:4,64:64:4:5:4
+    T=$T,128:128:8:3:2,128:128:8:3:4,128:128:4:3:4,64:256:4:2:4,128:64:8:4:4
+    step floor20_ts4k 300 python3 -P benchmarks/stream_floor.py --tokens 4096 --ranks 64,128 \
+      --variants full --tiles 128:64:6:4 --triton-variants triton_full --triton-tiles "$T" \
+      --out "$OUT/floor20_ts4k.json"
+    step floor20_ts16k 150 python3 -P benchmarks/stream_floor.py --tokens 16384 --ranks 128 \
+      --variants full --tiles 128:64:4:1 --triton-variants triton_full \
+      --triton-tiles 64:128:4:3:1,64:128:4:3:2,128:128:8:3:1,64:64:4:5:1 \
+      --out "$OUT/floor20_ts16k.json" ;;
   two)  # kind nvidia-h200-x2: the model at tp = 2 (base, LoRA, fully sharded)
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 ws19 occ19 final19 decode19_e vr19_e floor20 floor20_x floor20_p floor20_t bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 ws19 occ19 final19 decode19_e vr19_e floor20 floor20_x floor20_p floor20_t floor20_ts bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done

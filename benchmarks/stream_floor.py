@@ -121,7 +121,8 @@ def main():
         help="comma list of block_m:block_k:warps:stages:split for the Pallas Triton "
         "variants (stream_floor_triton.py); empty: none",
     )
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--triton-variants", default=",".join(stream_floor_triton.VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS), help="empty: none")
     p.add_argument("--out", default="")
     args = p.parse_args()
     ops_bench.TIMER = "trace"
@@ -149,10 +150,10 @@ def main():
             want = jnp.dot(xs[0][:, :h], ws[0].T, preferred_element_type=jnp.float32)
             cases = [("xla_sum", None), ("dense", None)]
             for spec in args.tiles.split(","):
-                for v in args.variants.split(","):
+                for v in filter(None, args.variants.split(",")):
                     cases.append((v, tuple(spec.split(":"))))
             for spec in filter(None, args.triton_tiles.split(",")):
-                for v in stream_floor_triton.VARIANTS:
+                for v in args.triton_variants.split(","):
                     cases.append((v, tuple(spec.split(":"))))
             for name, tiles in cases:
                 if name == "xla_sum":
