@@ -349,6 +349,50 @@ def dense(c: Case):
     return per_call(c, shrink_one, expand_one)
 
 
+def rect(c: Case, name: str):
+    """A probe, not a multi-LoRA method (right only where n = 1, like `dense`): slot 0's
+    weights over rectangles of consecutive tokens in Pallas Triton
+    (`stream_floor_triton.shrink_rect` / `expand_rect`), as if a prompt tile's rows were
+    read as one block instead of gathered through the token list. ``name``: "rect" (the
+    default tiles) or "rect:<tiles>" (shrink block_m:block_k:warps:stages:split, expand
+    block_m:block_n:warps; a name runs only the op its tiles are for, `rect_names`)."""
+    import stream_floor_triton as sft
+
+    shrink_tiles = expand_tiles = sft.parse_tiles(name, None)
+
+    def shrink_one(x, a, m):
+        del m
+        return sft.shrink_rect(x, a[0], tiles=shrink_tiles, interpret=INTERPRET)
+
+    def expand_one(y, h, b, m):
+        del m
+        return sft.expand_rect(y, h[0], b[0], tiles=expand_tiles, interpret=INTERPRET)
+
+    return per_call(c, shrink_one, expand_one)
+
+
+def rect_names(c: Case, impls) -> list[str]:
+    """The `rect` probes asked for that fit this cell: n = 1, and tiles for its op."""
+    if c.adapters != 1:
+        return []
+    fields = {"shrink": 5, "expand": 3}[c.op]
+    return [n for n in impls if n == "rect" or (n.startswith("rect:") and n.count(":") == fields)]
+
+
+def rect_err(c: Case, fn, inputs, w) -> float:
+    """A `rect` probe's first call vs the plain f32 product with slot 0's weights."""
+    if c.op == "shrink":
+        x, a = inputs[0], w[0][0]
+        got = fn([x], [w[0]], [None])[0]
+        ref = jnp.einsum("th,rh->tr", x, a, preferred_element_type=jnp.float32)
+    else:
+        h, y, b = inputs[0][0], inputs[1][0], w[0][0]
+        got = fn(([h], [jnp.copy(y)]), [w[0]], [None])[1][0].astype(jnp.float32)
+        d = jnp.einsum("tr,nr->tn", h[0].astype(y.dtype), b, preferred_element_type=jnp.float32)
+        ref = y.astype(jnp.float32) + d
+    return float(jnp.max(jnp.abs(got - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
+
+
 def stream(c: Case):
     """A floor, not a LoRA method: one XLA fusion that moves the cell's activation bytes
     with no weights and no dot. The shrink reads x and writes [T, R] f32 (sums of H / R
@@ -995,6 +1039,7 @@ def main(argv=None):
             variants.append(("dense", dense(c), w))
         if "stream" in impls:
             variants.append(("stream", stream(c), w))
+        variants += [(n, rect(c, n), w) for n in rect_names(c, impls)]
         if "ragged" in impls:
             wt = [jnp.swapaxes(v, 1, 2) for v in w]
             variants.append(("ragged", ragged(c), wt))
@@ -1015,6 +1060,11 @@ def main(argv=None):
                 res["impls"][name] = {"skipped": f"run: {type(e).__name__}: {str(e)[:100]}"}
                 continue
             res["impls"][name] = {"us": us, "gbps": ideal_bytes(c) / us / 1e3}
+            if name.startswith("rect"):  # a probe must be right to count
+                err = rect_err(c, fn, inputs, weights)
+                res["impls"][name]["max_rel_err"] = err
+                if err > ERR_BOUND[c.op]:
+                    res["impls"][name] = {"skipped": f"wrong: max rel err {err:.1e}"}
             if a.check and name in candidates:  # a candidate must be right to count
                 err = max_rel_err(c, inputs, w, metas, candidates[name], tiles)
                 res["impls"][name]["max_rel_err"] = err
@@ -1065,6 +1115,7 @@ def fmt_row(r, sweep=False):
 def table(rows):
     """The issue's table; the floors (`dense`, `stream`) add a column each where run."""
     extras = [k for k in ("dense", "stream", "ours_blind") if any(k in r["impls"] for r in rows)]
+    extras += sorted({k for r in rows for k in r["impls"] if k.startswith("rect")})
     head = (
         "| op | T | H | R | n | ideal µs | ours µs | GB/s | % roofline | gather µs | one-hot µs "
         "| ragged_dot µs | × one-hot | × gather | max rel err |"

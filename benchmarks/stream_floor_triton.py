@@ -47,3 +47,83 @@ def tile_kernel(
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
     )(x, a)
     return out.sum(0)
+
+
+# The one-adapter ops over rectangles of consecutive tokens, for `ops.py --impls rect`
+# (n = 1 cells only, like its `dense` floor): what the Triton kernels would run if a
+# prompt tile's rows were read as one rectangle instead of gathered through the token list.
+SHRINK_RECT_TILES = {64: (64, 128, 4, 3, 4), 128: (128, 64, 8, 4, 4)}
+"""rank -> block_m, block_k, warps, stages, split (session 20 run 7's best at T = 4096;
+ranks up to 64 take the rank-64 tiles)."""
+EXPAND_RECT_TILES = (64, 128, 4)
+"""block_m, block_n, warps."""
+
+
+def parse_tiles(spec: str, default):
+    """``"rect:64:128:4:3:4"`` -> (64, 128, 4, 3, 4); ``"rect"`` -> ``default``."""
+    parts = spec.split(":")[1:]
+    return tuple(map(int, parts)) if parts else default
+
+
+def shrink_rect(x, a, *, tiles=None, interpret: bool = False):
+    """``x @ a.T`` in f32 [T, R] over ``block_m`` x ``block_k`` rectangles of x, the hidden
+    split's partials added atomically (relaxed) into a zeroed output."""
+    from jax.experimental.pallas import triton as plt
+    from lora_jax.kernels.shrink_expand.pallas_triton_shrink import _add_to
+
+    tokens = x.shape[0]
+    rank, hidden = a.shape
+    bm, bk, warps, stages, split = tiles or SHRINK_RECT_TILES[max(64, rank)]
+    steps = hidden // bk // split
+    if tokens % bm or hidden % (bk * split):
+        raise ValueError(
+            f"shrink_rect: T={tokens}, H={hidden} must divide into {bm} x {bk * split}"
+        )
+
+    def body(x_ref, a_ref, zero_ref, o_ref):
+        del zero_ref  # aliased to o_ref
+        tile, part = pl.program_id(0), pl.program_id(1)
+        rows = pl.ds(pl.multiple_of(tile * bm, bm), bm)
+
+        def step(k, acc):
+            cols = pl.ds(pl.multiple_of((part * steps + k) * bk, bk), bk)
+            return acc + plt.dot(x_ref[rows, cols], a_ref[:, cols], trans_b=True)
+
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, rank), jnp.float32))
+        _add_to(o_ref, (rows, pl.ds(0, rank)), acc, jnp.ones((bm, rank), bool), interpret)
+
+    return pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct((tokens, rank), jnp.float32),
+        grid=(tokens // bm, split),
+        input_output_aliases={2: 0},
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret,
+    )(x, a, jnp.zeros((tokens, rank), jnp.float32))
+
+
+def expand_rect(y, h, b, *, tiles=None, interpret: bool = False):
+    """``y + h @ b.T`` (h: [T, R] f32, cast to b's dtype; sums in f32, cast once) over
+    ``block_m`` x ``block_n`` rectangles of y, in place."""
+    from jax.experimental.pallas import triton as plt
+
+    tokens, width = y.shape
+    bm, bn, warps = tiles or EXPAND_RECT_TILES
+    if tokens % bm or width % bn:
+        raise ValueError(f"expand_rect: y {y.shape} must divide into {bm} x {bn} tiles")
+
+    def body(y_ref, h_ref, b_ref, o_ref):
+        rows = pl.ds(pl.multiple_of(pl.program_id(0) * bm, bm), bm)
+        cols = pl.ds(pl.multiple_of(pl.program_id(1) * bn, bn), bn)
+        ht = h_ref[rows, :].astype(b_ref.dtype)
+        delta = plt.dot(ht, b_ref[cols, :], trans_b=True)
+        o_ref[rows, cols] = (y_ref[rows, cols].astype(jnp.float32) + delta).astype(o_ref.dtype)
+
+    return pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype),
+        grid=(tokens // bm, width // bn),
+        input_output_aliases={0: 0},
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=1),
+        interpret=interpret,
+    )(y, h, b)
