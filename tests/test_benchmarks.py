@@ -283,3 +283,90 @@ def test_ncu_summary_reads_a_raw_csv(tmp_path, capsys):
     assert got["tensor pipe %"] == pytest.approx(27.4)
     ncu_cells.print_table([got])
     assert "| lora_shrink_atomic | 19.5 |" in capsys.readouterr().out
+
+
+def test_rect_probes_match_the_product():
+    """stream_floor_triton's one-adapter probes (interpret mode): the shrink's hidden split
+    adds its partials into the zeroed output, the expand updates y over its tiles."""
+    import jax
+    import stream_floor_triton as sft
+
+    key = jax.random.key(0)
+    x, a = (
+        jax.random.normal(jax.random.fold_in(key, i), s)
+        for i, s in enumerate([(64, 512), (32, 512)])
+    )
+    got = sft.shrink_rect(x, a, tiles=(32, 64, 4, 2, 4), interpret=True)
+    np.testing.assert_allclose(got, np.asarray(x) @ np.asarray(a).T, rtol=1e-4, atol=1e-3)
+    y, h, b = (
+        jax.random.normal(jax.random.fold_in(key, 10 + i), s)
+        for i, s in enumerate([(64, 256), (64, 32), (256, 32)])
+    )
+    got = sft.expand_rect(y, h, b, tiles=(32, 64, 4), interpret=True)
+    np.testing.assert_allclose(got, y + np.asarray(h) @ np.asarray(b).T, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="expand_rect"):
+        sft.expand_rect(y[:48], h[:48], b, tiles=(32, 64, 4), interpret=True)
+    assert sft.parse_tiles("rect", "dflt") == "dflt"
+    assert sft.parse_tiles("rect:64:128:4", None) == (64, 128, 4)
+
+
+def test_ops_rect_probe_is_checked(tmp_path, monkeypatch):
+    """ops.py --impls rect[:tiles]: n = 1 cells only, each op takes the names whose tiles
+    are its own, and a probe 1 % off is reported as wrong, not timed."""
+    import json
+
+    import ops
+    import stream_floor_triton as sft
+
+    cell = dict(hidden=512, rank=16, tokens=64)
+    one, eight = (ops.Case(op="shrink", adapters=n, **cell) for n in (1, 8))
+    names = ["ours", "rect", "rect:32:64:4:2:2", "rect:32:64:4"]
+    assert ops.rect_names(one, names) == ["rect", "rect:32:64:4:2:2"]
+    assert ops.rect_names(ops.Case(op="expand", adapters=1, **cell), names) == [
+        "rect",
+        "rect:32:64:4",
+    ]
+    assert ops.rect_names(eight, names) == []
+
+    argv = ["--interpret", "--timer", "wall", "--tokens", "64", "--hiddens", "512", "--ranks", "16"]
+    argv += ["--adapters", "1", "--impls", ",".join(names[:1] + names[2:]), "--out", str(tmp_path)]
+    ops.main(argv)
+    rows = {r["op"]: r for r in json.loads((tmp_path / "ops.json").read_text())}
+    assert rows["shrink"]["impls"]["rect:32:64:4:2:2"]["max_rel_err"] < 1e-4
+    assert rows["expand"]["impls"]["rect:32:64:4"]["max_rel_err"] < ops.ERR_BOUND["expand"]
+    assert "rect:32:64:4" not in rows["shrink"]["impls"]
+
+    real = sft.shrink_rect
+    monkeypatch.setattr(sft, "shrink_rect", lambda *a, **k: real(*a, **k) * 1.01)
+    ops.main(argv[:-1] + [str(tmp_path)] + ["--ops", "shrink"])
+    (row,) = json.loads((tmp_path / "ops.json").read_text())
+    assert row["impls"]["rect:32:64:4:2:2"]["skipped"].startswith("wrong")
+
+
+def test_stream_floor_kernels_lower_for_cuda():
+    """benchmarks/stream_floor.py's Mosaic variants lower for CUDA (its timing needs a
+    Hopper GPU), with a padded row stride and interleaved splits."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    import stream_floor
+
+    x = jax.ShapeDtypeStruct((512, 1024 + 64), jnp.bfloat16)
+    a = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16)
+    for variant, order in zip(stream_floor.VARIANTS, "bib"):
+        f = functools.partial(
+            stream_floor.tile_kernel,
+            variant=variant,
+            block_m=128,
+            block_k=64,
+            stages=4,
+            split=2,
+            order=order,
+        )
+        text = jax.jit(f).trace(x, a).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, variant
