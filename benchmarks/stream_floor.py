@@ -8,9 +8,14 @@ step further from a bare read, so the difference between two rows is what one pa
 
 * ``full``: x and A tiles through the pipeline, WGMMA, the f32 tile stored (a partial
   per hidden split, plain TMA stores);
-* ``no_mma``: the same copies, no WGMMA, nothing stored;
-* ``x_only``: only x's tiles copied;
-* ``xla_sum`` / ``dense``: XLA reading x once (a row sum) and the cuBLAS dot x @ A.T.
+* ``no_mma``: the same copies, no WGMMA, a zero tile stored;
+* ``x_only``: only x's tiles copied, a zero tile stored;
+* ``xla_sum`` / ``dense``: XLA reading x once (a row sum) and the cuBLAS dot x @ A.T;
+* with ``--triton-tiles``: the Pallas Triton variants of `stream_floor_triton.py` (plain
+  loads instead of TMA boxes).
+
+``--pads`` widens x's rows (a stride that is not a power of two); a tile spec ending in
+``:i`` interleaves the hidden splits. Session 20's findings are in benchmarks/RESULTS.md.
 
     python3 -P benchmarks/stream_floor.py --tokens 4096 --ranks 64,128 --out out/f.json
 """
