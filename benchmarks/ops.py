@@ -393,6 +393,55 @@ def rect_err(c: Case, fn, inputs, w) -> float:
     return float(jnp.max(jnp.abs(got - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
 
 
+def mexp(c: Case, name: str):
+    """The Mosaic GPU expand (`mosaic_gpu_expand`) alone, on the tiles of y whose tokens
+    are all one slot's (`tile_items`, built in the call: its own kernels show apart in
+    the trace). A probe until the library takes it: right only where those tiles hold
+    every token (n = 1, or runs of whole tiles; `mexp_names`). ``name``: "mexp" or
+    "mexp:block_m:block_n:stages[:h_in[:variant]]" (`ExpandTiles`)."""
+    from lora_jax.kernels.shrink_expand import mosaic_gpu_expand as me
+
+    tiles = mexp_tiles(name)
+
+    def expand_one(y, h, b, m):
+        items, _ = me.tile_items(m["token_lora_indices"], block_m=tiles.block_m)
+        return me.expand(y, h, (b,), items, None, offsets=(0,), tiles=tiles)
+
+    return per_call(c, None, expand_one)
+
+
+def mexp_tiles(name: str):
+    from lora_jax.kernels.shrink_expand import mosaic_gpu_expand as me
+
+    f = name.split(":")[1:]
+    if not f:
+        return me.ExpandTiles()
+    kw = dict(block_m=int(f[0]), block_n=int(f[1]), stages=int(f[2]))
+    if len(f) > 3:
+        kw["h_in"] = f[3]
+    if len(f) > 4:
+        kw["variant"] = f[4]
+    return me.ExpandTiles(**kw)
+
+
+def mexp_names(c: Case, impls) -> list[str]:
+    """The `mexp` probes asked for whose tiles hold every token of this cell's steps."""
+    if c.op != "expand" or LAYOUT != "runs" and c.adapters != 1:
+        return []
+    names = [n for n in impls if n == "mexp" or n.startswith("mexp:")]
+    return [n for n in names if (c.tokens // c.adapters) % mexp_tiles(n).block_m == 0]
+
+
+def mexp_err(c: Case, fn, inputs, w, metas) -> float:
+    """A `mexp` probe's first call vs the jnp oracle."""
+    h, y, a, m = inputs[0][0], inputs[1][0], w[0], metas[0]
+    got = fn(([h], [jnp.copy(y)]), [a], [m])[1][0].astype(jnp.float32)
+    ref = lora_expand_reference(
+        y, h, (a,), offsets=(0,), token_lora_indices=m["token_lora_indices"]
+    ).astype(jnp.float32)
+    return float(jnp.max(jnp.abs(got - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
+
+
 def stream(c: Case):
     """A floor, not a LoRA method: one XLA fusion that moves the cell's activation bytes
     with no weights and no dot. The shrink reads x and writes [T, R] f32 (sums of H / R
@@ -1047,6 +1096,7 @@ def main(argv=None):
         if "stream" in impls:
             variants.append(("stream", stream(c), w))
         variants += [(n, rect(c, n), w) for n in rect_names(c, impls)]
+        variants += [(n, mexp(c, n), w) for n in mexp_names(c, impls)]
         if "ragged" in impls:
             wt = [jnp.swapaxes(v, 1, 2) for v in w]
             variants.append(("ragged", ragged(c), wt))
@@ -1072,12 +1122,17 @@ def main(argv=None):
                 res["impls"][name]["max_rel_err"] = err
                 if err > ERR_BOUND[c.op]:
                     res["impls"][name] = {"skipped": f"wrong: max rel err {err:.1e}"}
+            if name.startswith("mexp") and not name.endswith(":copy"):
+                err = mexp_err(c, fn, inputs, weights, metas)
+                res["impls"][name]["max_rel_err"] = err
+                if err > ERR_BOUND[c.op]:
+                    res["impls"][name] = {"skipped": f"wrong: max rel err {err:.1e}"}
             if a.check and name in candidates:  # a candidate must be right to count
                 err = max_rel_err(c, inputs, w, metas, candidates[name], tiles)
                 res["impls"][name]["max_rel_err"] = err
                 if err > ERR_BOUND[c.op]:
                     res["impls"][name] = {"skipped": f"wrong: max rel err {err:.1e}"}
-            if LAST_KERNELS and name.startswith("ours"):  # trace timer: where the time went
+            if LAST_KERNELS and name.startswith(("ours", "mexp")):  # trace timer: where the time went
                 top = sorted(LAST_KERNELS.items(), key=lambda kv: -kv[1])[:6]
                 res["impls"][name]["kernels_us"] = {k[:80]: round(v / calls, 2) for k, v in top}
         if a.sweep:
@@ -1122,7 +1177,7 @@ def fmt_row(r, sweep=False):
 def table(rows):
     """The issue's table; the floors (`dense`, `stream`) add a column each where run."""
     extras = [k for k in ("dense", "stream", "ours_blind") if any(k in r["impls"] for r in rows)]
-    extras += sorted({k for r in rows for k in r["impls"] if k.startswith("rect")})
+    extras += sorted({k for r in rows for k in r["impls"] if k.startswith(("rect", "mexp"))})
     head = (
         "| op | T | H | R | n | ideal µs | ours µs | GB/s | % roofline | gather µs | one-hot µs "
         "| ragged_dot µs | × one-hot | × gather | max rel err |"

@@ -1,0 +1,272 @@
+"""Mosaic GPU (Hopper: TMA + WGMMA) expand for tiles of y that are one adapter's rows.
+
+``y[t, off_s : off_s + n_s] += h[s, t] @ B_s[slot].T`` for the tiles that `tile_items`
+lists: aligned ``block_m``-row tiles of y whose every token maps to one slot (the inside
+of a prompt). Such a tile is one rectangle of y, so the tensor memory accelerator (TMA)
+streams its column blocks in and out of shared memory, where the Triton expand gathers
+and scatters row by row. The expand moves y twice (read, write), so its speed is the
+speed of that stream.
+
+The kernel is persistent: one program per SM takes an equal run of the step's
+(tile, column block) units, laid end to end tile after tile (each tile's slices in turn).
+For each (tile, slice) its run touches, it loads the tile's h rows once (f32 through
+TMA, masked past the slot's true rank, cast to the weights' dtype in registers: the
+WGMMA's left operand) and pipelines the column blocks: y's block and B's rows in, one
+WGMMA of ``block_m x R x block_n``, y + the product out. Tokens outside the listed tiles
+(decode, shuffled batches, a prompt's partial edge tiles, unmapped tokens) are left to the
+Triton expand.
+
+Example::
+
+    items, mine = tile_items(idx, block_m=64)
+    y = expand(y, h, (b,), items, None, offsets=(0,), tiles=ExpandTiles())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from lora_jax.kernels.shrink_expand.mosaic_gpu_shrink import available, num_sms
+
+__all__ = ["ExpandTiles", "available", "expand", "supported", "tile_items"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpandTiles:
+    """Static tiling of the Mosaic GPU expand.
+
+    Shared memory per pipeline stage: y's block in and out (2 x ``block_m x block_n``)
+    and B's ``block_n x R``, all in y's dtype.
+    """
+
+    block_m: int = 64
+    """Rows of y per tile: 64 or 128 (WGMMA row groups of 64)."""
+    block_n: int = 128
+    """Columns of y per pipeline step: 64, 128 or 256."""
+    stages: int = 4
+    """Column blocks in flight."""
+    programs: int = 0
+    """Programs of the persistent grid; 0: one per SM (`num_sms`)."""
+    h_in: str = "regs"
+    """Where the WGMMA reads h's tile from: "regs" (registers) or "smem" (a shared-memory
+    copy in the weights' dtype)."""
+    variant: str = "full"
+    """"full"; "copy" (probe only: y's blocks through the same pipeline, no WGMMA, so the
+    difference is what the product costs)."""
+
+    def __post_init__(self):
+        if self.block_m not in (64, 128):
+            raise ValueError(f"ExpandTiles.block_m={self.block_m}: use 64 or 128.")
+        if self.block_n not in (64, 128, 256):
+            raise ValueError(f"ExpandTiles.block_n={self.block_n}: use 64, 128 or 256.")
+        if self.stages < 2:
+            raise ValueError(f"ExpandTiles.stages={self.stages}: must be >= 2.")
+        if self.programs < 0:
+            raise ValueError(f"ExpandTiles.programs={self.programs}: must be >= 0 (0: auto).")
+        if self.h_in not in ("regs", "smem"):
+            raise ValueError(f"ExpandTiles.h_in={self.h_in!r}: use 'regs' or 'smem'.")
+        if self.variant not in ("full", "copy"):
+            raise ValueError(f"ExpandTiles.variant={self.variant!r}: use 'full' or 'copy'.")
+
+
+SMEM_BUDGET = 200 * 1024
+"""Shared memory the tiles may fill (as `mosaic_gpu_shrink.SMEM_BUDGET`)."""
+
+
+def smem_bytes(tiles: ExpandTiles, rank: int, stages: int) -> int:
+    """Shared memory of the pipeline's ``stages`` (y in and out, B; 2-byte dtypes) and
+    h's tile (f32, and its 2-byte copy where ``h_in`` is "smem")."""
+    per_stage = (2 * tiles.block_m * tiles.block_n + tiles.block_n * rank) * 2
+    h_tile = tiles.block_m * rank * (4 + (2 if tiles.h_in == "smem" else 0))
+    return stages * per_stage + h_tile
+
+
+def fit_stages(tiles: ExpandTiles, rank: int) -> int:
+    """The deepest pipeline up to ``tiles.stages`` that fits ``SMEM_BUDGET`` (at least 2)."""
+    stages = tiles.stages
+    while stages > 2 and smem_bytes(tiles, rank, stages) > SMEM_BUDGET:
+        stages -= 1
+    return stages
+
+
+def supported(y_dtype, b_dtype, num_tokens: int, widths, offsets, rank: int, tiles: ExpandTiles):
+    """None if this kernel can run the shapes, else why not (a sentence)."""
+    if y_dtype != b_dtype or y_dtype not in (jnp.bfloat16, jnp.float16):
+        return f"y and lora_b must share dtype bfloat16 or float16, got {y_dtype} / {b_dtype}"
+    if num_tokens < tiles.block_m:
+        return f"{num_tokens} tokens < block_m={tiles.block_m}"
+    for s, (n_s, off) in enumerate(zip(widths, offsets)):
+        # A TMA box has a static shape and y's slices sit side by side: a block that
+        # crossed a slice's edge would write the next slice's columns.
+        if n_s % tiles.block_n or off % tiles.block_n:
+            return (
+                f"slice {s} (columns [{off}, {off + n_s})) is not in whole "
+                f"block_n={tiles.block_n} blocks"
+            )
+    if rank % 16 or not 16 <= rank <= 128:
+        return f"rank={rank} is not a multiple of 16 in [16, 128]"
+    if smem_bytes(tiles, rank, 2) > SMEM_BUDGET:
+        return (
+            f"two stages of {tiles.block_m} x {tiles.block_n} tiles at rank {rank} need "
+            f"{smem_bytes(tiles, rank, 2)} bytes of shared memory (> {SMEM_BUDGET})"
+        )
+    return None
+
+
+def tile_items(token_lora_indices: jax.Array, *, block_m: int) -> tuple[jax.Array, jax.Array]:
+    """The tiles this kernel takes: aligned ``block_m``-row tiles whose tokens all map to
+    one slot (a trailing partial tile never does).
+
+    Returns ``(items, mine)``: items int32 [3, NT] holds per tile (tile, slot), the listed
+    tiles first, and in row 2 their count (in every column); mine bool [T] marks their
+    tokens (the Triton expand takes the others). NT = T // block_m.
+    """
+    num_tokens = token_lora_indices.shape[0]
+    num_tiles = num_tokens // block_m
+    idx = token_lora_indices.astype(jnp.int32)
+    rows = idx[: num_tiles * block_m].reshape(num_tiles, block_m)
+    one = (rows[:, 0] >= 0) & jnp.all(rows == rows[:, :1], axis=1)
+    (tile,) = jnp.nonzero(one, size=num_tiles, fill_value=0)
+    tile = tile.astype(jnp.int32)
+    count = jnp.sum(one.astype(jnp.int32))
+    slot = jnp.maximum(rows[tile, 0], 0)
+    items = jnp.stack([tile, slot, jnp.broadcast_to(count, (num_tiles,))])
+    mine = jnp.zeros((num_tokens,), bool).at[: num_tiles * block_m].set(jnp.repeat(one, block_m))
+    return items.astype(jnp.int32), mine
+
+
+def _kernel_body(
+    items_ref,  # [3, NT] int32 (tile_items): tile, slot, count
+    *refs,
+    num_slices: int,
+    has_ranks: bool,
+    rank: int,
+    blocks: tuple[int, ...],
+    col_blocks: tuple[int, ...],
+    programs: int,
+    tiles: ExpandTiles,
+):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    ranks_ref, refs = (refs[0], refs[1:]) if has_ranks else (None, refs)
+    h_ref, b_refs, y_ref = refs[0], refs[1 : 1 + num_slices], refs[-1]
+    bm, bn = tiles.block_m, tiles.block_n
+    dtype = y_ref.dtype
+    units = sum(blocks)  # column blocks of one tile, over all slices
+    first_unit = [sum(blocks[:s]) for s in range(num_slices)]
+    work = items_ref[2, 0] * units
+    per = (work + programs - 1) // programs
+    start = jnp.minimum(jax.lax.axis_index("prog") * per, work)
+    end = jnp.minimum(start + per, work)
+    first_item = start // units
+    num_items = jnp.where(end > start, (end - 1) // units - first_item + 1, 0)
+
+    def item(i, carry):
+        it = first_item + i
+        tile, slot = items_ref[0, it], items_ref[1, it]
+        lo = jnp.maximum(start, it * units) - it * units
+        hi = jnp.minimum(end, it * units + units) - it * units
+        for s in range(num_slices):
+            s_lo = jnp.maximum(lo, first_unit[s]) - first_unit[s]
+            s_hi = jnp.minimum(hi, first_unit[s] + blocks[s]) - first_unit[s]
+
+            @pl.when(s_hi > s_lo)
+            def _(s=s, s_lo=s_lo, s_hi=s_hi):
+                _slice_run(s, tile, slot, s_lo, s_hi)
+
+        return carry
+
+    def _slice_run(s, tile, slot, s_lo, s_hi):
+        def with_h(h_smem, barrier, *hb_smem):
+            plgpu.copy_gmem_to_smem(h_ref.at[s, pl.ds(tile * bm, bm)], h_smem, barrier)
+            plgpu.barrier_wait(barrier)
+            hv = h_smem[...].astype(jnp.float32)
+            if has_ranks:  # rank columns past the slot's true rank add nothing
+                col = jax.lax.broadcasted_iota(jnp.int32, (bm, rank), 1)
+                hv = jnp.where(col < ranks_ref[s, slot], hv, jnp.float32(0))
+            hb = hv.astype(dtype)
+            if hb_smem:
+                hb_smem[0][...] = hb
+                plgpu.commit_smem()
+                hb = hb_smem[0]
+
+            def step(_, y_smem, b_smem, o_smem):
+                if tiles.variant == "copy":
+                    o_smem[...] = y_smem[...]
+                    return
+
+                def mma(acc_ref):
+                    plgpu.wgmma(acc_ref, hb, b_smem.transpose((1, 0)))
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32))
+                o_smem[...] = (acc + y_smem[...].astype(jnp.float32)).astype(dtype)
+
+            col0 = col_blocks[s] + s_lo
+            y_spec = plgpu.BlockSpec((bm, bn), lambda j: (tile, col0 + j))
+            plgpu.emit_pipeline(
+                step,
+                grid=(s_hi - s_lo,),
+                in_specs=[y_spec, plgpu.BlockSpec((bn, rank), lambda j: (s_lo + j, 0))],
+                out_specs=[y_spec],
+                max_concurrent_steps=tiles.stages,
+            )(y_ref, b_refs[s].at[slot], y_ref)
+
+        extra = [plgpu.SMEM((bm, rank), dtype)] if tiles.h_in == "smem" else []
+        pl.run_scoped(
+            with_h, plgpu.SMEM((bm, rank), h_ref.dtype), plgpu.Barrier(num_arrivals=1), *extra
+        )
+
+    jax.lax.fori_loop(0, num_items, item, jnp.int32(0))
+
+
+def expand(
+    y: jax.Array,
+    h: jax.Array,
+    lora_b: tuple[jax.Array, ...],
+    items: jax.Array,
+    slot_ranks: jax.Array | None,
+    *,
+    offsets: tuple[int, ...],
+    tiles: ExpandTiles,
+) -> jax.Array:
+    """y with the listed tiles' (`tile_items`) products added, in place; every other row
+    of y is left as it was. h: [S, T, R] float; lora_b: S arrays [L, n_s, R]."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    num_tokens = y.shape[0]
+    num_slices = len(lora_b)
+    rank = lora_b[0].shape[2]
+    widths = tuple(b.shape[1] for b in lora_b)
+    why = supported(y.dtype, lora_b[0].dtype, num_tokens, widths, offsets, rank, tiles)
+    if why is not None:
+        raise ValueError(f"mosaic_gpu expand: {why}.")
+    tiles = dataclasses.replace(tiles, stages=fit_stages(tiles, rank))
+    blocks = tuple(n // tiles.block_n for n in widths)
+    num_items = items.shape[1]
+    programs = min(tiles.programs or num_sms(), num_items * sum(blocks))
+    has_ranks = slot_ranks is not None
+    body = functools.partial(
+        _kernel_body,
+        num_slices=num_slices,
+        has_ranks=has_ranks,
+        rank=rank,
+        blocks=blocks,
+        col_blocks=tuple(off // tiles.block_n for off in offsets),
+        programs=programs,
+        tiles=tiles,
+    )
+    inputs = [items] + ([slot_ranks] if has_ranks else []) + [h, *lora_b]
+    # y is a Ref aliased in and out of the kernel: rows it does not store keep their value.
+    y_ref = jax.new_ref(y)
+    pl.kernel(
+        body,
+        out_type=(),
+        mesh=plgpu.Mesh(grid=(programs,), grid_names=("prog",)),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(*inputs, y_ref)
+    return jax.freeze(y_ref)

@@ -1,0 +1,142 @@
+"""The Mosaic GPU expand: its tile list (CPU, against a numpy oracle), its CUDA lowering
+(on CPU), and the kernel against the jnp oracle (on a Hopper GPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from lora_jax.kernels import lora_expand_reference
+from lora_jax.kernels.shrink_expand import mosaic_gpu_expand as me
+from shrink_expand_test_base import abstract_gpu_context
+
+
+def _mapping(layout: str, num_tokens: int, max_loras: int, rng) -> np.ndarray:
+    if layout == "one":
+        return np.full(num_tokens, 3, np.int32)
+    if layout == "runs":  # prompts of random lengths, some unmapped, some tiles mixed
+        out, slot = [], 0
+        while sum(map(len, out)) < num_tokens:
+            slot = int(rng.integers(-1, max_loras))
+            out.append(np.full(int(rng.integers(1, 400)), slot, np.int32))
+        return np.concatenate(out)[:num_tokens]
+    return rng.integers(-1, max_loras, num_tokens).astype(np.int32)  # shuffled: no tiles
+
+
+def _items_oracle(idx: np.ndarray, block_m: int):
+    tiles = []
+    for t in range(len(idx) // block_m):
+        rows = idx[t * block_m : (t + 1) * block_m]
+        if rows[0] >= 0 and (rows == rows[0]).all():
+            tiles.append((t, rows[0]))
+    return tiles
+
+
+@pytest.mark.parametrize("layout", ["one", "runs", "shuffled"])
+@pytest.mark.parametrize("num_tokens,block_m", [(1000, 64), (4096, 128), (64, 64)])
+def test_tile_items_match_oracle(layout, num_tokens, block_m):
+    idx = _mapping(layout, num_tokens, 8, np.random.default_rng(num_tokens + block_m))
+    items, mine = me.tile_items(jnp.asarray(idx), block_m=block_m)
+    items, mine = np.asarray(items), np.asarray(mine)
+    want = _items_oracle(idx, block_m)
+    count = items[2, 0]
+    assert (items[2] == count).all() and count == len(want)
+    assert [(int(a), int(b)) for a, b in items[:2, :count].T] == want
+    rows = np.zeros(num_tokens, bool)
+    for t, _ in want:
+        rows[t * block_m : (t + 1) * block_m] = True
+    np.testing.assert_array_equal(mine, rows)
+
+
+def test_unsupported_shapes_are_named():
+    tiles = me.ExpandTiles(block_m=64, block_n=128)
+    why = me.supported(jnp.bfloat16, jnp.bfloat16, 4096, (4096, 1000), (0, 4096), 64, tiles)
+    assert "slice 1" in why and "block_n=128" in why
+    assert "dtype" in me.supported(jnp.float32, jnp.float32, 4096, (4096,), (0,), 64, tiles)
+    assert "rank=8" in me.supported(jnp.bfloat16, jnp.bfloat16, 4096, (4096,), (0,), 8, tiles)
+    big = me.ExpandTiles(block_m=128, block_n=256)
+    assert "shared memory" in me.supported(
+        jnp.bfloat16, jnp.bfloat16, 4096, (4096,), (0,), 128, big
+    )
+    with pytest.raises(ValueError, match="block_n=96"):
+        me.ExpandTiles(block_n=96)
+
+
+@pytest.mark.parametrize("rank,block_m,block_n,stages", [(64, 64, 128, 6), (128, 64, 128, 4)])
+def test_stages_fit_shared_memory(rank, block_m, block_n, stages):
+    tiles = me.ExpandTiles(block_m=block_m, block_n=block_n, stages=stages)
+    got = me.fit_stages(tiles, rank)
+    assert me.smem_bytes(tiles, rank, got) <= me.SMEM_BUDGET
+    assert got == stages or me.smem_bytes(tiles, rank, got + 1) > me.SMEM_BUDGET
+
+
+def _inputs(num_tokens, widths, rank, dtype, layout, ranked, seed=0):
+    rng = np.random.default_rng(seed)
+    max_loras = 8
+    idx = _mapping(layout, num_tokens, max_loras, rng)
+    k = jax.random.key(seed)
+    y = jax.random.normal(k, (num_tokens, sum(widths)), dtype)
+    h = jax.random.normal(jax.random.fold_in(k, 1), (len(widths), num_tokens, rank), jnp.float32)
+    lora_b = tuple(
+        (jax.random.normal(jax.random.fold_in(k, 2 + s), (max_loras, n, rank)) * 0.1).astype(dtype)
+        for s, n in enumerate(widths)
+    )
+    ranks = (
+        jnp.asarray(rng.integers(1, rank + 1, (len(widths), max_loras)), jnp.int32)
+        if ranked
+        else None
+    )
+    offsets = tuple(int(o) for o in np.cumsum((0,) + widths[:-1]))
+    return idx, y, h, lora_b, ranks, offsets
+
+
+@pytest.mark.parametrize(
+    "num_tokens,widths,rank,ranked,h_in",
+    [(2048, (4096,), 128, False, "regs"), (1000, (512, 256, 256), 64, True, "smem")],
+)
+def test_mosaic_expand_lowers_for_cuda(num_tokens, widths, rank, ranked, h_in):
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    idx, y, h, lora_b, ranks, offsets = _inputs(num_tokens, widths, rank, jnp.bfloat16, "runs", ranked)
+    tiles = me.ExpandTiles(block_m=64, block_n=128, h_in=h_in)
+
+    def f(y, h, lora_b, idx):
+        items, _ = me.tile_items(idx, block_m=64)
+        return me.expand(y, h, lora_b, items, ranks, offsets=offsets, tiles=tiles)
+
+    idx = jnp.asarray(idx)
+    with abstract_gpu_context():
+        lowered = jax.jit(f).trace(y, h, lora_b, idx)
+        text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_tokens,widths,rank,dtype,layout,ranked,tiles",
+    [
+        (4096, (4096,), 64, jnp.bfloat16, "one", False, me.ExpandTiles()),
+        (2048, (4096,), 128, jnp.bfloat16, "one", False, me.ExpandTiles(block_m=128)),
+        (3000, (1024, 256, 256), 64, jnp.bfloat16, "runs", True, me.ExpandTiles()),
+        (2048, (2048, 2048), 32, jnp.float16, "runs", True, me.ExpandTiles(h_in="smem")),
+        (1024, (4096,), 16, jnp.bfloat16, "one", False, me.ExpandTiles(block_n=64, stages=6)),
+        (16384, (4096,), 128, jnp.bfloat16, "runs", False, me.ExpandTiles(block_n=256)),
+    ],
+    ids=str,
+)
+def test_mosaic_expand_matches_reference(num_tokens, widths, rank, dtype, layout, ranked, tiles):
+    if not me.available():
+        pytest.skip("needs a Hopper GPU (Mosaic GPU WGMMA)")
+    idx, y, h, lora_b, ranks, offsets = _inputs(num_tokens, widths, rank, dtype, layout, ranked)
+    items, mine = me.tile_items(jnp.asarray(idx), block_m=tiles.block_m)
+    got = jax.jit(
+        lambda y, h, b, items: me.expand(y, h, b, items, ranks, offsets=offsets, tiles=tiles)
+    )(y, h, lora_b, items)
+    want = lora_expand_reference(
+        y, h, lora_b, offsets=offsets, token_lora_indices=jnp.asarray(idx), slot_ranks=ranks
+    )
+    mine = np.asarray(mine)
+    got, want, y = (np.asarray(v.astype(jnp.float32)) for v in (got, want, y))
+    np.testing.assert_allclose(got[mine], want[mine], rtol=2e-2, atol=2e-2)
+    np.testing.assert_array_equal(got[~mine], y[~mine])  # other rows: untouched
