@@ -60,7 +60,7 @@ from lora_jax.kernels import (
     lora_shrink_expand,
     lora_shrink_reference,
 )
-from lora_jax.kernels.shrink_expand.work_list import prompt_tiles
+from lora_jax.kernels.shrink_expand.work_list import prompt_tiles, whole_tiles
 
 from lora_jax import mapping as mapping_lib
 
@@ -181,6 +181,7 @@ def max_rel_err(
             offsets=(0,),
             **m,
             block_sizes=bs,
+            prompt_tiles=prompt_tiles,
             tokens_per_slot=tokens_per_slot,
             interpret=INTERPRET,
         )
@@ -224,6 +225,13 @@ def host_prompt_tiles(metas) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
+def host_whole_tiles(metas) -> str | None:
+    """What a mapping built from these steps' host indices says of their whole tiles
+    (`work_list.whole_tiles`, the expand's `prompt_tiles`), if every step agrees."""
+    found = {whole_tiles(np.asarray(m["token_lora_indices"])) for m in metas}
+    return found.pop() if len(found) == 1 else None
+
+
 def host_tokens_per_slot(metas) -> int | None:
     """What a mapping built from these steps' host indices says of their tokens per slot
     (`lora_jax.mapping.host_tokens_per_slot`), if every step agrees."""
@@ -241,10 +249,12 @@ def ours(
     ready_work_lists: bool = True,
     prompt_tiles: str | None = None,
     tokens_per_slot: int | None = None,
+    mosaic: bool | None = None,
 ):
     """Our kernels; ``ready_work_lists=False``: each call builds its own work list;
     ``prompt_tiles`` / ``tokens_per_slot``: what the host found (`host_prompt_tiles`,
-    `host_tokens_per_slot`), None: not known."""
+    or for the expand `host_whole_tiles`; `host_tokens_per_slot`), None: not known;
+    ``mosaic``: the expand's Mosaic GPU switch (None: its default)."""
 
     def meta_of(m):
         return m if ready_work_lists else {k: v for k, v in m.items() if k != "work_lists"}
@@ -268,6 +278,8 @@ def ours(
             offsets=(0,),
             **meta_of(m),
             block_sizes=bs,
+            mosaic=mosaic,
+            prompt_tiles=prompt_tiles,
             tokens_per_slot=tokens_per_slot,
             interpret=INTERPRET,
         )
@@ -1059,6 +1071,8 @@ def main(argv=None):
         # A server's mapping, built from host indices, knows the step's prompt tiles and
         # tokens per slot (session 18: the latter picks the per-token kernels).
         tiles = res["prompt_tiles"] = host_prompt_tiles(metas)
+        if c.op == "expand":  # the expand's hint: tiles wholly of one slot
+            tiles = res["whole_tiles"] = host_whole_tiles(metas)
         per_slot = res["tokens_per_slot"] = host_tokens_per_slot(metas)
         if a.check:
             try:
@@ -1076,6 +1090,8 @@ def main(argv=None):
             variants += [
                 (name, ours(c, bs, prompt_tiles=tiles), w) for name, bs in candidates.items()
             ]
+        if "ours_triton" in impls:  # the expand without its Mosaic GPU kernel
+            variants.append(("ours_triton", ours(c, None, prompt_tiles=tiles, mosaic=False), w))
         if "ours_pt" in impls:  # the per-token (BGMV) default tiles
             candidates["ours_pt"] = BlockSizes.get_default(
                 c.op, num_tokens=c.tokens, hidden=c.hidden, rank=c.rank, per_token=True
@@ -1132,7 +1148,9 @@ def main(argv=None):
                 res["impls"][name]["max_rel_err"] = err
                 if err > ERR_BOUND[c.op]:
                     res["impls"][name] = {"skipped": f"wrong: max rel err {err:.1e}"}
-            if LAST_KERNELS and name.startswith(("ours", "mexp")):  # trace timer: where the time went
+            if LAST_KERNELS and name.startswith(
+                ("ours", "mexp")
+            ):  # trace timer: where the time went
                 top = sorted(LAST_KERNELS.items(), key=lambda kv: -kv[1])[:6]
                 res["impls"][name]["kernels_us"] = {k[:80]: round(v / calls, 2) for k, v in top}
         if a.sweep:

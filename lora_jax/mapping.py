@@ -61,6 +61,11 @@ class LoRAMapping:
     # on average at most), 0 (more, or no mapped token); None: not known. The kernels
     # run a program per token where that is faster (a decode step of many adapters).
     tokens_per_slot: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # Static, found on the host like ``prompt_tiles``: "none", "some" or "all" of the
+    # mapped tokens lie in aligned tiles of y wholly of one slot (`lora_jax.kernels`
+    # work_list.whole_tiles), which the expand runs through its Mosaic GPU kernel on
+    # Hopper; "all" skips the Triton launch for the other tokens. None: not known.
+    whole_tiles: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def num_tokens(self) -> int:
@@ -95,8 +100,14 @@ class LoRAMapping:
         )
 
     def expand_kwargs(self) -> dict:
-        """`kernel_kwargs` plus what the host found of the step's tokens per slot."""
-        return dict(self.kernel_kwargs(), tokens_per_slot=self.tokens_per_slot)
+        """`kernel_kwargs` plus the expand's choice of kernels: no Mosaic GPU launch for a
+        decode step; what the host found of the step's whole tiles and tokens per slot."""
+        return dict(
+            self.kernel_kwargs(),
+            mosaic=False if self.is_prefill is False else None,
+            prompt_tiles=self.whole_tiles,
+            tokens_per_slot=self.tokens_per_slot,
+        )
 
     def with_sequences(self, seq_lora_indices: jax.Array) -> LoRAMapping:
         """A copy carrying the per-sequence mapping used by the logits layer."""
@@ -151,8 +162,9 @@ def make_lora_mapping(
     if not jnp.issubdtype(idx.dtype, jnp.integer):
         raise ValueError(f"token_lora_indices must be integers, got {idx.dtype}")
     prompts = _prompt_tiles(token_lora_indices, max_loras) if host else prompt_tiles
+    whole = _prompt_tiles(token_lora_indices, max_loras, whole=True) if host else None
     if is_prefill is False:
-        prompts = "none"
+        prompts = whole = "none"
     seq = None if seq_lora_indices is None else jnp.asarray(seq_lora_indices, jnp.int32)
     return LoRAMapping(
         **_device_metadata(idx, int(max_loras), segments=prompts != "none" and _segments_run()),
@@ -160,6 +172,7 @@ def make_lora_mapping(
         is_prefill=is_prefill,
         prompt_tiles=prompts,
         tokens_per_slot=tokens_per_slot,
+        whole_tiles=whole,
     )
 
 
@@ -220,14 +233,16 @@ put every mapped token in a prompt tile: an aligned tile of 64 or 128 tokens the
 at most 4 runs (`lora_jax.kernels` work_list.SEGMENT_BLOCK_M / SEGMENT_MAX_PIECES)."""
 
 
-def _prompt_tiles(token_lora_indices: np.ndarray, max_loras: int) -> str | None:
-    """`work_list.prompt_tiles` of host indices (None without the kernels package)."""
+def _prompt_tiles(token_lora_indices: np.ndarray, max_loras: int, whole=False) -> str | None:
+    """`work_list.prompt_tiles` (``whole``: `work_list.whole_tiles`) of host indices
+    (None without the kernels package)."""
     try:
-        from lora_jax.kernels.shrink_expand.work_list import prompt_tiles
+        from lora_jax.kernels.shrink_expand.work_list import prompt_tiles, whole_tiles
     except ImportError:  # pragma: no cover - only when the kernels package is absent
         return None
     idx = np.asarray(token_lora_indices)
-    return prompt_tiles(np.where((idx >= 0) & (idx < max_loras), idx, -1))
+    idx = np.where((idx >= 0) & (idx < max_loras), idx, -1)
+    return whole_tiles(idx) if whole else prompt_tiles(idx)
 
 
 def _segments_run() -> bool:

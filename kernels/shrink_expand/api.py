@@ -15,12 +15,14 @@ each rebuild theirs).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from lora_jax.kernels.shrink_expand import (
+    mosaic_gpu_expand,
     mosaic_gpu_shrink,
     pallas_triton,
     pallas_triton_bgmv,
@@ -34,6 +36,7 @@ from lora_jax.kernels.shrink_expand.work_list import (
     SEGMENT_MAX_TOKENS,
     SEGMENT_MIN_TOKENS,
     SEGMENTS_KEY,
+    TILES_REST_BLOCK_MS,
     build_segments,
     get_work_list,
     segment_block_m,
@@ -267,12 +270,23 @@ def lora_shrink(
     )
 
 
-def _get_segments(work_lists, token_lora_indices, counts, starts, sorted_ids, *, block_m: int):
+def _get_segments(
+    work_lists, token_lora_indices, counts, starts, sorted_ids, *, block_m: int, tiles=False
+):
     """The step's ready-made segment schedule (`build_segments`) if it has this
-    ``block_m``'s rest list, else a new one."""
+    ``block_m``'s rest list (of the shrink's pieces, or with ``tiles`` of the expand's
+    whole tiles), else a new one."""
     seg = None if work_lists is None else work_lists.get(SEGMENTS_KEY)
-    if seg is None or block_m not in seg.rest:
-        return build_segments(token_lora_indices, counts, starts, sorted_ids, block_ms=(block_m,))
+    rest = None if seg is None else seg.tiles_rest if tiles else seg.rest
+    if rest is None or block_m not in rest:
+        return build_segments(
+            token_lora_indices,
+            counts,
+            starts,
+            sorted_ids,
+            block_ms=() if tiles else (block_m,),
+            tiles_block_ms=(block_m,) if tiles else (),
+        )
     num_tokens = sorted_ids.shape[0]
     cap = -(-num_tokens // segment_block_m(num_tokens)) * SEGMENT_MAX_PIECES
     if tuple(seg.items.shape) != (5, cap):
@@ -284,7 +298,15 @@ def _get_segments(work_lists, token_lora_indices, counts, starts, sorted_ids, *,
 
 
 @functools.partial(
-    jax.jit, static_argnames=("offsets", "block_sizes", "tokens_per_slot", "interpret")
+    jax.jit,
+    static_argnames=(
+        "offsets",
+        "block_sizes",
+        "mosaic",
+        "prompt_tiles",
+        "tokens_per_slot",
+        "interpret",
+    ),
 )
 def lora_expand(
     y: jax.Array,
@@ -301,16 +323,31 @@ def lora_expand(
     slot_ranks: jax.Array | None = None,
     work_lists: Mapping[int, jax.Array] | None = None,
     block_sizes: BlockSizes | None = None,
+    mosaic: bool | None = None,
+    prompt_tiles: str | None = None,
     tokens_per_slot: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """``y[t, off_s:off_s+n_s] += h[s, t] @ lora_b[s][idx[t]].T``, all slices in one launch.
+    """``y[t, off_s:off_s+n_s] += h[s, t] @ lora_b[s][idx[t]].T``, all slices in one launch
+    (two on Hopper for prompts, see ``mosaic``).
 
     y: [T, N] (its dtype is the output's); h: [S, T, R] float; lora_b: tuple of
     S arrays [max_loras, n_s, R]; offsets: static column offset of each slice.
     Sums are formed in f32 and cast once; rows with idx -1 are returned
     bit-identical. Donate ``y`` under an outer jit to update it in place.
     ``tokens_per_slot`` picks the kernel as in `lora_shrink`.
+
+    ``mosaic``: None (default) runs, on a Hopper GPU, the aligned tiles of y wholly of
+    one slot (`work_list.tile_items`: a prompt's inside) through the Mosaic GPU TMA +
+    WGMMA kernel (mosaic_gpu_expand.py) and the other tokens through the Triton kernel,
+    where the host says every mapped token lies in such tiles (``prompt_tiles="all"``:
+    `work_list.whole_tiles`, found by `lora_jax.mapping.make_lora_mapping`), or past
+    ``SEGMENT_MAX_TOKENS`` tokens unless it says "none"; with bf16/fp16 y and B, ranks a
+    multiple of 16 up to 128, and slices in whole column blocks. True forces that split
+    from ``SEGMENT_MIN_TOKENS`` tokens (an error where the shapes do not allow it),
+    False the Triton kernel alone. A wrong "all" leaves the tokens outside whole tiles
+    without their update. The Mosaic kernel reads B's padded rank columns (h's are
+    masked to 0 past ``slot_ranks``): they must be finite, as the adapter slots keep them.
 
     Example::
 
@@ -365,6 +402,13 @@ def lora_expand(
     # Fitting the tiles to shared memory may halve block_m: the work list must use the
     # token blocks the kernel walks.
     block_sizes = pallas_triton.expand_tiles(block_sizes, lora_b, y)
+    tiles = _expand_tiles(mosaic, y, lora_b, offsets, interpret, prompt_tiles)
+    if tiles is not None:
+        return _tiles_expand(
+            y, h, lora_b, tiles, ranks, offsets, block_sizes, prompt_tiles, interpret,
+            token_lora_indices, slot_token_counts, slot_token_starts, sorted_token_ids,
+            work_lists,
+        )  # fmt: skip
     tab = get_work_list(
         work_lists,
         slot_token_counts,
@@ -382,3 +426,53 @@ def lora_expand(
         bs=block_sizes,
         interpret=interpret,
     )
+
+
+def _expand_tiles(mosaic, y, lora_b, offsets, interpret: bool, prompt_tiles: str | None):
+    """The Mosaic GPU expand's tiles for this call, or None (Triton only)."""
+    if prompt_tiles not in (None, *PROMPT_TILES):
+        raise ValueError(
+            f"lora_expand: prompt_tiles={prompt_tiles!r}; expected None or one of {PROMPT_TILES}."
+        )
+    if mosaic is False or (mosaic is None and (interpret or prompt_tiles == "none")):
+        return None
+    num_tokens = y.shape[0]
+    rank = lora_b[0].shape[2]
+    tiles = mosaic_gpu_expand.default_tiles(rank, segment_block_m(num_tokens))
+    widths = tuple(b.shape[1] for b in lora_b)
+    why = mosaic_gpu_expand.supported(
+        y.dtype, lora_b[0].dtype, num_tokens, widths, offsets, rank, tiles
+    )
+    if why is None and num_tokens < SEGMENT_MIN_TOKENS:
+        why = f"{num_tokens} tokens < {SEGMENT_MIN_TOKENS}"
+    if why is None and interpret:
+        why = "interpret mode (Mosaic GPU kernels need a Hopper GPU)"
+    if mosaic is None:
+        # Session 21 (H200): the Mosaic kernel saves ~1 us at 4096 tokens and ~10 at
+        # 16384; the Triton launch for the other tokens costs ~2, so it pays up to
+        # SEGMENT_MAX_TOKENS only where the host says that launch is not needed.
+        wanted = prompt_tiles == "all" or num_tokens > SEGMENT_MAX_TOKENS
+        auto = why is None and wanted
+        return tiles if auto and mosaic_gpu_expand.available() else None
+    if why is not None:
+        raise ValueError(f"lora_expand: mosaic=True, but {why}.")
+    return tiles
+
+
+def _tiles_expand(
+    y, h, lora_b, tiles, ranks, offsets, block_sizes, prompt_tiles, interpret,
+    token_lora_indices, counts, starts, sorted_ids, work_lists,
+):  # fmt: skip
+    """The Triton expand on the tokens outside whole tiles (unless the host says there are
+    none), then the Mosaic GPU expand on the tiles, both in place."""
+    block_m = block_sizes.block_m if block_sizes.block_m in TILES_REST_BLOCK_MS else 32
+    block_sizes = dataclasses.replace(block_sizes, block_m=block_m)
+    seg = _get_segments(
+        work_lists, token_lora_indices, counts, starts, sorted_ids, block_m=block_m, tiles=True
+    )
+    if prompt_tiles != "all":
+        y = pallas_triton.expand(
+            y, h, lora_b, seg.tiles_rest[block_m], ranks, offsets=offsets, bs=block_sizes,
+            interpret=interpret,
+        )  # fmt: skip
+    return mosaic_gpu_expand.expand(y, h, lora_b, seg.tiles, ranks, offsets=offsets, tiles=tiles)

@@ -62,6 +62,9 @@ SEGMENT_LONG_RANK = 128
 ``SEGMENT_MIN_TOKENS`` (see ``SEGMENT_MAX_TOKENS``)."""
 SEGMENT_REST_BLOCK_MS = (32, 64)
 """Token blocks of the prefill Triton shrink, which takes the tokens outside pieces."""
+TILES_REST_BLOCK_MS = (16, 32, 64)
+"""Token blocks of the prefill Triton expand, which takes the tokens outside whole tiles
+(`tile_items`; block_sizes.py: 16 at rank 16, 32 up to rank 64, 64 at rank 128)."""
 SEGMENTS_KEY = 0
 """The key of the segment schedule in `build_work_lists`'s dict (no block_m is 0; an int,
 so that the dict's keys sort as a pytree)."""
@@ -204,6 +207,50 @@ def segment_items(
     return items.astype(jnp.int32), mine
 
 
+def tile_items(token_lora_indices: jax.Array, *, block_m: int) -> tuple[jax.Array, jax.Array]:
+    """The Mosaic GPU expand's share of a step: the aligned ``block_m``-row tiles whose
+    tokens all map to one slot (a prompt's inside; a trailing partial tile never does).
+
+    Returns ``(items, mine)``: items int32 [3, NT] holds per tile (tile, slot), the listed
+    tiles first, and in row 2 their count (in every column); mine bool [T] marks their
+    tokens (the Triton expand takes the others). NT = T // block_m.
+    """
+    num_tokens = token_lora_indices.shape[0]
+    num_tiles = num_tokens // block_m
+    idx = token_lora_indices.astype(jnp.int32)
+    rows = idx[: num_tiles * block_m].reshape(num_tiles, block_m)
+    one = (rows[:, 0] >= 0) & jnp.all(rows == rows[:, :1], axis=1)
+    (tile,) = jnp.nonzero(one, size=num_tiles, fill_value=0)
+    tile = tile.astype(jnp.int32)
+    count = jnp.sum(one.astype(jnp.int32))
+    slot = jnp.maximum(rows[tile, 0], 0)
+    items = jnp.stack([tile, slot, jnp.broadcast_to(count, (num_tiles,))])
+    mine = jnp.zeros((num_tokens,), bool).at[: num_tiles * block_m].set(jnp.repeat(one, block_m))
+    return items.astype(jnp.int32), mine
+
+
+def whole_tiles(token_lora_indices, *, block_m: int | None = None) -> str:
+    """On the host (numpy, no device work): how many of a step's mapped tokens lie in
+    `tile_items`' tiles (the Mosaic GPU expand's share) — "none", "some" or "all".
+    Indices outside ``[0, max_loras)`` must already be -1.
+
+    Example::
+
+        whole_tiles(np.repeat([0, 1], 1024))  # "all"
+    """
+    idx = np.asarray(token_lora_indices).astype(np.int64).reshape(-1)
+    num_tokens = idx.shape[0]
+    mapped = idx >= 0
+    if num_tokens == 0 or not mapped.any():
+        return "none"
+    block_m = segment_block_m(num_tokens) if block_m is None else block_m
+    num_tiles = num_tokens // block_m
+    rows = idx[: num_tiles * block_m].reshape(num_tiles, block_m)
+    one = (rows[:, 0] >= 0) & (rows == rows[:, :1]).all(axis=1)
+    n_mine, n_mapped = int(one.sum()) * block_m, int(mapped.sum())
+    return "none" if n_mine == 0 else "all" if n_mine == n_mapped else "some"
+
+
 PROMPT_TILES = ("none", "some", "all")
 """What `prompt_tiles` may say of a step, and what `lora_shrink(prompt_tiles=)` accepts."""
 
@@ -280,6 +327,11 @@ class Segments:
     `segment_items`."""
     rest: dict[int, jax.Array]
     """block_m -> the Triton work list of the tokens outside the pieces."""
+    tiles: jax.Array | None = None
+    """int32 [3, T // block_m]: the tiles wholly of one slot, for the Mosaic GPU expand;
+    `tile_items`."""
+    tiles_rest: dict[int, jax.Array] | None = None
+    """block_m -> the Triton expand's work list of the tokens outside ``tiles``."""
 
 
 def build_segments(
@@ -289,9 +341,12 @@ def build_segments(
     sorted_token_ids: jax.Array,
     *,
     block_ms: tuple[int, ...] = SEGMENT_REST_BLOCK_MS,
+    tiles_block_ms: tuple[int, ...] = TILES_REST_BLOCK_MS,
 ) -> Segments:
-    """The segment shrink's schedule for one step: its pieces and, per ``block_ms``
-    entry, the Triton work list of the other tokens (`segment_items`, `rest_order`)."""
+    """The prompt tiles' schedule for one step: the segment shrink's pieces and, per
+    ``block_ms`` entry, the Triton work list of the other tokens (`segment_items`,
+    `rest_order`); the Mosaic expand's whole tiles and, per ``tiles_block_ms`` entry,
+    the Triton expand's list of the other tokens (`tile_items`; none if empty)."""
     block_m = segment_block_m(token_lora_indices.shape[0])
     items, mine = segment_items(token_lora_indices, block_m=block_m, max_pieces=SEGMENT_MAX_PIECES)
     del slot_token_starts  # the kept tokens' starts are new
@@ -299,4 +354,11 @@ def build_segments(
         token_lora_indices, slot_token_counts, sorted_token_ids, mine
     )
     rest = {bm: build_work_list(counts, starts, order, block_m=bm) for bm in block_ms}
-    return Segments(items=items, rest=rest)
+    if not tiles_block_ms:
+        return Segments(items=items, rest=rest)
+    tiles, whole = tile_items(token_lora_indices, block_m=block_m)
+    counts, starts, order = rest_order(
+        token_lora_indices, slot_token_counts, sorted_token_ids, whole
+    )
+    tiles_rest = {bm: build_work_list(counts, starts, order, block_m=bm) for bm in tiles_block_ms}
+    return Segments(items=items, rest=rest, tiles=tiles, tiles_rest=tiles_rest)

@@ -7,9 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from lora_jax.kernels import lora_expand_reference
+from lora_jax.kernels import lora_expand, lora_expand_reference
 from lora_jax.kernels.shrink_expand import mosaic_gpu_expand as me
-from shrink_expand_test_base import abstract_gpu_context
+from lora_jax.kernels.shrink_expand import work_list
+from shrink_expand_test_base import abstract_gpu_context, make_metadata
+
+from lora_jax.mapping import make_lora_mapping
 
 
 def _mapping(layout: str, num_tokens: int, max_loras: int, rng) -> np.ndarray:
@@ -98,7 +101,9 @@ def _inputs(num_tokens, widths, rank, dtype, layout, ranked, seed=0):
 def test_mosaic_expand_lowers_for_cuda(num_tokens, widths, rank, ranked, h_in):
     if not hasattr(jax.jit(lambda v: v), "trace"):
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
-    idx, y, h, lora_b, ranks, offsets = _inputs(num_tokens, widths, rank, jnp.bfloat16, "runs", ranked)
+    idx, y, h, lora_b, ranks, offsets = _inputs(
+        num_tokens, widths, rank, jnp.bfloat16, "runs", ranked
+    )
     tiles = me.ExpandTiles(block_m=64, block_n=128, h_in=h_in)
 
     def f(y, h, lora_b, idx):
@@ -117,11 +122,11 @@ def test_mosaic_expand_lowers_for_cuda(num_tokens, widths, rank, ranked, h_in):
     "num_tokens,widths,rank,dtype,layout,ranked,tiles",
     [
         (4096, (4096,), 64, jnp.bfloat16, "one", False, me.ExpandTiles()),
-        (2048, (4096,), 128, jnp.bfloat16, "one", False, me.ExpandTiles(block_m=128)),
+        (2048, (4096,), 128, jnp.bfloat16, "one", False, me.default_tiles(128, 128)),
         (3000, (1024, 256, 256), 64, jnp.bfloat16, "runs", True, me.ExpandTiles()),
         (2048, (2048, 2048), 32, jnp.float16, "runs", True, me.ExpandTiles(h_in="smem")),
         (1024, (4096,), 16, jnp.bfloat16, "one", False, me.ExpandTiles(block_n=64, stages=6)),
-        (16384, (4096,), 128, jnp.bfloat16, "runs", False, me.ExpandTiles(block_n=256)),
+        (16384, (4096,), 64, jnp.bfloat16, "runs", False, me.ExpandTiles(block_m=128)),
     ],
     ids=str,
 )
@@ -140,3 +145,123 @@ def test_mosaic_expand_matches_reference(num_tokens, widths, rank, dtype, layout
     got, want, y = (np.asarray(v.astype(jnp.float32)) for v in (got, want, y))
     np.testing.assert_allclose(got[mine], want[mine], rtol=2e-2, atol=2e-2)
     np.testing.assert_array_equal(got[~mine], y[~mine])  # other rows: untouched
+
+
+def test_host_whole_tiles_agree_with_the_device_list():
+    """`work_list.whole_tiles` (numpy, on the host) says "all" / "some" / "none" exactly as
+    `tile_items`' ``mine`` covers all, some or none of the mapped tokens."""
+    rng = np.random.default_rng(3)
+    seen = set()
+    for trial in range(24):
+        num_tokens = (130, 1024, 4200, 8192)[trial % 4]
+        block_m = work_list.segment_block_m(num_tokens)
+        idx = _mapping(("one", "runs", "shuffled")[trial % 3], num_tokens, 4, rng)
+        if trial % 5 == 4:  # prompts padded to whole tiles: "all"
+            idx = np.repeat(rng.integers(0, 4, -(-num_tokens // block_m)), block_m)[:num_tokens]
+            idx[num_tokens // block_m * block_m :] = -1
+        if trial % 7 == 6:
+            idx[:] = -1
+        mine = np.asarray(me.tile_items(jnp.asarray(idx), block_m=block_m)[1])
+        mapped = idx >= 0
+        want = "none" if not mine.any() else "all" if mine.sum() == mapped.sum() else "some"
+        assert work_list.whole_tiles(idx) == want, (trial, idx)
+        seen.add(want)
+    assert seen == set(work_list.PROMPT_TILES)
+
+
+def test_mapping_says_whole_tiles_to_the_expand():
+    idx = np.repeat(np.arange(4, dtype=np.int32), 512)  # 2048 tokens, 64-row tiles
+    m = make_lora_mapping(idx, 8)
+    assert m.whole_tiles == "all" and m.expand_kwargs()["prompt_tiles"] == "all"
+    assert m.expand_kwargs()["mosaic"] is None
+    idx[100:103] = 5
+    assert make_lora_mapping(idx, 8).whole_tiles == "some"
+    decode = make_lora_mapping(idx, 8, is_prefill=False)
+    assert decode.whole_tiles == "none" and decode.expand_kwargs()["mosaic"] is False
+    assert make_lora_mapping(jnp.asarray(idx), 8).whole_tiles is None  # device indices
+
+
+def _lower_expand(num_tokens, rank, width, **kw):
+    meta = make_metadata(np.zeros(num_tokens, np.int32), 2)
+    y = jax.ShapeDtypeStruct((num_tokens, width), jnp.bfloat16)
+    h = jax.ShapeDtypeStruct((1, num_tokens, rank), jnp.float32)
+    b = jax.ShapeDtypeStruct((2, width, rank), jnp.bfloat16)
+    with abstract_gpu_context():
+        lowered = jax.jit(lambda y, h, b: lora_expand(y, h, (b,), offsets=(0,), **meta, **kw))
+        return lowered.trace(y, h, b).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    "num_tokens,rank,hint,mosaic,triton",
+    [
+        (2048, 64, "all", True, False),  # the host says every token is in whole tiles
+        (2048, 64, "some", False, True),  # up to 4096 tokens the Triton launch costs more
+        (2048, 64, None, False, True),
+        (8192, 64, None, True, True),  # past 4096 tokens: both, unless the host says
+        (8192, 128, "none", False, True),
+        (8192, 128, "all", True, False),
+        (512, 64, "all", False, True),  # under SEGMENT_MIN_TOKENS
+        (2048, 8, "all", False, True),  # rank 8: not a multiple of 16
+    ],
+)
+def test_default_picks_the_mosaic_expand_where_measured(
+    monkeypatch, num_tokens, rank, hint, mosaic, triton
+):
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    monkeypatch.setattr(me, "available", lambda: True)
+    text = _lower_expand(num_tokens, rank, 1024, prompt_tiles=hint)
+    assert ("mosaic_gpu" in text) == mosaic
+    assert ("triton" in text) == triton
+
+
+def test_forced_mosaic_expand_names_what_it_cannot_run():
+    meta = make_metadata(np.zeros(2048, np.int32), 2)
+    y = jnp.zeros((2048, 512), jnp.float32)
+    h = jnp.zeros((1, 2048, 64), jnp.float32)
+    b = jnp.zeros((2, 512, 64), jnp.float32)
+    with pytest.raises(ValueError, match="mosaic=True.*bfloat16 or float16"):
+        lora_expand(y, h, (b,), offsets=(0,), **meta, mosaic=True)
+    yb, bb = y.astype(jnp.bfloat16), jnp.zeros((2, 500, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="slice 0.*block_n"):
+        lora_expand(yb, h, (bb,), offsets=(0,), **meta, mosaic=True)
+    with pytest.raises(ValueError, match="interpret mode"):
+        lora_expand(
+            yb, h, (b.astype(jnp.bfloat16),), offsets=(0,), **meta, mosaic=True, interpret=True
+        )
+    with pytest.raises(ValueError, match="prompt_tiles='every'"):
+        lora_expand(yb, h, (b.astype(jnp.bfloat16),), offsets=(0,), **meta, prompt_tiles="every")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_tokens,widths,rank,layout,ranked,hint",
+    [
+        (4096, (4096,), 64, "one", False, True),  # "all": the Mosaic kernel alone
+        (3000, (1024, 256, 256), 64, "runs", True, False),  # both kernels, 3 slices
+        (8192, (2048,), 128, "runs", True, False),  # 128-row tiles, 64 columns
+        (5000, (1024, 1024), 16, "shuffled", False, False),  # no whole tile: Triton's
+    ],
+    ids=str,
+)
+def test_library_expand_with_mosaic_matches_reference(
+    num_tokens, widths, rank, layout, ranked, hint
+):
+    if not me.available():
+        pytest.skip("needs a Hopper GPU (Mosaic GPU WGMMA)")
+    idx, y, h, lora_b, ranks, offsets = _inputs(
+        num_tokens, widths, rank, jnp.bfloat16, layout, ranked
+    )
+    meta = make_metadata(idx, 8)
+    tiles = work_list.whole_tiles(idx) if hint else None
+    assert not hint or tiles == "all"
+    got = lora_expand(
+        y, h, lora_b, offsets=offsets, **meta, slot_ranks=ranks, mosaic=True, prompt_tiles=tiles
+    )
+    want = lora_expand_reference(
+        y, h, lora_b, offsets=offsets, token_lora_indices=jnp.asarray(idx), slot_ranks=ranks
+    )
+    got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    unmapped = idx < 0
+    np.testing.assert_array_equal(got[unmapped], np.asarray(y.astype(jnp.float32))[unmapped])
