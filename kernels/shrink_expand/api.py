@@ -475,4 +475,13 @@ def _tiles_expand(
             y, h, lora_b, seg.tiles_rest[block_m], ranks, offsets=offsets, bs=block_sizes,
             interpret=interpret,
         )  # fmt: skip
-    return mosaic_gpu_expand.expand(y, h, lora_b, seg.tiles, ranks, offsets=offsets, tiles=tiles)
+    return mosaic_gpu_expand.expand(
+        y,
+        h,
+        lora_b,
+        seg.tiles,
+        ranks,
+        offsets=offsets,
+        tiles=tiles,
+        item_rows=segment_block_m(y.shape[0]),
+    )

@@ -94,15 +94,16 @@ def fit_stages(tiles: ExpandTiles, rank: int) -> int:
     return stages
 
 
-def default_tiles(rank: int, block_m: int) -> ExpandTiles:
-    """The default tiles: ``block_m`` rows (the step's prompt tiles,
-    `work_list.segment_block_m`), 128 columns where two stages fit shared memory (else
-    64), as many stages up to 4 as fit. Session 21 (H200, one adapter, rank 64, the
-    kernel alone): 128 x 128 tiles (2 stages) 23.8 / 82.3 us at 4096 / 16384 tokens,
-    64 x 128 (3) 24.6 / 90.5, 64 x 64 (6) 26.5 / 95.4."""
-    tiles = ExpandTiles(block_m=block_m, block_n=128)
+def default_tiles(rank: int, item_rows: int) -> ExpandTiles:
+    """The default tiles for listed tiles of ``item_rows`` rows (the step's prompt tiles,
+    `work_list.segment_block_m`): as many rows, 128 columns, as many stages up to 4 as
+    fit shared memory; where two stages do not fit (rank 128 in 128-row tiles), 64 rows.
+    Session 21 (H200, one adapter, rank 64; with the tile list built in the call): 128 x
+    128 tiles (2 stages) 23.8 / 82.3 us at 4096 / 16384 tokens, 64 x 128 (3) 24.6 /
+    90.5, 64 x 64 (6) 26.5 / 95.4."""
+    tiles = ExpandTiles(block_m=item_rows, block_n=128)
     if smem_bytes(tiles, rank, 2) > SMEM_BUDGET:
-        tiles = dataclasses.replace(tiles, block_n=64)
+        tiles = dataclasses.replace(tiles, block_m=64)
     return dataclasses.replace(tiles, stages=fit_stages(tiles, rank))
 
 
@@ -139,6 +140,7 @@ def _kernel_body(
     blocks: tuple[int, ...],
     col_blocks: tuple[int, ...],
     programs: int,
+    sub: int,
     tiles: ExpandTiles,
 ):
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -149,7 +151,7 @@ def _kernel_body(
     dtype = y_ref.dtype
     units = sum(blocks)  # column blocks of one tile, over all slices
     first_unit = [sum(blocks[:s]) for s in range(num_slices)]
-    work = items_ref[2, 0] * units
+    work = items_ref[2, 0] * sub * units  # each listed tile is ``sub`` tiles of block_m rows
     per = (work + programs - 1) // programs
     start = jnp.minimum(jax.lax.axis_index("prog") * per, work)
     end = jnp.minimum(start + per, work)
@@ -158,7 +160,8 @@ def _kernel_body(
 
     def item(i, carry):
         it = first_item + i
-        tile, slot = items_ref[0, it], items_ref[1, it]
+        tile = items_ref[0, it // sub] * sub + it % sub  # in block_m rows
+        slot = items_ref[1, it // sub]
         lo = jnp.maximum(start, it * units) - it * units
         hi = jnp.minimum(end, it * units + units) - it * units
         for s in range(num_slices):
@@ -224,9 +227,12 @@ def expand(
     *,
     offsets: tuple[int, ...],
     tiles: ExpandTiles,
+    item_rows: int | None = None,
 ) -> jax.Array:
     """y with the listed tiles' (`tile_items`) products added, in place; every other row
-    of y is left as it was. h: [S, T, R] float; lora_b: S arrays [L, n_s, R]."""
+    of y is left as it was. h: [S, T, R] float; lora_b: S arrays [L, n_s, R].
+    ``item_rows``: the rows of the listed tiles (their ``block_m``; default
+    ``tiles.block_m``), a multiple of ``tiles.block_m``."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     num_tokens = y.shape[0]
@@ -238,8 +244,14 @@ def expand(
         raise ValueError(f"mosaic_gpu expand: {why}.")
     tiles = dataclasses.replace(tiles, stages=fit_stages(tiles, rank))
     blocks = tuple(n // tiles.block_n for n in widths)
-    num_items = items.shape[1]
-    programs = min(tiles.programs or num_sms(), num_items * sum(blocks))
+    item_rows = item_rows or tiles.block_m
+    if item_rows % tiles.block_m:
+        raise ValueError(
+            f"mosaic_gpu expand: item_rows={item_rows} is not a multiple of "
+            f"block_m={tiles.block_m}."
+        )
+    sub = item_rows // tiles.block_m
+    programs = min(tiles.programs or num_sms(), items.shape[1] * sub * sum(blocks))
     has_ranks = slot_ranks is not None
     body = functools.partial(
         _kernel_body,
@@ -249,6 +261,7 @@ def expand(
         blocks=blocks,
         col_blocks=tuple(off // tiles.block_n for off in offsets),
         programs=programs,
+        sub=sub,
         tiles=tiles,
     )
     inputs = [items] + ([slot_ranks] if has_ranks else []) + [h, *lora_b]

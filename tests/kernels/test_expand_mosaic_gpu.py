@@ -74,6 +74,15 @@ def test_stages_fit_shared_memory(rank, block_m, block_n, stages):
     assert got == stages or me.smem_bytes(tiles, rank, got + 1) > me.SMEM_BUDGET
 
 
+@pytest.mark.parametrize("rank", [16, 32, 64, 96, 128])
+@pytest.mark.parametrize("item_rows", [64, 128])
+def test_default_tiles_fit_and_divide_the_listed_tiles(rank, item_rows):
+    tiles = me.default_tiles(rank, item_rows)
+    assert item_rows % tiles.block_m == 0 and tiles.block_n == 128
+    assert me.smem_bytes(tiles, rank, tiles.stages) <= me.SMEM_BUDGET and tiles.stages >= 2
+    assert me.supported(jnp.bfloat16, jnp.bfloat16, 4096, (4096,), (0,), rank, tiles) is None
+
+
 def _inputs(num_tokens, widths, rank, dtype, layout, ranked, seed=0):
     rng = np.random.default_rng(seed)
     max_loras = 8
@@ -119,24 +128,29 @@ def test_mosaic_expand_lowers_for_cuda(num_tokens, widths, rank, ranked, h_in):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "num_tokens,widths,rank,dtype,layout,ranked,tiles",
+    "num_tokens,widths,rank,dtype,layout,ranked,tiles,item_rows",
     [
-        (4096, (4096,), 64, jnp.bfloat16, "one", False, me.ExpandTiles()),
-        (2048, (4096,), 128, jnp.bfloat16, "one", False, me.default_tiles(128, 128)),
-        (3000, (1024, 256, 256), 64, jnp.bfloat16, "runs", True, me.ExpandTiles()),
-        (2048, (2048, 2048), 32, jnp.float16, "runs", True, me.ExpandTiles(h_in="smem")),
-        (1024, (4096,), 16, jnp.bfloat16, "one", False, me.ExpandTiles(block_n=64, stages=6)),
-        (16384, (4096,), 64, jnp.bfloat16, "runs", False, me.ExpandTiles(block_m=128)),
+        (4096, (4096,), 64, jnp.bfloat16, "one", False, me.ExpandTiles(), 64),
+        (2048, (4096,), 128, jnp.bfloat16, "one", False, me.default_tiles(128, 128), 128),
+        (3000, (1024, 256, 256), 64, jnp.bfloat16, "runs", True, me.ExpandTiles(), 64),
+        (2048, (2048, 2048), 32, jnp.float16, "runs", True, me.ExpandTiles(h_in="smem"), 64),
+        (1024, (4096,), 16, jnp.bfloat16, "one", False, me.ExpandTiles(block_n=64, stages=6), 64),
+        (16384, (4096,), 64, jnp.bfloat16, "runs", False, me.ExpandTiles(block_m=128), 128),
+        (5000, (2048,), 96, jnp.bfloat16, "runs", True, me.ExpandTiles(), 128),  # 2 a tile
     ],
     ids=str,
 )
-def test_mosaic_expand_matches_reference(num_tokens, widths, rank, dtype, layout, ranked, tiles):
+def test_mosaic_expand_matches_reference(
+    num_tokens, widths, rank, dtype, layout, ranked, tiles, item_rows
+):
     if not me.available():
         pytest.skip("needs a Hopper GPU (Mosaic GPU WGMMA)")
     idx, y, h, lora_b, ranks, offsets = _inputs(num_tokens, widths, rank, dtype, layout, ranked)
-    items, mine = me.tile_items(jnp.asarray(idx), block_m=tiles.block_m)
+    items, mine = me.tile_items(jnp.asarray(idx), block_m=item_rows)
     got = jax.jit(
-        lambda y, h, b, items: me.expand(y, h, b, items, ranks, offsets=offsets, tiles=tiles)
+        lambda y, h, b, items: me.expand(
+            y, h, b, items, ranks, offsets=offsets, tiles=tiles, item_rows=item_rows
+        )
     )(y, h, lora_b, items)
     want = lora_expand_reference(
         y, h, lora_b, offsets=offsets, token_lora_indices=jnp.asarray(idx), slot_ranks=ranks
