@@ -340,9 +340,10 @@ def lora_expand(
     ``mosaic``: None (default) runs, on a Hopper GPU, the aligned tiles of y wholly of
     one slot (`work_list.tile_items`: a prompt's inside) through the Mosaic GPU TMA +
     WGMMA kernel (mosaic_gpu_expand.py) and the other tokens through the Triton kernel,
-    where the host says every mapped token lies in such tiles (``prompt_tiles="all"``:
-    `work_list.whole_tiles`, found by `lora_jax.mapping.make_lora_mapping`), or past
-    ``SEGMENT_MAX_TOKENS`` tokens unless it says "none"; with bf16/fp16 y and B, ranks a
+    from ``SEGMENT_MIN_TOKENS`` tokens where the host says every mapped token lies in such
+    tiles (``prompt_tiles="all"``: `work_list.whole_tiles`, found by
+    `lora_jax.mapping.make_lora_mapping`; then the Mosaic kernel runs alone), or from rank
+    ``EXPAND_SPLIT_MIN_RANK`` unless it says "none"; with bf16/fp16 y and B, ranks a
     multiple of 16 up to 128, and slices in whole column blocks. True forces that split
     from ``SEGMENT_MIN_TOKENS`` tokens (an error where the shapes do not allow it),
     False the Triton kernel alone. A wrong "all" leaves the tokens outside whole tiles
@@ -428,6 +429,11 @@ def lora_expand(
     )
 
 
+EXPAND_SPLIT_MIN_RANK = 32
+"""From this rank the expand's default takes the Mosaic + Triton split where the host does
+not say "all" (nor "none") of the step's tokens lie in whole tiles."""
+
+
 def _expand_tiles(mosaic, y, lora_b, offsets, interpret: bool, prompt_tiles: str | None):
     """The Mosaic GPU expand's tiles for this call, or None (Triton only)."""
     if prompt_tiles not in (None, *PROMPT_TILES):
@@ -448,10 +454,12 @@ def _expand_tiles(mosaic, y, lora_b, offsets, interpret: bool, prompt_tiles: str
     if why is None and interpret:
         why = "interpret mode (Mosaic GPU kernels need a Hopper GPU)"
     if mosaic is None:
-        # Session 21 (H200): the Mosaic kernel saves ~1 us at 4096 tokens and ~10 at
-        # 16384; the Triton launch for the other tokens costs ~2, so it pays up to
-        # SEGMENT_MAX_TOKENS only where the host says that launch is not needed.
-        wanted = prompt_tiles == "all" or num_tokens > SEGMENT_MAX_TOKENS
+        # Session 21 (H200, prompts over 8 adapters, µs): the Mosaic kernel alone ("all")
+        # beat the Triton one in every cell from 1024 tokens (rank 64: 7.6 / 19.8 / 77.2
+        # vs 12.2 / 25.8 / 93.8 at 1024 / 4096 / 16384 tokens). With the Triton launch for
+        # the other tokens too (the host silent) it still won from rank 32 (rank 64: 9.3
+        # / 22.2 / 81.2) but not at rank 16 (9.9 / 21.8 / 78.5 vs 7.5 / 21.6 / 78.7).
+        wanted = prompt_tiles == "all" or rank >= EXPAND_SPLIT_MIN_RANK
         auto = why is None and wanted
         return tiles if auto and mosaic_gpu_expand.available() else None
     if why is not None:

@@ -209,9 +209,10 @@ def _lower_expand(num_tokens, rank, width, **kw):
     "num_tokens,rank,hint,mosaic,triton",
     [
         (2048, 64, "all", True, False),  # the host says every token is in whole tiles
-        (2048, 64, "some", False, True),  # up to 4096 tokens the Triton launch costs more
-        (2048, 64, None, False, True),
-        (8192, 64, None, True, True),  # past 4096 tokens: both, unless the host says
+        (2048, 64, "some", True, True),  # from rank 32: both kernels
+        (2048, 32, None, True, True),
+        (8192, 16, None, False, True),  # rank 16: the Triton launch costs what Mosaic saves
+        (2048, 16, "all", True, False),
         (8192, 128, "none", False, True),
         (8192, 128, "all", True, False),
         (512, 64, "all", False, True),  # under SEGMENT_MIN_TOKENS
