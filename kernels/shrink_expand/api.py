@@ -447,7 +447,7 @@ def _expand_tiles(mosaic, y, lora_b, offsets, interpret: bool, prompt_tiles: str
     tiles = mosaic_gpu_expand.default_tiles(rank, segment_block_m(num_tokens))
     widths = tuple(b.shape[1] for b in lora_b)
     why = mosaic_gpu_expand.supported(
-        y.dtype, lora_b[0].dtype, num_tokens, widths, offsets, rank, tiles
+        y.dtype, lora_b[0].dtype, y.shape, widths, offsets, rank, tiles
     )
     if why is None and num_tokens < SEGMENT_MIN_TOKENS:
         why = f"{num_tokens} tokens < {SEGMENT_MIN_TOKENS}"

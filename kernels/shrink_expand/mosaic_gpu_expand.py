@@ -107,10 +107,13 @@ def default_tiles(rank: int, item_rows: int) -> ExpandTiles:
     return dataclasses.replace(tiles, stages=fit_stages(tiles, rank))
 
 
-def supported(y_dtype, b_dtype, num_tokens: int, widths, offsets, rank: int, tiles: ExpandTiles):
-    """None if this kernel can run the shapes, else why not (a sentence)."""
+def supported(y_dtype, b_dtype, y_shape, widths, offsets, rank: int, tiles: ExpandTiles):
+    """None if this kernel can run the shapes (y [T, N]), else why not (a sentence)."""
+    num_tokens, width = y_shape
     if y_dtype != b_dtype or y_dtype not in (jnp.bfloat16, jnp.float16):
         return f"y and lora_b must share dtype bfloat16 or float16, got {y_dtype} / {b_dtype}"
+    if width % 8:  # TMA: every stride but the last a multiple of 16 bytes
+        return f"y's rows of {width} columns are not a multiple of 16 bytes"
     if num_tokens < tiles.block_m:
         return f"{num_tokens} tokens < block_m={tiles.block_m}"
     for s, (n_s, off) in enumerate(zip(widths, offsets)):
@@ -239,7 +242,7 @@ def expand(
     num_slices = len(lora_b)
     rank = lora_b[0].shape[2]
     widths = tuple(b.shape[1] for b in lora_b)
-    why = supported(y.dtype, lora_b[0].dtype, num_tokens, widths, offsets, rank, tiles)
+    why = supported(y.dtype, lora_b[0].dtype, y.shape, widths, offsets, rank, tiles)
     if why is not None:
         raise ValueError(f"mosaic_gpu expand: {why}.")
     tiles = dataclasses.replace(tiles, stages=fit_stages(tiles, rank))

@@ -54,14 +54,19 @@ def test_tile_items_match_oracle(layout, num_tokens, block_m):
 
 def test_unsupported_shapes_are_named():
     tiles = me.ExpandTiles(block_m=64, block_n=128)
-    why = me.supported(jnp.bfloat16, jnp.bfloat16, 4096, (4096, 1000), (0, 4096), 64, tiles)
+    why = me.supported(jnp.bfloat16, jnp.bfloat16, (4096, 5096), (4096, 1000), (0, 4096), 64, tiles)
     assert "slice 1" in why and "block_n=128" in why
-    assert "dtype" in me.supported(jnp.float32, jnp.float32, 4096, (4096,), (0,), 64, tiles)
-    assert "rank=8" in me.supported(jnp.bfloat16, jnp.bfloat16, 4096, (4096,), (0,), 8, tiles)
+    assert "dtype" in me.supported(jnp.float32, jnp.float32, (4096, 4096), (4096,), (0,), 64, tiles)
+    assert "rank=8" in me.supported(
+        jnp.bfloat16, jnp.bfloat16, (4096, 4096), (4096,), (0,), 8, tiles
+    )
     big = me.ExpandTiles(block_m=128, block_n=256)
     assert "shared memory" in me.supported(
-        jnp.bfloat16, jnp.bfloat16, 4096, (4096,), (0,), 128, big
+        jnp.bfloat16, jnp.bfloat16, (4096, 4096), (4096,), (0,), 128, big
     )
+    # y's rows must be whole 16-byte units for TMA (a few columns no slice touches)
+    odd = me.supported(jnp.bfloat16, jnp.bfloat16, (4096, 4099), (4096,), (0,), 64, tiles)
+    assert "16 bytes" in odd
     with pytest.raises(ValueError, match="block_n=96"):
         me.ExpandTiles(block_n=96)
 
@@ -80,7 +85,9 @@ def test_default_tiles_fit_and_divide_the_listed_tiles(rank, item_rows):
     tiles = me.default_tiles(rank, item_rows)
     assert item_rows % tiles.block_m == 0 and tiles.block_n == 128
     assert me.smem_bytes(tiles, rank, tiles.stages) <= me.SMEM_BUDGET and tiles.stages >= 2
-    assert me.supported(jnp.bfloat16, jnp.bfloat16, 4096, (4096,), (0,), rank, tiles) is None
+    assert (
+        me.supported(jnp.bfloat16, jnp.bfloat16, (4096, 4096), (4096,), (0,), rank, tiles) is None
+    )
 
 
 def _inputs(num_tokens, widths, rank, dtype, layout, ranked, seed=0):
@@ -195,9 +202,12 @@ def test_mapping_says_whole_tiles_to_the_expand():
     assert make_lora_mapping(jnp.asarray(idx), 8).whole_tiles is None  # device indices
 
 
-def _lower_expand(num_tokens, rank, width, **kw):
+def _lower_expand(num_tokens, rank, width, y_width=None, **kw):
+    """The CUDA lowering of `lora_expand` over one slot's tokens (y [T, y_width], the
+    slice's ``width`` columns from 0)."""
+    y_width = y_width or width
     meta = make_metadata(np.zeros(num_tokens, np.int32), 2)
-    y = jax.ShapeDtypeStruct((num_tokens, width), jnp.bfloat16)
+    y = jax.ShapeDtypeStruct((num_tokens, y_width), jnp.bfloat16)
     h = jax.ShapeDtypeStruct((1, num_tokens, rank), jnp.float32)
     b = jax.ShapeDtypeStruct((2, width, rank), jnp.bfloat16)
     with abstract_gpu_context():
@@ -228,6 +238,9 @@ def test_default_picks_the_mosaic_expand_where_measured(
     text = _lower_expand(num_tokens, rank, 1024, prompt_tiles=hint)
     assert ("mosaic_gpu" in text) == mosaic
     assert ("triton" in text) == triton
+    if mosaic:  # y's rows not whole 16-byte units (3 columns past the slice): Triton alone
+        odd = _lower_expand(num_tokens, rank, 1024, y_width=1027, prompt_tiles=hint)
+        assert "mosaic_gpu" not in odd and "triton" in odd
 
 
 def test_forced_mosaic_expand_names_what_it_cannot_run():
