@@ -238,7 +238,6 @@ def expand(
     ``tiles.block_m``), a multiple of ``tiles.block_m``."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    num_tokens = y.shape[0]
     num_slices = len(lora_b)
     rank = lora_b[0].shape[2]
     widths = tuple(b.shape[1] for b in lora_b)
