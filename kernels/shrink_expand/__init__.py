@@ -5,7 +5,8 @@ One folder per op, Tokamax style: ``reference.py`` is the jnp oracle,
 ``pallas_triton_shrink.py`` its shrink, ``pallas_triton_bgmv.py`` the per-token
 (Punica BGMV) shrink and expand for steps where tokens have adapters of their own,
 ``mosaic_gpu_shrink.py`` the Mosaic GPU
-(Hopper TMA + WGMMA) shrink for prompts' tiles of x, ``block_sizes.py`` the tile
+(Hopper TMA + WGMMA) shrink for prompts' tiles of x, ``mosaic_gpu_expand.py`` the Mosaic
+GPU expand for tiles of y wholly of one slot, ``block_sizes.py`` the tile
 config and its H200 tuning table, ``work_list.py`` the (slot, token block)
 schedule shared by backends, and ``api.py`` the jitted public functions.
 ``pallas_triton_fused.py`` holds the fused decode op `lora_shrink_expand`
