@@ -30,7 +30,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from lora_jax.kernels.shrink_expand.mosaic_gpu_shrink import available, num_sms
+from lora_jax.kernels.shrink_expand.mosaic_gpu_shrink import (
+    available,
+    num_sms,
+    run_in_place,
+    stream_k_range,
+)
 from lora_jax.kernels.shrink_expand.work_list import tile_items
 
 __all__ = ["ExpandTiles", "available", "default_tiles", "expand", "supported", "tile_items"]
@@ -154,12 +159,15 @@ def _kernel_body(
     dtype = y_ref.dtype
     units = sum(blocks)  # column blocks of one tile, over all slices
     first_unit = [sum(blocks[:s]) for s in range(num_slices)]
-    work = items_ref[2, 0] * sub * units  # each listed tile is ``sub`` tiles of block_m rows
-    per = (work + programs - 1) // programs
-    start = jnp.minimum(jax.lax.axis_index("prog") * per, work)
-    end = jnp.minimum(start + per, work)
-    first_item = start // units
-    num_items = jnp.where(end > start, (end - 1) // units - first_item + 1, 0)
+    # Each listed tile is ``sub`` tiles of block_m rows; a run is units laid end to end.
+    start, end, first_item, num_items = stream_k_range(
+        jax.lax.axis_index("prog"),
+        items_ref[2, 0] * sub,
+        num_slices=1,
+        job_steps=units,
+        unit_steps=1,
+        programs=programs,
+    )
 
     def item(i, carry):
         it = first_item + i
@@ -236,7 +244,6 @@ def expand(
     of y is left as it was. h: [S, T, R] float; lora_b: S arrays [L, n_s, R].
     ``item_rows``: the rows of the listed tiles (their ``block_m``; default
     ``tiles.block_m``), a multiple of ``tiles.block_m``."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     num_slices = len(lora_b)
     rank = lora_b[0].shape[2]
@@ -267,12 +274,4 @@ def expand(
         tiles=tiles,
     )
     inputs = [items] + ([slot_ranks] if has_ranks else []) + [h, *lora_b]
-    # y is a Ref aliased in and out of the kernel: rows it does not store keep their value.
-    y_ref = jax.new_ref(y)
-    pl.kernel(
-        body,
-        out_type=(),
-        mesh=plgpu.Mesh(grid=(programs,), grid_names=("prog",)),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(*inputs, y_ref)
-    return jax.freeze(y_ref)
+    return run_in_place(body, inputs, y, programs)  # rows it does not store keep their value

@@ -292,7 +292,6 @@ def shrink(
     """Writes the pieces of ``items`` (`work_list.segment_items`) into ``out`` [S, T, R] f32, in
     place (``out`` must be zero in their rows: parts of a job are added), and returns it.
     Every other row of ``out`` is left as it was."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     num_tokens, hidden = x.shape
     num_slices = len(lora_a)
@@ -317,13 +316,22 @@ def shrink(
         tiles=tiles,
     )
     inputs = [items] + ([slot_ranks] if has_ranks else []) + [x, *lora_a]
-    # A Ref argument is aliased in and out of the kernel: rows it does not store keep
-    # what `out` held (plgpu.kernel has no input_output_aliases).
-    out_ref = jax.new_ref(out)
+    return run_in_place(body, inputs, out, programs)
+
+
+def run_in_place(body, inputs: list, target: jax.Array, programs: int) -> jax.Array:
+    """Runs ``body(*input_refs, target_ref)`` on a persistent grid of ``programs`` (axis
+    "prog", warpgroup semantics) and returns ``target`` as the kernel left it.
+
+    ``target`` goes in as a Ref, aliased in and out of the kernel (plgpu.kernel has no
+    input_output_aliases): what the kernel does not store keeps its value."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    ref = jax.new_ref(target)
     pl.kernel(
         body,
         out_type=(),
         mesh=plgpu.Mesh(grid=(programs,), grid_names=("prog",)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(*inputs, out_ref)
-    return jax.freeze(out_ref)
+    )(*inputs, ref)
+    return jax.freeze(ref)
