@@ -370,3 +370,39 @@ def test_stream_floor_kernels_lower_for_cuda():
         )
         text = jax.jit(f).trace(x, a).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text, variant
+
+
+def test_ops_mosaic_expand_probe_and_variants(tmp_path, monkeypatch):
+    """`ops.py --impls mexp:…` runs only where its tiles hold every token, parses its
+    tiles, and the expand's variants (`ours_triton`, `ours_split`) run or name why not."""
+    import json
+
+    import ops
+
+    cell = dict(op="expand", hidden=512, rank=16)
+    one = ops.Case(adapters=1, tokens=4096, **cell)
+    eight = ops.Case(adapters=8, tokens=1024, **cell)  # 128 tokens an adapter
+    names = ["ours", "mexp", "mexp:128:128:2", "mexp:64:128:4:smem:copy"]
+    assert ops.mexp_names(one, names) == names[1:]
+    assert ops.mexp_names(ops.Case(adapters=1, tokens=4096, **dict(cell, op="shrink")), names) == []
+    assert ops.mexp_names(eight, names) == []  # shuffled: no tile of one slot
+    monkeypatch.setattr(ops, "LAYOUT", "runs")
+    assert ops.mexp_names(eight, names) == names[1:]
+    assert ops.mexp_names(ops.Case(adapters=8, tokens=512, **cell), names) == ["mexp", names[3]]
+    tiles = ops.mexp_tiles(names[3])
+    assert (tiles.block_m, tiles.block_n, tiles.stages) == (64, 128, 4)
+    assert (tiles.h_in, tiles.variant) == ("smem", "copy")
+
+    metas = [ops.metadata(idx, ops.MAX_LORAS) for idx in ops.mappings(eight, 2, "runs")]
+    assert ops.host_whole_tiles(metas) == "all"
+    metas = [ops.metadata(idx, ops.MAX_LORAS) for idx in ops.mappings(eight, 2, "shuffled")]
+    assert ops.host_whole_tiles(metas) == "none"
+
+    monkeypatch.setattr(ops, "LAYOUT", "shuffled")
+    argv = ["--interpret", "--timer", "wall", "--ops", "expand", "--tokens", "64"]
+    argv += ["--hiddens", "512", "--ranks", "16", "--adapters", "1", "--out", str(tmp_path)]
+    ops.main(argv + ["--impls", "ours,ours_triton,ours_split"])
+    (row,) = json.loads((tmp_path / "ops.json").read_text())
+    assert row["whole_tiles"] == "all" and row["err_ok"]
+    assert "us" in row["impls"]["ours_triton"]
+    assert "mosaic=True" in row["impls"]["ours_split"]["skipped"]  # 64 tokens: too few
