@@ -372,6 +372,7 @@ def test_stream_floor_kernels_lower_for_cuda():
         assert "mosaic_gpu" in text, variant
 
 
+@pytest.mark.slow  # ~10 s; the default itself: tests/kernels/test_expand_mosaic_gpu.py
 def test_ops_mosaic_expand_probe_and_variants(tmp_path, monkeypatch):
     """`ops.py --impls mexp:…` runs only where its tiles hold every token, parses its
     tiles, and the expand's variants (`ours_triton`, `ours_split`) run or name why not."""
