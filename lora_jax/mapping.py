@@ -125,6 +125,7 @@ def make_lora_mapping(
     is_prefill: bool | None = None,
     prompt_tiles: str | None = None,
     tokens_per_slot: int | None = None,
+    whole_tiles: str | None = None,
 ) -> LoRAMapping:
     """Builds the step metadata from `token_lora_indices` (int32 `[T]`, -1 = no adapter).
 
@@ -137,6 +138,9 @@ def make_lora_mapping(
     each whose length is a power of two of at least `PROMPT_ROWS_MIN_TOKENS`, as a padded
     prefill batch's are). ``tokens_per_slot`` likewise (`LoRAMapping.tokens_per_slot`;
     `host_tokens_per_slot` of numpy indices): a performance hint, never a change of result.
+    ``whole_tiles`` likewise (`LoRAMapping.whole_tiles`; "all" for rows of one slot each
+    whose length is a power of two of at least `PROMPT_TILE_TOKENS`). A wrong "all" in
+    either hint leaves tokens without their adapter's update on Hopper.
 
     Example:
         >>> m = jax.jit(make_lora_mapping, static_argnums=1)(jnp.zeros(8, jnp.int32), 4)
@@ -145,10 +149,9 @@ def make_lora_mapping(
     """
     if is_prefill is not None and not isinstance(is_prefill, bool):
         raise ValueError(f"is_prefill must be True, False or None, got {is_prefill!r}")
-    if prompt_tiles not in (None, "none", "some", "all"):
-        raise ValueError(
-            f"prompt_tiles must be None, 'none', 'some' or 'all', got {prompt_tiles!r}"
-        )
+    for name, hint in (("prompt_tiles", prompt_tiles), ("whole_tiles", whole_tiles)):
+        if hint not in (None, "none", "some", "all"):
+            raise ValueError(f"{name} must be None, 'none', 'some' or 'all', got {hint!r}")
     if tokens_per_slot not in (None, *TOKENS_PER_SLOT):
         raise ValueError(
             f"tokens_per_slot must be None or one of {TOKENS_PER_SLOT}, got {tokens_per_slot!r}"
@@ -162,9 +165,13 @@ def make_lora_mapping(
     if not jnp.issubdtype(idx.dtype, jnp.integer):
         raise ValueError(f"token_lora_indices must be integers, got {idx.dtype}")
     prompts = _prompt_tiles(token_lora_indices, max_loras) if host else prompt_tiles
-    whole = _prompt_tiles(token_lora_indices, max_loras, whole=True) if host else None
+    whole = whole_tiles
+    if isinstance(token_lora_indices, np.ndarray) and whole is None:
+        whole = _prompt_tiles(token_lora_indices, max_loras, whole=True)
     if is_prefill is False:
         prompts = whole = "none"
+    if prompts == "none":  # a tile wholly of one slot is a prompt tile
+        whole = "none"
     seq = None if seq_lora_indices is None else jnp.asarray(seq_lora_indices, jnp.int32)
     return LoRAMapping(
         **_device_metadata(idx, int(max_loras), segments=prompts != "none" and _segments_run()),

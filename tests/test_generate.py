@@ -174,9 +174,12 @@ def test_prefill_and_decode_say_which_they_are(lora_model, mixed, monkeypatch):
     seen = []
     real = gen.set_lora_mapping
 
-    def spy(model, tokens, seqs, *, is_prefill=None, prompt_tiles=None):
-        seen.append((tokens.shape[0], is_prefill, prompt_tiles))
-        return real(model, tokens, seqs, is_prefill=is_prefill, prompt_tiles=prompt_tiles)
+    def spy(model, tokens, seqs, *, is_prefill=None, prompt_tiles=None, whole_tiles=None):
+        seen.append((tokens.shape[0], is_prefill, prompt_tiles, whole_tiles))
+        return real(
+            model, tokens, seqs, is_prefill=is_prefill, prompt_tiles=prompt_tiles,
+            whole_tiles=whole_tiles,
+        )  # fmt: skip
 
     monkeypatch.setattr(gen, "set_lora_mapping", spy)
     # Buckets no other test uses, so both steps trace (and call the spy) here.
@@ -184,10 +187,15 @@ def test_prefill_and_decode_say_which_they_are(lora_model, mixed, monkeypatch):
         lora_model, PROMPTS[:2], SLOTS[:2], max_new_tokens=3, min_batch_bucket=2,
         min_prompt_bucket=32,
     )  # fmt: skip
-    # rows of 32 tokens fill the prompt tiles (PROMPT_ROWS_MIN_TOKENS); decode has none
-    assert seen == [(2 * 32, True, "all"), (2, False, None)]
+    # rows of 32 tokens fill the prompt tiles (PROMPT_ROWS_MIN_TOKENS), not whole 64- or
+    # 128-row tiles; decode has none
+    assert seen == [(2 * 32, True, "all", None), (2, False, None, None)]
     for i in range(2):
         assert out.tokens[i] == mixed.tokens[i][:3]
+    seen.clear()
+    generate(lora_model, PROMPTS[:1], SLOTS[:1], max_new_tokens=1, min_prompt_bucket=128)
+    # rows of 128 tokens are whole tiles of one slot (PROMPT_TILE_TOKENS)
+    assert seen[0][1:] == (True, "all", "all")
 
 
 def test_mixed_batch_equals_single_requests(lora_model, mixed):

@@ -322,9 +322,11 @@ class BaseLayerWithLoRA(nnx.Module):
         a_axes, b_axes = self.lora_axes()
 
         # A shard's tiles of tokens are the step's when its share is whole tiles: what the
-        # step's mapping says of its prompt tiles then holds for every shard.
-        whole_tiles = x2.shape[0] // rules.size("batch") % PROMPT_TILE_TOKENS == 0
-        shard_tiles = mapping.prompt_tiles if whole_tiles else None
+        # step's mapping says of its prompt tiles (and of its tiles wholly of one slot: "all"
+        # of 128-row tiles is "all" of 64-row ones too) then holds for every shard.
+        aligned = x2.shape[0] // rules.size("batch") % PROMPT_TILE_TOKENS == 0
+        shard_tiles = mapping.prompt_tiles if aligned else None
+        shard_whole = mapping.whole_tiles if aligned else None
 
         def local(xl, kl, a, b, ranks, m):
             if not isinstance(m, LoRAMapping):
@@ -335,6 +337,7 @@ class BaseLayerWithLoRA(nnx.Module):
                     is_prefill=mapping.is_prefill,
                     prompt_tiles=shard_tiles,
                     tokens_per_slot=mapping.tokens_per_slot,
+                    whole_tiles=shard_whole,
                 )
             y = base.local_matmul(xl, kl)
             return self._lora_local(y, xl, a, b, ranks, m)
@@ -379,11 +382,12 @@ def set_lora_mapping(
     is_prefill: bool | None = None,
     prompt_tiles: str | None = None,
     tokens_per_slot: int | None = None,
+    whole_tiles: str | None = None,
 ) -> LoRAMapping | None:
     """Sets the step's mapping on every LoRA layer of `model` (call inside your jit).
-    ``is_prefill=False`` marks a decode step (`LoRAMapping.is_prefill`); ``prompt_tiles``
-    and ``tokens_per_slot`` say what the caller knows of its prompts' layout and of its
-    tokens per adapter (`make_lora_mapping`).
+    ``is_prefill=False`` marks a decode step (`LoRAMapping.is_prefill`); ``prompt_tiles``,
+    ``whole_tiles`` and ``tokens_per_slot`` say what the caller knows of its prompts'
+    layout and of its tokens per adapter (`make_lora_mapping`).
 
     Example:
         >>> set_lora_mapping(model, jnp.array([0, 0, -1, 2], jnp.int32))  # doctest: +SKIP
@@ -402,6 +406,7 @@ def set_lora_mapping(
             is_prefill=is_prefill,
             prompt_tiles=prompt_tiles,
             tokens_per_slot=tokens_per_slot,
+            whole_tiles=whole_tiles,
         )
     ctx.set_value(mapping)
     return mapping

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from lora_jax.layers.base import _context_max_loras, find_lora_context, set_lora_mapping
-from lora_jax.mapping import PROMPT_ROWS_MIN_TOKENS
+from lora_jax.mapping import PROMPT_ROWS_MIN_TOKENS, PROMPT_TILE_TOKENS
 from lora_jax.models.kv_cache import KVCache, cache_batch_axis
 from lora_jax.serving.sampling import SamplingParams, row_keys, sample_tokens
 from lora_jax.sharding import ShardingRules, shard_map
@@ -76,7 +76,9 @@ def _last_hidden(rules: ShardingRules, hidden: jax.Array, lengths: jax.Array, S:
     return shard_map(rules, pick, ((b, None), (b,)), (b, None))(hidden, lengths)
 
 
-def _set_mapping(model, token_slots, seq_slots, *, is_prefill: bool, prompt_tiles=None):
+def _set_mapping(
+    model, token_slots, seq_slots, *, is_prefill: bool, prompt_tiles=None, whole_tiles=None
+):
     # The mapping's sort over tokens needs them unsharded (Explicit meshes refuse a sort
     # over a sharded dim); LoRA layers re-split tokens over "batch" themselves.
     rules = model.rules
@@ -86,6 +88,7 @@ def _set_mapping(model, token_slots, seq_slots, *, is_prefill: bool, prompt_tile
         rules.constrain(seq_slots, None),
         is_prefill=is_prefill,
         prompt_tiles=prompt_tiles,
+        whole_tiles=whole_tiles,
     )
 
 
@@ -97,9 +100,13 @@ def _prefill_fn(
     B, S = ids.shape
     positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     # Row-major: row b's tokens use slot[b]. S is a power of two: from 32 tokens the rows
-    # fill the prompt tiles (`PROMPT_ROWS_MIN_TOKENS`).
+    # fill the prompt tiles (`PROMPT_ROWS_MIN_TOKENS`), from 128 they are whole tiles of
+    # one slot each (`PROMPT_TILE_TOKENS`: the expand's Mosaic kernel takes them all).
     tiles = "all" if S >= PROMPT_ROWS_MIN_TOKENS else None
-    _set_mapping(model, jnp.repeat(slots, S), slots, is_prefill=True, prompt_tiles=tiles)
+    whole = "all" if S >= PROMPT_TILE_TOKENS else None
+    _set_mapping(
+        model, jnp.repeat(slots, S), slots, is_prefill=True, prompt_tiles=tiles, whole_tiles=whole
+    )
     mask = positions < lengths[:, None]
     hidden, cache = model.model(ids, positions, cache, attention_mask=mask, flat=True)
     logits = model.compute_logits(_last_hidden(model.rules, hidden, lengths, S))  # [B, V]

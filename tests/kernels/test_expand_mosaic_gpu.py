@@ -200,6 +200,15 @@ def test_mapping_says_whole_tiles_to_the_expand():
     decode = make_lora_mapping(idx, 8, is_prefill=False)
     assert decode.whole_tiles == "none" and decode.expand_kwargs()["mosaic"] is False
     assert make_lora_mapping(jnp.asarray(idx), 8).whole_tiles is None  # device indices
+    said = make_lora_mapping(jnp.asarray(idx), 8, whole_tiles="all")  # the caller knows
+    assert said.expand_kwargs()["prompt_tiles"] == "all"
+    # a tile wholly of one slot is a prompt tile: "none" of these says "none" of those
+    assert (
+        make_lora_mapping(jnp.asarray(idx), 8, prompt_tiles="none", whole_tiles="all").whole_tiles
+        == "none"
+    )
+    with pytest.raises(ValueError, match="whole_tiles must be"):
+        make_lora_mapping(idx, 8, whole_tiles="every")
 
 
 def _lower_expand(num_tokens, rank, width, y_width=None, **kw):
