@@ -76,6 +76,7 @@ def test_ops_accuracy_check_catches_a_wrong_kernel(tmp_path, monkeypatch):
     assert not row["err_ok"] and row["max_rel_err"] == pytest.approx(0.01, rel=1e-3)
 
 
+@pytest.mark.slow  # a benchmark script's check: once, in the 3.11 run
 def test_ops_runs_layout_is_one_run_per_adapter(tmp_path, monkeypatch):
     """--layout runs: each adapter's tokens form one run (prompts); the cells still check."""
     import json
@@ -310,6 +311,7 @@ def test_rect_probes_match_the_product():
     assert sft.parse_tiles("rect:64:128:4", None) == (64, 128, 4)
 
 
+@pytest.mark.slow  # a benchmark script's check: once, in the 3.11 run
 def test_ops_rect_probe_is_checked(tmp_path, monkeypatch):
     """ops.py --impls rect[:tiles]: n = 1 cells only, each op takes the names whose tiles
     are its own, and a probe 1 % off is reported as wrong, not timed."""

@@ -36,6 +36,7 @@ def _items_oracle(idx: np.ndarray, block_m: int):
     return tiles
 
 
+@pytest.mark.slow  # 9 cases; the host/device agreement test below runs everywhere
 @pytest.mark.parametrize("layout", ["one", "runs", "shuffled"])
 @pytest.mark.parametrize("num_tokens,block_m", [(1000, 64), (4096, 128), (64, 64)])
 def test_tile_items_match_oracle(layout, num_tokens, block_m):
