@@ -454,6 +454,28 @@ def mexp_err(c: Case, fn, inputs, w, metas) -> float:
     return float(jnp.max(jnp.abs(got - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30))
 
 
+def rexp(c: Case, name: str):
+    """The Mosaic GPU row-reduce expand (`mosaic_gpu_expand_rows`, a probe): every mapped
+    token, in any order, through the step's ready work list. ``name``: "rexp" or
+    "rexp:block_m:block_n:stages[:store]" (`RowTiles`)."""
+    from lora_jax.kernels.shrink_expand import mosaic_gpu_expand_rows as mr
+
+    f = name.split(":")[1:]
+    kw = {}
+    if f:
+        kw = dict(block_m=int(f[0]), block_n=int(f[1]), stages=int(f[2]))
+    if len(f) > 3:
+        kw["store"] = f[3]
+    tiles = mr.RowTiles(**kw)
+
+    def expand_one(y, h, b, m):
+        return mr.expand(
+            y, h, (b,), m["work_lists"][tiles.block_m], None, offsets=(0,), tiles=tiles
+        )
+
+    return per_call(c, None, expand_one)
+
+
 def stream(c: Case):
     """A floor, not a LoRA method: one XLA fusion that moves the cell's activation bytes
     with no weights and no dot. The shrink reads x and writes [T, R] f32 (sums of H / R
@@ -1115,6 +1137,8 @@ def main(argv=None):
             variants.append(("stream", stream(c), w))
         variants += [(n, rect(c, n), w) for n in rect_names(c, impls)]
         variants += [(n, mexp(c, n), w) for n in mexp_names(c, impls)]
+        if c.op == "expand":
+            variants += [(n, rexp(c, n), w) for n in impls if n.split(":")[0] == "rexp"]
         if "ragged" in impls:
             wt = [jnp.swapaxes(v, 1, 2) for v in w]
             variants.append(("ragged", ragged(c), wt))
@@ -1140,7 +1164,7 @@ def main(argv=None):
                 res["impls"][name]["max_rel_err"] = err
                 if err > ERR_BOUND[c.op]:
                     res["impls"][name] = {"skipped": f"wrong: max rel err {err:.1e}"}
-            if name.startswith("mexp") and not name.endswith(":copy"):
+            if name.startswith(("mexp", "rexp")) and not name.endswith(":copy"):
                 err = mexp_err(c, fn, inputs, weights, metas)
                 res["impls"][name]["max_rel_err"] = err
                 if err > ERR_BOUND[c.op]:
@@ -1151,7 +1175,7 @@ def main(argv=None):
                 if err > ERR_BOUND[c.op]:
                     res["impls"][name] = {"skipped": f"wrong: max rel err {err:.1e}"}
             if LAST_KERNELS and name.startswith(
-                ("ours", "mexp")
+                ("ours", "mexp", "rexp")
             ):  # trace timer: where the time went
                 top = sorted(LAST_KERNELS.items(), key=lambda kv: -kv[1])[:6]
                 res["impls"][name]["kernels_us"] = {k[:80]: round(v / calls, 2) for k, v in top}
@@ -1197,7 +1221,7 @@ def fmt_row(r, sweep=False):
 def table(rows):
     """The issue's table; the floors (`dense`, `stream`) add a column each where run."""
     extras = [k for k in ("dense", "stream", "ours_blind") if any(k in r["impls"] for r in rows)]
-    extras += sorted({k for r in rows for k in r["impls"] if k.startswith(("rect", "mexp"))})
+    extras += sorted({k for r in rows for k in r["impls"] if k.startswith(("rect", "mexp", "rexp"))})
     head = (
         "| op | T | H | R | n | ideal µs | ours µs | GB/s | % roofline | gather µs | one-hot µs "
         "| ragged_dot µs | × one-hot | × gather | max rel err |"

@@ -1,0 +1,250 @@
+"""Mosaic GPU (Hopper) expand over the step's work list: y updated by TMA reduce-adds.
+
+``y[t, off_s : off_s + n_s] += h[s, t] @ B_s[slot].T`` for every mapped token, walking the
+same (slot, token block) work list as the Triton expand (`work_list.build_work_list`):
+blocks of ``block_m`` tokens of one slot, in any order over y's rows (a shuffled batch).
+
+Hopper's tensor memory accelerator (TMA) cannot gather rows, but it can add a tile of
+shared memory into global memory (``cp.reduce.async.bulk.tensor ... .add``), and a box
+may be one row. So the kernel never reads y: each (block, column block) is one WGMMA of
+``block_m x R x block_n`` into registers, cast to y's dtype, written to shared memory and
+added into y's rows by the TMA, one row box per token (one box for the whole block when
+its tokens are consecutive rows, as inside a prompt). The L2 does the read-modify-write.
+h's rows are gathered the same way (one row box each, or one box).
+
+Rounding: y + bf16(h @ B.T) rounded once more, where the Triton expand rounds y + the f32
+product once: at most one more rounding of the product, well inside bf16's tolerance.
+
+The grid is persistent (one program per SM); each takes an equal run of the step's
+(live block, column block) units, as `mosaic_gpu_expand`.
+
+A probe kernel (session 22): `benchmarks/ops.py --impls rexp[...]` times it against the
+library's default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from lora_jax.kernels.shrink_expand.mosaic_gpu_shrink import num_sms, run_in_place, stream_k_range
+
+__all__ = ["RowTiles", "expand", "supported"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowTiles:
+    """Static tiling of the row-reduce expand."""
+
+    block_m: int = 64
+    """Tokens per block: the work list's ``block_m`` (64; WGMMA row groups of 64)."""
+    block_n: int = 128
+    """Columns of y per pipeline step: 64, 128 or 256."""
+    stages: int = 4
+    """B's column blocks in flight."""
+    programs: int = 0
+    """Programs of the persistent grid; 0: one per SM."""
+    store: str = "auto"
+    """"auto": one box for a block of consecutive rows, a box per row otherwise; "rows":
+    a box per row always."""
+
+    def __post_init__(self):
+        if self.block_m not in (64, 128):
+            raise ValueError(f"RowTiles.block_m={self.block_m}: use 64 or 128.")
+        if self.block_n not in (64, 128, 256):
+            raise ValueError(f"RowTiles.block_n={self.block_n}: use 64, 128 or 256.")
+        if self.stages < 2:
+            raise ValueError(f"RowTiles.stages={self.stages}: must be >= 2.")
+        if self.store not in ("auto", "rows"):
+            raise ValueError(f"RowTiles.store={self.store!r}: use 'auto' or 'rows'.")
+
+
+def supported(y_dtype, b_dtype, y_shape, widths, offsets, rank: int, tiles: RowTiles):
+    """None if this kernel can run the shapes (y [T, N]), else why not (a sentence)."""
+    _, width = y_shape
+    if y_dtype != b_dtype or y_dtype not in (jnp.bfloat16, jnp.float16):
+        return f"y and lora_b must share dtype bfloat16 or float16, got {y_dtype} / {b_dtype}"
+    if width % 8:
+        return f"y's rows of {width} columns are not a multiple of 16 bytes"
+    for s, (n_s, off) in enumerate(zip(widths, offsets)):
+        if n_s % tiles.block_n or off % tiles.block_n:
+            return (
+                f"slice {s} (columns [{off}, {off + n_s})) is not in whole "
+                f"block_n={tiles.block_n} blocks"
+            )
+    if rank % 16 or not 16 <= rank <= 128:
+        return f"rank={rank} is not a multiple of 16 in [16, 128]"
+    return None
+
+
+def _kernel_body(
+    wl_ref,  # [4 + block_m, NB] int32 (build_work_list): slot, first, rows, live, tokens
+    *refs,
+    num_slices: int,
+    has_ranks: bool,
+    rank: int,
+    blocks: tuple[int, ...],
+    col_blocks: tuple[int, ...],
+    programs: int,
+    tiles: RowTiles,
+):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    ranks_ref, refs = (refs[0], refs[1:]) if has_ranks else (None, refs)
+    h_ref, b_refs, y_ref = refs[0], refs[1 : 1 + num_slices], refs[-1]
+    bm, bn = tiles.block_m, tiles.block_n
+    dtype = y_ref.dtype
+    units = sum(blocks)
+    first_unit = [sum(blocks[:s]) for s in range(num_slices)]
+    start, end, first_item, num_items = stream_k_range(
+        jax.lax.axis_index("prog"),
+        wl_ref[3, 0],
+        num_slices=1,
+        job_steps=units,
+        unit_steps=1,
+        programs=programs,
+    )
+
+    def item(i, carry):
+        blk = first_item + i
+        lo = jnp.maximum(start, blk * units) - blk * units
+        hi = jnp.minimum(end, blk * units + units) - blk * units
+        for s in range(num_slices):
+            s_lo = jnp.maximum(lo, first_unit[s]) - first_unit[s]
+            s_hi = jnp.minimum(hi, first_unit[s] + blocks[s]) - first_unit[s]
+
+            @pl.when(s_hi > s_lo)
+            def _(s=s, s_lo=s_lo, s_hi=s_hi):
+                _slice_run(s, blk, s_lo, s_hi)
+
+        return carry
+
+    def _slice_run(s, blk, s_lo, s_hi):
+        slot = wl_ref[0, blk]
+        count = wl_ref[2, blk]
+        tok0 = wl_ref[4, blk]
+        # Tokens of a slot's run sort in order, so a full block whose last token is
+        # tok0 + bm - 1 is the bm consecutive rows from tok0.
+        if tiles.store == "auto":
+            whole = (count == bm) & (wl_ref[3 + bm, blk] - tok0 == bm - 1)
+        else:
+            whole = jnp.bool_(False)
+
+        def with_bufs(h_rows, h_tile, bar_rows, bar_tile, o_rows, o_tile):
+            @pl.when(whole)
+            def _():
+                plgpu.copy_gmem_to_smem(h_ref.at[s, pl.ds(tok0, bm)], h_tile, bar_tile)
+                plgpu.barrier_wait(bar_tile)
+
+            @pl.when(~whole)
+            def _():
+                for r in range(bm):
+                    tok = wl_ref[4 + r, blk]
+                    plgpu.copy_gmem_to_smem(
+                        h_ref.at[s, pl.ds(tok, 1)], h_rows.at[pl.ds(r, 1)], bar_rows
+                    )
+                plgpu.barrier_wait(bar_rows)
+                h_tile[...] = h_rows[...]
+
+            hv = h_tile[...].astype(jnp.float32)
+            if has_ranks:  # rank columns past the slot's true rank add nothing
+                col = jax.lax.broadcasted_iota(jnp.int32, (bm, rank), 1)
+                hv = jnp.where(col < ranks_ref[s, slot], hv, jnp.float32(0))
+            hb = hv.astype(dtype)
+
+            def step(idx, b_smem):
+                j = idx[0]
+
+                def mma(acc_ref):
+                    plgpu.wgmma(acc_ref, hb, b_smem.transpose((1, 0)))
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(mma, plgpu.ACC((bm, bn), jnp.float32)).astype(dtype)
+                col = (col_blocks[s] + s_lo + j) * bn
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # step j - 2's buffer read
+
+                @pl.when(whole)
+                def _():
+                    o = o_tile.at[j % 2]
+                    o[...] = acc
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        o, y_ref.at[pl.ds(tok0, bm), pl.ds(col, bn)], reduction_op="add"
+                    )
+
+                @pl.when(~whole)
+                def _():
+                    o = o_rows.at[j % 2]
+                    o[...] = acc
+                    plgpu.commit_smem()
+                    for r in range(bm):
+                        plgpu.copy_smem_to_gmem(
+                            o.at[pl.ds(r, 1)],
+                            y_ref.at[pl.ds(wl_ref[4 + r, blk], 1), pl.ds(col, bn)],
+                            predicate=r < count,
+                            commit_group=r == bm - 1,
+                            reduction_op="add",
+                        )
+
+            plgpu.emit_pipeline(
+                step,
+                grid=(s_hi - s_lo,),
+                in_specs=[plgpu.BlockSpec((bn, rank), lambda j: (s_lo + j, 0))],
+                max_concurrent_steps=tiles.stages,
+            )(b_refs[s].at[slot])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        pl.run_scoped(
+            with_bufs,
+            plgpu.SMEM((bm, rank), h_ref.dtype),
+            plgpu.SMEM((bm, rank), h_ref.dtype),
+            plgpu.Barrier(num_arrivals=bm),
+            plgpu.Barrier(num_arrivals=1),
+            plgpu.SMEM((2, bm, bn), dtype),
+            plgpu.SMEM((2, bm, bn), dtype),
+        )
+
+    jax.lax.fori_loop(0, num_items, item, jnp.int32(0))
+
+
+def expand(
+    y: jax.Array,
+    h: jax.Array,
+    lora_b: tuple[jax.Array, ...],
+    work_list: jax.Array,
+    slot_ranks: jax.Array | None,
+    *,
+    offsets: tuple[int, ...],
+    tiles: RowTiles,
+) -> jax.Array:
+    """y with every mapped token's product added, in place. h: [S, T, R] float; lora_b: S
+    arrays [L, n_s, R]; ``work_list``: `build_work_list` of ``tiles.block_m`` rows."""
+    num_slices = len(lora_b)
+    rank = lora_b[0].shape[2]
+    widths = tuple(b.shape[1] for b in lora_b)
+    why = supported(y.dtype, lora_b[0].dtype, y.shape, widths, offsets, rank, tiles)
+    if why is not None:
+        raise ValueError(f"mosaic_gpu row expand: {why}.")
+    if work_list.shape[0] != 4 + tiles.block_m:
+        raise ValueError(
+            f"mosaic_gpu row expand: the work list has {work_list.shape[0] - 4} token rows; "
+            f"block_m={tiles.block_m}."
+        )
+    blocks = tuple(n // tiles.block_n for n in widths)
+    programs = min(tiles.programs or num_sms(), work_list.shape[1] * sum(blocks))
+    has_ranks = slot_ranks is not None
+    body = functools.partial(
+        _kernel_body,
+        num_slices=num_slices,
+        has_ranks=has_ranks,
+        rank=rank,
+        blocks=blocks,
+        col_blocks=tuple(off // tiles.block_n for off in offsets),
+        programs=programs,
+        tiles=tiles,
+    )
+    inputs = [work_list] + ([slot_ranks] if has_ranks else []) + [h, *lora_b]
+    return run_in_place(body, inputs, y, programs)
