@@ -31,6 +31,7 @@ from flax import nnx
 
 import lora_jax as lj
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
+from lora_jax.kernels.shrink_expand.work_list import whole_tiles
 from lora_jax.models.kv_cache import KVCache
 from lora_jax.serving.wrap import unwrap_model, wrap_model
 
@@ -121,13 +122,14 @@ def make_decode(model, steps: int, tokens_per_slot: int | None = None):
     return run, state
 
 
-def make_prefill(model):
+def make_prefill(model, whole_tiles: str | None = None):
+    """``whole_tiles``: the host's hint for the step's mapping (`LoRAMapping`)."""
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def run(state, ids, pos, idx):
         m = nnx.merge(graphdef, state)
-        lj.set_lora_mapping(m, idx)
+        lj.set_lora_mapping(m, idx, whole_tiles=whole_tiles)
         hidden, _ = m.model(ids, pos, None, flat=False)
         return m.compute_logits(hidden[:, -1])
 
@@ -160,12 +162,15 @@ def bench_decode(model, cfg, rules, batch, n_adapters, args, hinted: bool = Fals
     return t / args.steps, c, collective_bytes(hlo)
 
 
-def bench_prefill(model, cfg, batch, seq, n_adapters, args):
-    run, state = make_prefill(model)
+def bench_prefill(model, cfg, batch, seq, n_adapters, args, hinted: bool = False):
+    """``hinted``: the mapping carries what the host finds of the prompts' whole tiles
+    (`work_list.whole_tiles`, as `generate`'s prefill passes it)."""
+    slots = token_slots(batch, n_adapters) if n_adapters else np.full(batch, -1, np.int32)
+    host_idx = np.repeat(slots, seq)
+    run, state = make_prefill(model, whole_tiles(host_idx) if hinted else None)
     ids = jnp.zeros((batch, seq), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-    slots = token_slots(batch, n_adapters) if n_adapters else np.full(batch, -1, np.int32)
-    idx = jnp.asarray(np.repeat(slots, seq))
+    idx = jnp.asarray(host_idx)
     hlo = run.lower(state, ids, pos, idx).compile().as_text()
     t, c = timeit(run, state, ids, pos, idx, reps=args.reps)
     return t, c, collective_bytes(hlo)
@@ -204,6 +209,12 @@ def main(argv=None):
         default="",
         help="also time plain LoRA with the XLA backend multiplying against every slot "
         "(lora_jax.ops.ONE_HOT_TOKENS_PER_SLOT = 0) at these decode batches",
+    )
+    p.add_argument(
+        "--hinted-prefill",
+        action="store_true",
+        help="also time the prefill case with the host's whole-tiles hint in its mapping "
+        "(LoRAMapping.whole_tiles, as generate passes it: the Mosaic GPU expand on Hopper)",
     )
     p.add_argument(
         "--hinted-batches",
@@ -276,6 +287,8 @@ def main(argv=None):
                 ("pallas_fused", args.fused_batches),
                 ("hinted", args.hinted_batches),
             ]
+            if args.prefill and args.hinted_prefill and fully is False:
+                cases.append((*cases[-1], "hinted"))
             defaults = [c for c in cases if c[0] == "decode"]
             for backend, flag in forced if fully is False else []:
                 wanted = {int(v) for v in flag.split(",") if v}
@@ -287,11 +300,15 @@ def main(argv=None):
                 if backend == "xla_onehot":
                     lj.ops.ONE_HOT_TOKENS_PER_SLOT = 0.0
                 forced_backend = {"xla_onehot": "xla", "hinted": "pallas"}.get(backend, backend)
+                if kind == "prefill":  # the hint only: prefill takes the kernels on a GPU
+                    forced_backend = None
                 lj.ops.set_default_backend(forced_backend)
                 if kind == "decode":
                     t, c, coll = bench_decode(model, cfg, rules, b, n, args, backend == "hinted")
                 else:
-                    t, c, coll = bench_prefill(model, cfg, b // ps, ps, n, args)
+                    t, c, coll = bench_prefill(
+                        model, cfg, b // ps, ps, n, args, backend == "hinted"
+                    )
                 lj.ops.set_default_backend(None)
                 lj.ops.ONE_HOT_TOKENS_PER_SLOT = ratio
                 row = dict(
