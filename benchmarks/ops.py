@@ -455,10 +455,10 @@ def mexp_err(c: Case, fn, inputs, w, metas) -> float:
 
 
 def rexp(c: Case, name: str):
-    """The Mosaic GPU row-reduce expand (`mosaic_gpu_expand_rows`, a probe): every mapped
+    """The Mosaic GPU row-reduce expand (`row_reduce_expand`, a probe): every mapped
     token, in any order, through the step's ready work list. ``name``: "rexp" or
     "rexp:block_m:block_n:stages[:store]" (`RowTiles`)."""
-    from lora_jax.kernels.shrink_expand import mosaic_gpu_expand_rows as mr
+    import row_reduce_expand as mr
 
     f = name.split(":")[1:]
     kw = {}

@@ -409,3 +409,54 @@ def test_ops_mosaic_expand_probe_and_variants(tmp_path, monkeypatch):
     assert row["whole_tiles"] == "all" and row["err_ok"]
     assert "us" in row["impls"]["ours_triton"]
     assert "mosaic=True" in row["impls"]["ours_split"]["skipped"]  # 64 tokens: too few
+
+
+def test_row_reduce_expand_probe_lowers_for_cuda():
+    """benchmarks/row_reduce_expand.py (the TMA reduce-add expand probe) lowers for CUDA
+    over a step's work list with two slices, and refuses shapes it cannot take by name."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    import row_reduce_expand as rr
+
+    from lora_jax.kernels.shrink_expand.work_list import build_work_list
+
+    t, r, slots = 512, 32, 8
+    idx = np.random.default_rng(0).integers(0, 3, t)
+    order = np.argsort(idx, kind="stable").astype(np.int32)
+    counts = np.bincount(idx, minlength=slots).astype(np.int32)
+    starts = (np.cumsum(counts) - counts).astype(np.int32)
+    wl = build_work_list(
+        jnp.asarray(counts), jnp.asarray(starts), jnp.asarray(order), block_m=64
+    )
+    y = jax.ShapeDtypeStruct((t, 768), jnp.bfloat16)
+    h = jax.ShapeDtypeStruct((2, t, r), jnp.float32)
+    bs = (
+        jax.ShapeDtypeStruct((slots, 512, r), jnp.bfloat16),
+        jax.ShapeDtypeStruct((slots, 256, r), jnp.bfloat16),
+    )
+    for store in ("auto", "rows"):
+        tiles = rr.RowTiles(store=store)
+
+        def f(y, h, b0, b1, wl, tiles=tiles):
+            return rr.expand(y, h, (b0, b1), wl, None, offsets=(0, 512), tiles=tiles)
+
+        args = (y, h, *bs, jax.ShapeDtypeStruct(wl.shape, jnp.int32))
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, store
+    with pytest.raises(ValueError, match=r"slice 0 \(columns \[0, 448\)\) .* block_n=128"):
+        rr.expand(
+            jnp.zeros((t, 768), jnp.bfloat16),
+            jnp.zeros((2, t, r), jnp.float32),
+            (jnp.zeros((slots, 448, r), jnp.bfloat16), jnp.zeros((slots, 320, r), jnp.bfloat16)),
+            wl,
+            None,
+            offsets=(0, 448),
+            tiles=rr.RowTiles(),
+        )
+    with pytest.raises(ValueError, match="block_n=96"):
+        rr.RowTiles(block_n=96)

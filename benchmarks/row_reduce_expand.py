@@ -1,25 +1,28 @@
-"""Mosaic GPU (Hopper) expand over the step's work list: y updated by TMA reduce-adds.
+"""A probe (session 22): a Mosaic GPU expand that adds into y with TMA reduce-adds, in
+any token order.
 
 ``y[t, off_s : off_s + n_s] += h[s, t] @ B_s[slot].T`` for every mapped token, walking the
 same (slot, token block) work list as the Triton expand (`work_list.build_work_list`):
 blocks of ``block_m`` tokens of one slot, in any order over y's rows (a shuffled batch).
 
-Hopper's tensor memory accelerator (TMA) cannot gather rows, but it can add a tile of
-shared memory into global memory (``cp.reduce.async.bulk.tensor ... .add``), and a box
-may be one row. So the kernel never reads y: each (block, column block) is one WGMMA of
-``block_m x R x block_n`` into registers, cast to y's dtype, written to shared memory and
-added into y's rows by the TMA, one row box per token (one box for the whole block when
-its tokens are consecutive rows, as inside a prompt). The L2 does the read-modify-write.
-h's rows are gathered the same way (one row box each, or one box).
+Hopper's tensor memory accelerator (TMA) cannot gather rows (gather4 is Blackwell's), but
+it can add a tile of shared memory into global memory (``cp.reduce.async.bulk.tensor
+... .add``), and a box may be one row. So the kernel never reads y: each (block, column
+block) is one WGMMA of ``block_m x R x block_n`` into registers, cast to y's dtype,
+written to shared memory and added into y's rows by the TMA, one row box per token (one
+box for the whole block when its tokens are consecutive rows, as inside a prompt); the L2
+does the read-modify-write. h's rows are gathered the same way.
 
-Rounding: y + bf16(h @ B.T) rounded once more, where the Triton expand rounds y + the f32
-product once: at most one more rounding of the product, well inside bf16's tolerance.
+It is right (the ops harness checks it against the oracle) and slow. Session 22 (one H200,
+benchmarks/RESULTS.md): a row box costs ~100 cycles of an SM whatever its width, so
+4096 x 4096 at rank 64 over 8 shuffled adapters took 52.7 µs (128-column rows) and 101.9
+µs (64-column rows), where the Triton expand takes 26.0; with one box per block (one
+adapter) 20.9 µs, where the library's Mosaic expand, which loads y and stores it back,
+takes 19.3. So it stays a probe: `benchmarks/ops.py --impls rexp[:block_m:block_n:stages
+[:store]]`.
 
-The grid is persistent (one program per SM); each takes an equal run of the step's
-(live block, column block) units, as `mosaic_gpu_expand`.
-
-A probe kernel (session 22): `benchmarks/ops.py --impls rexp[...]` times it against the
-library's default.
+Rounding: y + bf16(h @ B.T) rounded once more, where the library's expands round y + the
+f32 product once.
 """
 
 from __future__ import annotations
