@@ -1221,7 +1221,9 @@ def fmt_row(r, sweep=False):
 def table(rows):
     """The issue's table; the floors (`dense`, `stream`) add a column each where run."""
     extras = [k for k in ("dense", "stream", "ours_blind") if any(k in r["impls"] for r in rows)]
-    extras += sorted({k for r in rows for k in r["impls"] if k.startswith(("rect", "mexp", "rexp"))})
+    extras += sorted(
+        {k for r in rows for k in r["impls"] if k.startswith(("rect", "mexp", "rexp"))}
+    )
     head = (
         "| op | T | H | R | n | ideal µs | ours µs | GB/s | % roofline | gather µs | one-hot µs "
         "| ragged_dot µs | × one-hot | × gather | max rel err |"

@@ -1,4 +1,5 @@
-"""Where a decode step's device time goes: per-kernel times from a profiler trace.
+"""Where a decode step's (or a prefill's) device time goes: per-kernel times from a
+profiler trace.
 
 Builds the Llama-3-8B-shaped decoder of `tp.py` (random bf16 weights, `--layers` of
 them), runs `--steps` decode steps in one jit under `jax.profiler`, reads the trace
@@ -9,6 +10,12 @@ and idle gaps between kernels (launch/host-bound time). Prints a table, writes J
 
     python benchmarks/profile_decode.py --layers 4 --batch 64 --out prof.json   # GPU
     python benchmarks/profile_decode.py --small                                  # CPU smoke
+    python benchmarks/profile_decode.py --layers 4 --prefill 4x1024 --rank 64 \
+        --backends default,hinted                      # one prefill of 4 prompts (GPU)
+
+With ``--prefill BxS`` a "step" is one prefill of B prompts of S tokens, one adapter each
+(``--adapters`` is ignored); backend "default" is the library's choice, "hinted" the same
+with the host's whole-tiles hint in the mapping (`tp.make_prefill`).
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tp import TARGETS, fill_random_adapters, make_decode, token_slots  # noqa: E402
+from lora_jax.kernels.shrink_expand.work_list import whole_tiles  # noqa: E402
+from tp import TARGETS, fill_random_adapters, make_decode, make_prefill, token_slots  # noqa: E402
 
 import lora_jax as lj  # noqa: E402
 from lora_jax.models import DecoderConfig, DecoderForCausalLM  # noqa: E402
@@ -93,6 +101,23 @@ def profile_case(model, cfg, batch, n_adapters, steps, calls):
         return summarize(device_events(d), calls, steps)
 
 
+def profile_prefill(model, batch, seq, n_adapters, calls, hinted: bool = False):
+    """One prefill of ``batch`` prompts of ``seq`` tokens (``n_adapters`` > 0: one adapter a
+    prompt, `tp.token_slots`), timed ``calls`` times under the profiler."""
+    slots = token_slots(batch, n_adapters) if n_adapters else np.full(batch, -1, np.int32)
+    host_idx = np.repeat(slots, seq)
+    run, state = make_prefill(model, whole_tiles(host_idx) if hinted else None)
+    ids = jnp.zeros((batch, seq), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    idx = jnp.asarray(host_idx)
+    jax.block_until_ready(run(state, ids, pos, idx))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                jax.block_until_ready(run(state, ids, pos, idx))
+        return summarize(device_events(d), calls, 1)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
@@ -103,6 +128,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--top", type=int, default=12, help="kernels listed per case")
+    p.add_argument("--prefill", default="", help="BxS: profile one prefill instead of decode")
     p.add_argument("--small", action="store_true", help="tiny f32 model (CPU smoke test)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -115,27 +141,35 @@ def main(argv=None):
             64,
         )
     model = DecoderForCausalLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
-    rows = [dict(case="base", **profile_case(model, cfg, a.batch, 0, a.steps, a.calls))]
+    prefill = tuple(int(v) for v in a.prefill.split("x")) if a.prefill else None
+
+    def case(n, backend):
+        if prefill is None:
+            return profile_case(model, cfg, a.batch, n, a.steps, a.calls)
+        return profile_prefill(model, *prefill, n, a.calls, backend == "hinted")
+
+    rows = [dict(case="base", **case(0, None))]
     base_names = set(rows[0]["kernels"])
     wrap_model(
         model, lj.LoRAConfig(max_loras=max_loras, max_lora_rank=a.rank), target_modules=TARGETS
     )
     fill_random_adapters(model, a.rank)
-    for n in [int(v) for v in a.adapters.split(",") if v]:
+    adapter_counts = (
+        [int(v) for v in a.adapters.split(",") if v] if prefill is None else [prefill[0]]
+    )
+    for n in adapter_counts:
         for backend in [b for b in a.backends.split(",") if b]:
-            lj.ops.set_default_backend(backend)
+            lj.ops.set_default_backend(None if backend in ("default", "hinted") else backend)
             try:
-                r = profile_case(model, cfg, a.batch, min(n, max_loras), a.steps, a.calls)
+                r = case(min(n, max_loras), backend)
             finally:
                 lj.ops.set_default_backend(None)
             r["lora_only_us"] = sum(v for k, v in r["kernels"].items() if k not in base_names)
             rows.append(dict(case=f"lora[{backend}] n={n}", **r))
     unwrap_model(model)
     b0 = rows[0]
-    print(
-        f"device: {jax.devices()[0]}; per decode step, "
-        f"{cfg.num_hidden_layers} layers, batch {a.batch}"
-    )
+    what = f"prefill {a.prefill}" if prefill else f"decode step, batch {a.batch}"
+    print(f"device: {jax.devices()[0]}; per {what}, {cfg.num_hidden_layers} layers")
     print(
         f"{'case':<26} {'span us':>9} {'busy us':>9} {'idle us':>9} {'+busy':>8} "
         f"{'lora-only us':>12} {'launches':>9}"

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from lora_jax.kernels.shrink_expand.work_list import whole_tiles
 
 import lora_jax as lj
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
-from lora_jax.kernels.shrink_expand.work_list import whole_tiles
 from lora_jax.models.kv_cache import KVCache
 from lora_jax.serving.wrap import unwrap_model, wrap_model
 

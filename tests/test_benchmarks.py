@@ -422,7 +422,6 @@ def test_row_reduce_expand_probe_lowers_for_cuda():
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     import row_reduce_expand as rr
-
     from lora_jax.kernels.shrink_expand.work_list import build_work_list
 
     t, r, slots = 512, 32, 8
@@ -430,9 +429,7 @@ def test_row_reduce_expand_probe_lowers_for_cuda():
     order = np.argsort(idx, kind="stable").astype(np.int32)
     counts = np.bincount(idx, minlength=slots).astype(np.int32)
     starts = (np.cumsum(counts) - counts).astype(np.int32)
-    wl = build_work_list(
-        jnp.asarray(counts), jnp.asarray(starts), jnp.asarray(order), block_m=64
-    )
+    wl = build_work_list(jnp.asarray(counts), jnp.asarray(starts), jnp.asarray(order), block_m=64)
     y = jax.ShapeDtypeStruct((t, 768), jnp.bfloat16)
     h = jax.ShapeDtypeStruct((2, t, r), jnp.float32)
     bs = (
