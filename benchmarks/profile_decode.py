@@ -15,7 +15,7 @@ and idle gaps between kernels (launch/host-bound time). Prints a table, writes J
 
 With ``--prefill BxS`` a "step" is one prefill of B prompts of S tokens, one adapter each
 (``--adapters`` is ignored); backend "default" is the library's choice, "hinted" the same
-with the host's whole-tiles hint in the mapping (`tp.make_prefill`).
+with the host's hints in the mapping (`tp.prefill_hints`, as `generate` passes them).
 """
 
 from __future__ import annotations
@@ -36,8 +36,14 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from lora_jax.kernels.shrink_expand.work_list import whole_tiles  # noqa: E402
-from tp import TARGETS, fill_random_adapters, make_decode, make_prefill, token_slots  # noqa: E402
+from tp import (  # noqa: E402
+    TARGETS,
+    fill_random_adapters,
+    make_decode,
+    make_prefill,
+    prefill_hints,
+    token_slots,
+)
 
 import lora_jax as lj  # noqa: E402
 from lora_jax.models import DecoderConfig, DecoderForCausalLM  # noqa: E402
@@ -106,7 +112,7 @@ def profile_prefill(model, batch, seq, n_adapters, calls, hinted: bool = False):
     prompt, `tp.token_slots`), timed ``calls`` times under the profiler."""
     slots = token_slots(batch, n_adapters) if n_adapters else np.full(batch, -1, np.int32)
     host_idx = np.repeat(slots, seq)
-    run, state = make_prefill(model, whole_tiles(host_idx) if hinted else None)
+    run, state = make_prefill(model, prefill_hints(host_idx) if hinted else None)
     ids = jnp.zeros((batch, seq), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
     idx = jnp.asarray(host_idx)

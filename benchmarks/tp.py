@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from lora_jax.kernels.shrink_expand.work_list import whole_tiles
+from lora_jax.kernels.shrink_expand.work_list import prompt_tiles, whole_tiles
 
 import lora_jax as lj
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
@@ -122,14 +122,16 @@ def make_decode(model, steps: int, tokens_per_slot: int | None = None):
     return run, state
 
 
-def make_prefill(model, whole_tiles: str | None = None):
-    """``whole_tiles``: the host's hint for the step's mapping (`LoRAMapping`)."""
+def make_prefill(model, hints: dict | None = None):
+    """``hints``: what the host found of the step's prompts (`prefill_hints`), for its
+    mapping (`LoRAMapping.prompt_tiles` / ``whole_tiles``), as `generate` passes them."""
+    hints = hints or {}
     graphdef, state = nnx.split(model)
 
     @jax.jit
     def run(state, ids, pos, idx):
         m = nnx.merge(graphdef, state)
-        lj.set_lora_mapping(m, idx, whole_tiles=whole_tiles)
+        lj.set_lora_mapping(m, idx, **hints)
         hidden, _ = m.model(ids, pos, None, flat=False)
         return m.compute_logits(hidden[:, -1])
 
@@ -162,12 +164,17 @@ def bench_decode(model, cfg, rules, batch, n_adapters, args, hinted: bool = Fals
     return t / args.steps, c, collective_bytes(hlo)
 
 
+def prefill_hints(host_idx: np.ndarray) -> dict:
+    """What the host finds of a prefill's token -> slot indices: its prompt tiles (the
+    shrink's) and whole tiles (the expand's), as `generate`'s prefill passes them."""
+    return dict(prompt_tiles=prompt_tiles(host_idx), whole_tiles=whole_tiles(host_idx))
+
+
 def bench_prefill(model, cfg, batch, seq, n_adapters, args, hinted: bool = False):
-    """``hinted``: the mapping carries what the host finds of the prompts' whole tiles
-    (`work_list.whole_tiles`, as `generate`'s prefill passes it)."""
+    """``hinted``: the mapping carries the host's `prefill_hints`."""
     slots = token_slots(batch, n_adapters) if n_adapters else np.full(batch, -1, np.int32)
     host_idx = np.repeat(slots, seq)
-    run, state = make_prefill(model, whole_tiles(host_idx) if hinted else None)
+    run, state = make_prefill(model, prefill_hints(host_idx) if hinted else None)
     ids = jnp.zeros((batch, seq), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
     idx = jnp.asarray(host_idx)
@@ -213,8 +220,8 @@ def main(argv=None):
     p.add_argument(
         "--hinted-prefill",
         action="store_true",
-        help="also time the prefill case with the host's whole-tiles hint in its mapping "
-        "(LoRAMapping.whole_tiles, as generate passes it: the Mosaic GPU expand on Hopper)",
+        help="also time the prefill case with the host's hints in its mapping "
+        "(LoRAMapping.prompt_tiles / whole_tiles, as generate passes them)",
     )
     p.add_argument(
         "--hinted-batches",

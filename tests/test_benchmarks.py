@@ -31,6 +31,23 @@ def test_tp_small_lora_adds_no_collective_bytes(tmp_path, capsys):
     assert "x base" in capsys.readouterr().out
 
 
+def test_tp_prefill_hints_are_what_the_host_finds():
+    """tp.py's hinted prefill passes what `make_lora_mapping` would find from numpy
+    indices (`generate`'s prefill passes the same): prompts of 128 tokens are whole
+    tiles, a shuffled step has none."""
+    import numpy as np
+
+    import lora_jax as lj
+
+    prompts = np.repeat(tp.token_slots(4, 4), 128)
+    shuffled = np.random.default_rng(0).permutation(prompts)
+    for idx, want in ((prompts, "all"), (shuffled, "none")):
+        found = lj.make_lora_mapping(idx, 8, is_prefill=True)
+        hints = tp.prefill_hints(idx)
+        assert hints == dict(prompt_tiles=found.prompt_tiles, whole_tiles=found.whole_tiles)
+        assert hints["whole_tiles"] == want
+
+
 def test_profile_summary_matches_brute_force():
     """Busy time is the union of kernel intervals: check against a per-ns mask."""
     rng = np.random.default_rng(0)
