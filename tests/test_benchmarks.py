@@ -428,6 +428,7 @@ def test_ops_mosaic_expand_probe_and_variants(tmp_path, monkeypatch):
     assert "mosaic=True" in row["impls"]["ours_split"]["skipped"]  # 64 tokens: too few
 
 
+@pytest.mark.slow  # ~10 s; a probe's kernel, checked once (the 3.11 run)
 def test_row_reduce_expand_probe_lowers_for_cuda():
     """benchmarks/row_reduce_expand.py (the TMA reduce-add expand probe) lowers for CUDA
     over a step's work list with two slices, and refuses shapes it cannot take by name."""
