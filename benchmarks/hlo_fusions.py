@@ -12,15 +12,10 @@ import os
 import re
 import sys
 
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp import TARGETS, fill_random_adapters, make_prefill, token_slots  # noqa: E402
+from tp import TARGETS, bench_model, fill_random_adapters, prefill_step  # noqa: E402
 
 import lora_jax as lj  # noqa: E402
-from lora_jax.models import DecoderConfig, DecoderForCausalLM  # noqa: E402
 from lora_jax.serving.wrap import wrap_model  # noqa: E402
 
 
@@ -33,25 +28,14 @@ def main(argv=None):
     p.add_argument("--small", action="store_true")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
-    if a.small:
-        cfg, dtype, max_loras = DecoderConfig.tiny(num_hidden_layers=2), jnp.float32, 8
-    else:
-        cfg, dtype, max_loras = (
-            DecoderConfig.llama3_8b(num_hidden_layers=a.layers),
-            jnp.bfloat16,
-            64,
-        )
-    model = DecoderForCausalLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    cfg, model, max_loras = bench_model(a.layers, a.small)
     wrap_model(
         model, lj.LoRAConfig(max_loras=max_loras, max_lora_rank=a.rank), target_modules=TARGETS
     )
     fill_random_adapters(model, a.rank)
     batch, seq = (int(v) for v in a.prefill.split("x"))
-    idx = jnp.asarray(np.repeat(token_slots(batch, batch), seq))
-    run, state = make_prefill(model)
-    ids = jnp.zeros((batch, seq), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-    text = run.lower(state, ids, pos, idx).compile().as_text()
+    run, args = prefill_step(model, batch, seq, min(batch, max_loras))
+    text = run.lower(*args).compile().as_text()
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)

@@ -32,21 +32,19 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tp import (  # noqa: E402
     TARGETS,
+    bench_model,
     fill_random_adapters,
     make_decode,
-    make_prefill,
-    prefill_hints,
+    prefill_step,
     token_slots,
 )
 
 import lora_jax as lj  # noqa: E402
-from lora_jax.models import DecoderConfig, DecoderForCausalLM  # noqa: E402
 from lora_jax.models.kv_cache import KVCache  # noqa: E402
 from lora_jax.serving.wrap import unwrap_model, wrap_model  # noqa: E402
 
@@ -110,12 +108,7 @@ def profile_case(model, cfg, batch, n_adapters, steps, calls):
 def profile_prefill(model, batch, seq, n_adapters, calls, hinted: bool = False):
     """One prefill of ``batch`` prompts of ``seq`` tokens (``n_adapters`` > 0: one adapter a
     prompt, `tp.token_slots`), timed ``calls`` times under the profiler."""
-    slots = token_slots(batch, n_adapters) if n_adapters else np.full(batch, -1, np.int32)
-    host_idx = np.repeat(slots, seq)
-    run, state = make_prefill(model, prefill_hints(host_idx) if hinted else None)
-    ids = jnp.zeros((batch, seq), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-    idx = jnp.asarray(host_idx)
+    run, (state, ids, pos, idx) = prefill_step(model, batch, seq, n_adapters, hinted)
     jax.block_until_ready(run(state, ids, pos, idx))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
@@ -138,15 +131,7 @@ def main(argv=None):
     p.add_argument("--small", action="store_true", help="tiny f32 model (CPU smoke test)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    if a.small:
-        cfg, dtype, max_loras = DecoderConfig.tiny(num_hidden_layers=2), jnp.float32, 8
-    else:
-        cfg, dtype, max_loras = (
-            DecoderConfig.llama3_8b(num_hidden_layers=a.layers),
-            jnp.bfloat16,
-            64,
-        )
-    model = DecoderForCausalLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    cfg, model, max_loras = bench_model(a.layers, a.small)
     prefill = tuple(int(v) for v in a.prefill.split("x")) if a.prefill else None
 
     def case(n, backend):

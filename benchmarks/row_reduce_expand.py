@@ -33,7 +33,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from lora_jax.kernels.shrink_expand.mosaic_gpu_shrink import num_sms, run_in_place, stream_k_range
+from lora_jax.kernels.shrink_expand.mosaic_gpu_expand import walk_slice_runs
+from lora_jax.kernels.shrink_expand.mosaic_gpu_shrink import num_sms, run_in_place
 
 __all__ = ["RowTiles", "expand", "supported"]
 
@@ -100,30 +101,6 @@ def _kernel_body(
     h_ref, b_refs, y_ref = refs[0], refs[1 : 1 + num_slices], refs[-1]
     bm, bn = tiles.block_m, tiles.block_n
     dtype = y_ref.dtype
-    units = sum(blocks)
-    first_unit = [sum(blocks[:s]) for s in range(num_slices)]
-    start, end, first_item, num_items = stream_k_range(
-        jax.lax.axis_index("prog"),
-        wl_ref[3, 0],
-        num_slices=1,
-        job_steps=units,
-        unit_steps=1,
-        programs=programs,
-    )
-
-    def item(i, carry):
-        blk = first_item + i
-        lo = jnp.maximum(start, blk * units) - blk * units
-        hi = jnp.minimum(end, blk * units + units) - blk * units
-        for s in range(num_slices):
-            s_lo = jnp.maximum(lo, first_unit[s]) - first_unit[s]
-            s_hi = jnp.minimum(hi, first_unit[s] + blocks[s]) - first_unit[s]
-
-            @pl.when(s_hi > s_lo)
-            def _(s=s, s_lo=s_lo, s_hi=s_hi):
-                _slice_run(s, blk, s_lo, s_hi)
-
-        return carry
 
     def _slice_run(s, blk, s_lo, s_hi):
         slot = wl_ref[0, blk]
@@ -210,7 +187,13 @@ def _kernel_body(
             plgpu.SMEM((2, bm, bn), dtype),
         )
 
-    jax.lax.fori_loop(0, num_items, item, jnp.int32(0))
+    walk_slice_runs(
+        wl_ref[3, 0],
+        blocks=blocks,
+        programs=programs,
+        item=lambda blk: blk,
+        run=lambda blk, s, s_lo, s_hi: _slice_run(s, blk, s_lo, s_hi),
+    )
 
 
 def expand(

@@ -170,14 +170,34 @@ def prefill_hints(host_idx: np.ndarray) -> dict:
     return dict(prompt_tiles=prompt_tiles(host_idx), whole_tiles=whole_tiles(host_idx))
 
 
-def bench_prefill(model, cfg, batch, seq, n_adapters, args, hinted: bool = False):
-    """``hinted``: the mapping carries the host's `prefill_hints`."""
+def prefill_step(model, batch, seq, n_adapters, hinted: bool = False):
+    """(run, args) of one prefill of ``batch`` prompts of ``seq`` tokens (``n_adapters`` >
+    0: adapters over the prompts, `token_slots`; 0: none); ``hinted``: the mapping carries
+    the host's `prefill_hints`. ``run(*args)`` returns the last tokens' logits."""
     slots = token_slots(batch, n_adapters) if n_adapters else np.full(batch, -1, np.int32)
     host_idx = np.repeat(slots, seq)
     run, state = make_prefill(model, prefill_hints(host_idx) if hinted else None)
     ids = jnp.zeros((batch, seq), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-    idx = jnp.asarray(host_idx)
+    return run, (state, ids, pos, jnp.asarray(host_idx))
+
+
+def bench_model(layers: int, small: bool):
+    """(cfg, model, max_loras): the Llama-3-8B-shaped decoder with ``layers`` layers in
+    bf16 (random weights, 64 slots), or with ``small`` a tiny f32 one (8 slots) for a CPU
+    smoke test."""
+    if small:
+        cfg, dtype, max_loras = DecoderConfig.tiny(num_hidden_layers=2), jnp.float32, 8
+    else:
+        cfg = DecoderConfig.llama3_8b(num_hidden_layers=layers)
+        dtype, max_loras = jnp.bfloat16, 64
+    model = DecoderForCausalLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    return cfg, model, max_loras
+
+
+def bench_prefill(model, cfg, batch, seq, n_adapters, args, hinted: bool = False):
+    """``hinted``: the mapping carries the host's `prefill_hints`."""
+    run, (state, ids, pos, idx) = prefill_step(model, batch, seq, n_adapters, hinted)
     hlo = run.lower(state, ids, pos, idx).compile().as_text()
     t, c = timeit(run, state, ids, pos, idx, reps=args.reps)
     return t, c, collective_bytes(hlo)

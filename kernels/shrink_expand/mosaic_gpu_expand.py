@@ -157,33 +157,12 @@ def _kernel_body(
     h_ref, b_refs, y_ref = refs[0], refs[1 : 1 + num_slices], refs[-1]
     bm, bn = tiles.block_m, tiles.block_n
     dtype = y_ref.dtype
-    units = sum(blocks)  # column blocks of one tile, over all slices
-    first_unit = [sum(blocks[:s]) for s in range(num_slices)]
-    # Each listed tile is ``sub`` tiles of block_m rows; a run is units laid end to end.
-    start, end, first_item, num_items = stream_k_range(
-        jax.lax.axis_index("prog"),
-        items_ref[2, 0] * sub,
-        num_slices=1,
-        job_steps=units,
-        unit_steps=1,
-        programs=programs,
-    )
 
-    def item(i, carry):
-        it = first_item + i
-        tile = items_ref[0, it // sub] * sub + it % sub  # in block_m rows
-        slot = items_ref[1, it // sub]
-        lo = jnp.maximum(start, it * units) - it * units
-        hi = jnp.minimum(end, it * units + units) - it * units
-        for s in range(num_slices):
-            s_lo = jnp.maximum(lo, first_unit[s]) - first_unit[s]
-            s_hi = jnp.minimum(hi, first_unit[s] + blocks[s]) - first_unit[s]
+    def item(it):  # each listed tile is ``sub`` tiles of block_m rows
+        return items_ref[0, it // sub] * sub + it % sub, items_ref[1, it // sub]
 
-            @pl.when(s_hi > s_lo)
-            def _(s=s, s_lo=s_lo, s_hi=s_hi):
-                _slice_run(s, tile, slot, s_lo, s_hi)
-
-        return carry
+    def slice_run(tile_slot, s, s_lo, s_hi):
+        _slice_run(s, *tile_slot, s_lo, s_hi)
 
     def _slice_run(s, tile, slot, s_lo, s_hi):
         def with_h(h_smem, barrier, *hb_smem):
@@ -226,7 +205,44 @@ def _kernel_body(
             with_h, plgpu.SMEM((bm, rank), h_ref.dtype), plgpu.Barrier(num_arrivals=1), *extra
         )
 
-    jax.lax.fori_loop(0, num_items, item, jnp.int32(0))
+    walk_slice_runs(
+        items_ref[2, 0] * sub, blocks=blocks, programs=programs, item=item, run=slice_run
+    )
+
+
+def walk_slice_runs(num_items, *, blocks: tuple[int, ...], programs: int, item, run):
+    """This program's share of a persistent grid over the step's (item, column block)
+    units: ``num_items`` items (tiles, or work-list blocks), each ``sum(blocks)`` column
+    blocks long (slice after slice), laid end to end; each program takes an equal run of
+    them (`stream_k_range`). For each item its run touches, ``ctx = item(i)`` once, then
+    ``run(ctx, s, lo, hi)`` for each slice ``s`` whose column blocks [lo, hi) it covers."""
+    units = sum(blocks)
+    first_unit = [sum(blocks[:s]) for s in range(len(blocks))]
+    start, end, first_item, count = stream_k_range(
+        jax.lax.axis_index("prog"),
+        num_items,
+        num_slices=1,
+        job_steps=units,
+        unit_steps=1,
+        programs=programs,
+    )
+
+    def body(i, carry):
+        it = first_item + i
+        ctx = item(it)
+        lo = jnp.maximum(start, it * units) - it * units
+        hi = jnp.minimum(end, it * units + units) - it * units
+        for s in range(len(blocks)):
+            s_lo = jnp.maximum(lo, first_unit[s]) - first_unit[s]
+            s_hi = jnp.minimum(hi, first_unit[s] + blocks[s]) - first_unit[s]
+
+            @pl.when(s_hi > s_lo)
+            def _(s=s, s_lo=s_lo, s_hi=s_hi):
+                run(ctx, s, s_lo, s_hi)
+
+        return carry
+
+    jax.lax.fori_loop(0, count, body, jnp.int32(0))
 
 
 def expand(
