@@ -255,11 +255,14 @@ def expand(
     offsets: tuple[int, ...],
     tiles: ExpandTiles,
     item_rows: int | None = None,
+    interpret=None,
 ) -> jax.Array:
     """y with the listed tiles' (`tile_items`) products added, in place; every other row
     of y is left as it was. h: [S, T, R] float; lora_b: S arrays [L, n_s, R].
     ``item_rows``: the rows of the listed tiles (their ``block_m``; default
-    ``tiles.block_m``), a multiple of ``tiles.block_m``."""
+    ``tiles.block_m``), a multiple of ``tiles.block_m``. ``interpret``: as
+    `mosaic_gpu_shrink.run_in_place` (the interpreter's WGMMA reads its left operand from
+    shared memory only: ``tiles.h_in="smem"``)."""
 
     num_slices = len(lora_b)
     rank = lora_b[0].shape[2]
@@ -290,4 +293,5 @@ def expand(
         tiles=tiles,
     )
     inputs = [items] + ([slot_ranks] if has_ranks else []) + [h, *lora_b]
-    return run_in_place(body, inputs, y, programs)  # rows it does not store keep their value
+    # rows it does not store keep their value
+    return run_in_place(body, inputs, y, programs, interpret)

@@ -288,10 +288,11 @@ def shrink(
     *,
     scale: float,
     tiles: MosaicTiles,
+    interpret=None,
 ) -> jax.Array:
     """Writes the pieces of ``items`` (`work_list.segment_items`) into ``out`` [S, T, R] f32, in
     place (``out`` must be zero in their rows: parts of a job are added), and returns it.
-    Every other row of ``out`` is left as it was."""
+    Every other row of ``out`` is left as it was. ``interpret``: as `run_in_place`."""
 
     num_tokens, hidden = x.shape
     num_slices = len(lora_a)
@@ -316,15 +317,17 @@ def shrink(
         tiles=tiles,
     )
     inputs = [items] + ([slot_ranks] if has_ranks else []) + [x, *lora_a]
-    return run_in_place(body, inputs, out, programs)
+    return run_in_place(body, inputs, out, programs, interpret)
 
 
-def run_in_place(body, inputs: list, target: jax.Array, programs: int) -> jax.Array:
+def run_in_place(body, inputs: list, target: jax.Array, programs: int, interpret=None) -> jax.Array:
     """Runs ``body(*input_refs, target_ref)`` on a persistent grid of ``programs`` (axis
     "prog", warpgroup semantics) and returns ``target`` as the kernel left it.
 
     ``target`` goes in as a Ref, aliased in and out of the kernel (plgpu.kernel has no
-    input_output_aliases): what the kernel does not store keeps its value."""
+    input_output_aliases): what the kernel does not store keeps its value. ``interpret``:
+    Pallas's GPU interpreter params (``plgpu.InterpretGPUParams()``, jax >= 0.11: the
+    kernel runs on the CPU; for tests), None to compile for the GPU."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     ref = jax.new_ref(target)
@@ -333,5 +336,6 @@ def run_in_place(body, inputs: list, target: jax.Array, programs: int) -> jax.Ar
         out_type=(),
         mesh=plgpu.Mesh(grid=(programs,), grid_names=("prog",)),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **({} if interpret is None else {"interpret": interpret}),
     )(*inputs, ref)
     return jax.freeze(ref)
