@@ -44,6 +44,19 @@ from lora_jax.kernels.shrink_expand.work_list import (
 
 _FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
+MOSAIC_INTERPRET = None
+"""Pallas's GPU interpreter params (``plgpu.InterpretGPUParams()``, jax >= 0.11) under which
+interpret-mode calls with ``mosaic=True`` run the Mosaic GPU kernels on the CPU, with tiles
+the interpreter takes: the expand's h tile in shared memory, the shrink's jobs one per
+program with no hidden split (the interpreter has no TMA reduce-add). None (default): such
+calls raise. For tests: jax 0.11-0.12's interpreter also refuses the predicated TMA stores
+that the pipelines issue (tests/kernels/test_mosaic_interpret.py lets it take them)."""
+
+
+def _mosaic_interpret(interpret: bool):
+    """The interpreter params for the Mosaic kernels of an ``interpret`` call, or None."""
+    return MOSAIC_INTERPRET if interpret else None
+
 
 def _check_float(name: str, arr) -> None:
     if arr.dtype not in _FLOATS:
@@ -117,7 +130,11 @@ def _segment_tiles(mosaic, x, lora_a, interpret: bool, prompt_tiles: str | None)
     if why is None and num_tokens < SEGMENT_MIN_TOKENS:
         why = f"{num_tokens} tokens < {SEGMENT_MIN_TOKENS}"
     if why is None and interpret:
-        why = "interpret mode (Mosaic GPU kernels need a Hopper GPU)"
+        if MOSAIC_INTERPRET is None:
+            why = "interpret mode (Mosaic GPU kernels need a Hopper GPU)"
+        else:  # every (piece, slice) job whole, in a program of its own
+            pieces = -(-num_tokens // tiles.block_m) * SEGMENT_MAX_PIECES
+            tiles = dataclasses.replace(tiles, split_k=1, programs=pieces * len(lora_a))
     if mosaic is None:
         short = num_tokens <= SEGMENT_MAX_TOKENS or lora_a[0].shape[1] >= SEGMENT_LONG_RANK
         auto = why is None and short
@@ -266,7 +283,14 @@ def lora_shrink(
             interpret=interpret,
         )
     return mosaic_gpu_shrink.shrink(
-        x, lora_a, seg.items, out, ranks, scale=float(scale), tiles=tiles
+        x,
+        lora_a,
+        seg.items,
+        out,
+        ranks,
+        scale=float(scale),
+        tiles=tiles,
+        interpret=_mosaic_interpret(interpret),
     )
 
 
@@ -452,7 +476,10 @@ def _expand_tiles(mosaic, y, lora_b, offsets, interpret: bool, prompt_tiles: str
     if why is None and num_tokens < SEGMENT_MIN_TOKENS:
         why = f"{num_tokens} tokens < {SEGMENT_MIN_TOKENS}"
     if why is None and interpret:
-        why = "interpret mode (Mosaic GPU kernels need a Hopper GPU)"
+        if MOSAIC_INTERPRET is None:
+            why = "interpret mode (Mosaic GPU kernels need a Hopper GPU)"
+        else:  # the interpreter's WGMMA reads its left operand from shared memory only
+            tiles = dataclasses.replace(tiles, h_in="smem")
     if mosaic is None:
         # Session 21 (H200, prompts over 8 adapters, µs): the Mosaic kernel alone ("all")
         # beat the Triton one in every cell from 1024 tokens (rank 64: 7.6 / 19.8 / 77.2
@@ -492,4 +519,5 @@ def _tiles_expand(
         offsets=offsets,
         tiles=tiles,
         item_rows=segment_block_m(y.shape[0]),
+        interpret=_mosaic_interpret(interpret),
     )

@@ -12,6 +12,10 @@ these cases:
   the expand with h's tile copied to shared memory (``h_in="smem"``: the rest of the
   kernel is the default's).
 
+The library's split (`lora_shrink` / `lora_expand` with ``mosaic=True``: the Triton kernel
+on the other tokens, then the Mosaic kernel) runs the same way in interpret mode once
+`api.MOSAIC_INTERPRET` holds the interpreter's params.
+
 The GPU runs of the same kernels (compiled, default tiles) are in test_expand_mosaic_gpu.py
 and test_shrink_mosaic_gpu.py.
 """
@@ -22,13 +26,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lora_jax.kernels import lora_expand, lora_shrink
+from lora_jax.kernels.shrink_expand import api
 from lora_jax.kernels.shrink_expand import mosaic_gpu_expand as me
 from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink as ms
 from lora_jax.kernels.shrink_expand.reference import (
     lora_expand_reference,
     lora_shrink_reference,
 )
-from lora_jax.kernels.shrink_expand.work_list import segment_items, tile_items
+from lora_jax.kernels.shrink_expand.work_list import (
+    SEGMENT_MIN_TOKENS,
+    prompt_tiles,
+    segment_items,
+    tile_items,
+    whole_tiles,
+)
+from shrink_expand_test_base import make_metadata
 
 
 @pytest.fixture
@@ -159,3 +172,66 @@ def test_segment_shrink_matches_reference_interpreted(
     want = lora_shrink_reference(x, lora_a, token_lora_indices=share, slot_ranks=ranks, scale=0.5)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
     assert bool(jnp.any(got != 0))
+
+
+@pytest.mark.parametrize("hint", [False, True], ids=["host_silent", "host_hint"])
+def test_library_split_matches_reference_interpreted(interpreter, monkeypatch, hint):
+    """`lora_shrink` / `lora_expand` with ``mosaic=True`` in interpret mode: the Triton
+    kernel (interpret mode) on the tokens outside the Mosaic kernels' pieces and tiles,
+    the Mosaic kernels (the GPU interpreter) on theirs — the library's split on Hopper,
+    end to end, against the oracles; with the host's hints where it knows them."""
+    monkeypatch.setattr(api, "MOSAIC_INTERPRET", interpreter)
+    jax.clear_caches()  # the module setting is read at trace time
+    num_tokens, hidden, rank, widths = SEGMENT_MIN_TOKENS, 128, 32, (128, 128)
+    rng = np.random.default_rng(7)
+    idx = np.concatenate(
+        [np.full(300, 4), np.full(40, -1), np.full(200, 1), rng.integers(-1, 8, 100)]
+    )
+    idx = np.resize(np.concatenate([idx, np.full(num_tokens, 6)]), num_tokens).astype(np.int32)
+    meta = make_metadata(idx, 8)
+    k = jax.random.key(3)
+    x = jax.random.normal(k, (num_tokens, hidden), jnp.bfloat16)
+    lora_a = tuple(
+        (jax.random.normal(jax.random.fold_in(k, 1 + s), (8, rank, hidden)) * 0.1).astype(
+            jnp.bfloat16
+        )
+        for s in range(len(widths))
+    )
+    lora_b = tuple(
+        (jax.random.normal(jax.random.fold_in(k, 5 + s), (8, n, rank)) * 0.2).astype(jnp.bfloat16)
+        for s, n in enumerate(widths)
+    )
+    ranks = jnp.asarray(rng.integers(1, rank + 1, (len(widths), 8)), jnp.int32)
+    shrink_hint = prompt_tiles(idx) if hint else None
+    expand_hint = whole_tiles(idx) if hint else None
+    assert not hint or (shrink_hint, expand_hint) == ("some", "some")
+    h = lora_shrink(
+        x, lora_a, **meta, slot_ranks=ranks, scale=0.5, mosaic=True, prompt_tiles=shrink_hint,
+        interpret=True,
+    )  # fmt: skip
+    want_h = lora_shrink_reference(
+        x, lora_a, token_lora_indices=meta["token_lora_indices"], slot_ranks=ranks, scale=0.5
+    )
+    np.testing.assert_allclose(np.asarray(h), np.asarray(want_h), rtol=1e-4, atol=1e-4)
+    y = jax.random.normal(jax.random.fold_in(k, 9), (num_tokens, sum(widths)), jnp.bfloat16)
+    got = lora_expand(
+        y, want_h, lora_b, offsets=(0, 128), **meta, slot_ranks=ranks, mosaic=True,
+        prompt_tiles=expand_hint, interpret=True,
+    )  # fmt: skip
+    want = lora_expand_reference(
+        y, want_h, lora_b, offsets=(0, 128), token_lora_indices=meta["token_lora_indices"],
+        slot_ranks=ranks,
+    )  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2
+    )
+    jax.clear_caches()
+
+
+def test_interpret_mode_without_the_interpreter_names_why():
+    """Interpret mode with ``mosaic=True`` and no interpreter set: an error that says so."""
+    idx = np.full(SEGMENT_MIN_TOKENS, 2, np.int32)
+    x = jnp.zeros((SEGMENT_MIN_TOKENS, 128), jnp.bfloat16)
+    a = jnp.zeros((4, 32, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="mosaic=True, but interpret mode"):
+        lora_shrink(x, (a,), **make_metadata(idx, 4), mosaic=True, interpret=True)
