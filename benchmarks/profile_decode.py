@@ -15,7 +15,8 @@ and idle gaps between kernels (launch/host-bound time). Prints a table, writes J
 
 With ``--prefill BxS`` a "step" is one prefill of B prompts of S tokens, one adapter each
 (``--adapters`` is ignored); backend "default" is the library's choice, "hinted" the same
-with the host's hints in the mapping (`tp.prefill_hints`, as `generate` passes them).
+with the host's hints in the mapping (`tp.prefill_hints`, as `generate` passes them),
+"unshared" the default without the layers' shared input (`SHARE_LAYER_INPUT` off).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from tp import (  # noqa: E402
 )
 
 import lora_jax as lj  # noqa: E402
+from lora_jax.layers import base as lora_base  # noqa: E402
 from lora_jax.models.kv_cache import KVCache  # noqa: E402
 from lora_jax.serving.wrap import unwrap_model, wrap_model  # noqa: E402
 
@@ -150,11 +152,14 @@ def main(argv=None):
     )
     for n in adapter_counts:
         for backend in [b for b in a.backends.split(",") if b]:
-            lj.ops.set_default_backend(None if backend in ("default", "hinted") else backend)
+            lib = backend in ("default", "hinted", "unshared")
+            lj.ops.set_default_backend(None if lib else backend)
+            lora_base.SHARE_LAYER_INPUT = backend != "unshared"
             try:
                 r = case(min(n, max_loras), backend)
             finally:
                 lj.ops.set_default_backend(None)
+                lora_base.SHARE_LAYER_INPUT = True
             r["lora_only_us"] = sum(v for k, v in r["kernels"].items() if k not in base_names)
             rows.append(dict(case=f"lora[{backend}] n={n}", **r))
     unwrap_model(model)

@@ -31,6 +31,7 @@ from flax import nnx
 from lora_jax.kernels.shrink_expand.work_list import prompt_tiles, whole_tiles
 
 import lora_jax as lj
+from lora_jax.layers import base as lora_base
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
 from lora_jax.models.kv_cache import KVCache
 from lora_jax.serving.wrap import unwrap_model, wrap_model
@@ -244,6 +245,12 @@ def main(argv=None):
         "(LoRAMapping.prompt_tiles / whole_tiles, as generate passes them)",
     )
     p.add_argument(
+        "--unshared-prefill",
+        action="store_true",
+        help="also time the prefill case without the LoRA layers' shared input "
+        "(lora_jax.layers.base.SHARE_LAYER_INPUT off)",
+    )
+    p.add_argument(
         "--hinted-batches",
         default="",
         help="also time plain LoRA on the Pallas backend with the host's tokens per slot in "
@@ -315,7 +322,9 @@ def main(argv=None):
                 ("hinted", args.hinted_batches),
             ]
             if args.prefill and args.hinted_prefill and fully is False:
-                cases.append((*cases[-1], "hinted"))
+                cases.append((*cases[-1][:3], "hinted"))
+            if args.prefill and args.unshared_prefill and fully is False:
+                cases.append((*cases[-1][:3], "unshared"))
             defaults = [c for c in cases if c[0] == "decode"]
             for backend, flag in forced if fully is False else []:
                 wanted = {int(v) for v in flag.split(",") if v}
@@ -330,6 +339,7 @@ def main(argv=None):
                 if kind == "prefill":  # the hint only: prefill takes the kernels on a GPU
                     forced_backend = None
                 lj.ops.set_default_backend(forced_backend)
+                lora_base.SHARE_LAYER_INPUT = backend != "unshared"
                 if kind == "decode":
                     t, c, coll = bench_decode(model, cfg, rules, b, n, args, backend == "hinted")
                 else:
@@ -337,6 +347,7 @@ def main(argv=None):
                         model, cfg, b // ps, ps, n, args, backend == "hinted"
                     )
                 lj.ops.set_default_backend(None)
+                lora_base.SHARE_LAYER_INPUT = True
                 lj.ops.ONE_HOT_TOKENS_PER_SLOT = ratio
                 row = dict(
                     tp=tp,

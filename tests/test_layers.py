@@ -151,3 +151,35 @@ def test_dp_shards_keep_the_steps_flags(monkeypatch, tokens, want):
     ref = dense_reference(layer, weights, adapters, x, idx)
     rtol, atol = TOL[jnp.float32]
     np.testing.assert_allclose(logical_output(layer, y), ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("mesh", ["tp1", "tp8"])
+def test_shared_input_barrier_changes_nothing_but_the_graph(monkeypatch, mesh):
+    """`SHARE_LAYER_INPUT` puts one optimization barrier on the layer's input (so XLA
+    writes it once for the base matmul and the shrink); the values are those of the layer
+    without it, and of the dense oracle."""
+    from lora_jax.layers import base as lora_base
+
+    kind = next(k for k in KINDS if k.name == "merged_qkv")
+    layer, weights, adapters = build(
+        kind, lj.ShardingRules(make_mesh(*MESHES[mesh])), jnp.float32, adapters=ADAPTERS
+    )
+    x = _inputs(layer, jnp.float32)
+    idx = jnp.asarray(IDX)
+
+    graph, state = nnx.split(layer)
+
+    def run(x, state):
+        m = nnx.merge(graph, state)
+        lj.set_lora_mapping(m, idx)
+        return m(x)
+
+    got = {}
+    for shared in (True, False):
+        monkeypatch.setattr(lora_base, "SHARE_LAYER_INPUT", shared)
+        text = str(jax.make_jaxpr(run)(x, state))
+        assert ("optimization_barrier" in text) == shared
+        got[shared] = np.asarray(forward(layer, x, idx))
+    np.testing.assert_array_equal(got[True], got[False])
+    want = dense_reference(layer, weights, adapters, x, IDX)
+    np.testing.assert_allclose(logical_output(layer, got[True]), want, *TOL[jnp.float32])

@@ -27,6 +27,13 @@ from lora_jax.config import LoRAConfig
 from lora_jax.linear import LinearBase, pack_shards
 from lora_jax.mapping import PROMPT_TILE_TOKENS, LoRAMapping, make_lora_mapping
 
+# One copy of a LoRA layer's input for both of its readers, the base matmul and the shrink.
+# Without the barrier XLA's GPU fusion recomputes the input's elementwise producer (say an
+# RMSNorm's scale) once per reader, each a full pass over the activations: at 4 x 1024
+# tokens of hidden 4096 two extra 32 MB passes a norm (session 23's profile). Setting it
+# False is for the benchmark that measures this.
+SHARE_LAYER_INPUT = True
+
 
 class LoRAContext(nnx.Variable):
     """Holds the step's `LoRAMapping` (or None); one instance is shared by all layers.
@@ -339,6 +346,8 @@ class BaseLayerWithLoRA(nnx.Module):
                     tokens_per_slot=mapping.tokens_per_slot,
                     whole_tiles=shard_whole,
                 )
+            if SHARE_LAYER_INPUT:
+                xl = jax.lax.optimization_barrier(xl)
             y = base.local_matmul(xl, kl)
             return self._lora_local(y, xl, a, b, ranks, m)
 
