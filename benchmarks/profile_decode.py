@@ -71,23 +71,40 @@ def device_events(log_dir: str) -> list[tuple[str, int, int]]:
 
 
 def summarize(events, calls: int, steps: int) -> dict:
-    """Per decode step: kernel time by name, busy time (union) and span."""
+    """Per decode step: kernel time by name, busy time (union) and span; ``idle_us`` of
+    the span, of it ``between_calls_us`` (the ``calls - 1`` longest gaps, taken to be the
+    host's dispatch between back-to-back calls), and ``idle_before`` (the other gaps, by
+    the name of the kernel that ends them)."""
     if not events:
-        return dict(kernels={}, busy_us=float("nan"), span_us=float("nan"), launches=0)
+        return dict(
+            kernels={}, busy_us=float("nan"), span_us=float("nan"), launches=0,
+            idle_us=float("nan"), between_calls_us=float("nan"), idle_before={},
+        )  # fmt: skip
     by_name: dict[str, float] = collections.defaultdict(float)
+    gaps: list[tuple[int, str]] = []
     busy, end = 0, events[0][1]
     for name, start, dur in events:
         by_name[name] += dur
+        if start > end:
+            gaps.append((start - end, name))
         lo = max(start, end)
         busy += max(0, start + dur - lo)
         end = max(end, start + dur)
     span = end - events[0][1]
     per = calls * steps
+    gaps.sort(reverse=True)
+    between = gaps[: calls - 1]
+    idle_before: dict[str, float] = collections.defaultdict(float)
+    for gap, name in gaps[calls - 1 :]:
+        idle_before[name] += gap
     return dict(
         kernels={k: v / per / 1e3 for k, v in by_name.items()},
         busy_us=busy / per / 1e3,
         span_us=span / per / 1e3,
         launches=len(events) / per,
+        idle_us=(span - busy) / per / 1e3,
+        between_calls_us=sum(g for g, _ in between) / per / 1e3,
+        idle_before={k: v / per / 1e3 for k, v in idle_before.items()},
     )
 
 
@@ -168,19 +185,25 @@ def main(argv=None):
     print(f"device: {jax.devices()[0]}; per {what}, {cfg.num_hidden_layers} layers")
     print(
         f"{'case':<26} {'span us':>9} {'busy us':>9} {'idle us':>9} {'+busy':>8} "
-        f"{'lora-only us':>12} {'launches':>9}"
+        f"{'lora-only us':>12} {'launches':>9} {'between calls':>13}"
     )
     for r in rows:
         print(
             f"{r['case']:<26} {r['span_us']:>9.1f} {r['busy_us']:>9.1f} "
             f"{r['span_us'] - r['busy_us']:>9.1f} {r['busy_us'] - b0['busy_us']:>8.1f} "
-            f"{r.get('lora_only_us', 0.0):>12.1f} {r['launches']:>9.1f}"
+            f"{r.get('lora_only_us', 0.0):>12.1f} {r['launches']:>9.1f} "
+            f"{r.get('between_calls_us', float('nan')):>13.1f}"
         )
     for r in rows:
         print(f"\n{r['case']}: top kernels (us per step)")
         for k, v in sorted(r["kernels"].items(), key=lambda kv: -kv[1])[: a.top]:
             tag = "" if k in base_names else "  [lora]"
             print(f"  {v:9.2f}  {k[:90]}{tag}")
+    for r in rows:
+        before = r.get("idle_before", {})
+        print(f"\n{r['case']}: idle inside a call, by the kernel that ends it (us per step)")
+        for k, v in sorted(before.items(), key=lambda kv: -kv[1])[: a.top]:
+            print(f"  {v:9.2f}  {k[:90]}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(device=str(jax.devices()[0]), argv=sys.argv, rows=rows), f, indent=1)

@@ -66,6 +66,26 @@ def test_profile_summary_matches_brute_force():
         want = sum(d for n, d in zip(names, durs) if n == k) / per
         assert got["kernels"][k] == pytest.approx(want)
     assert got["launches"] == pytest.approx(40 / 10)
+    # Idle: the mask's holes; the longest (calls - 1 = 1) is between calls, each other is
+    # charged to the kernel that starts where it ends.
+    holes, t, last = [], int(starts.min()), int((starts + durs).max())
+    while t < last:
+        if mask[t]:
+            t += 1
+            continue
+        e = t
+        while not mask[e]:
+            e += 1
+        holes.append((e - t, e))
+        t = e
+    holes.sort(reverse=True)
+    assert got["idle_us"] == pytest.approx(sum(h for h, _ in holes) / per)
+    assert got["between_calls_us"] == pytest.approx(holes[0][0] / per)
+    want_before = {}
+    for h, end in holes[1:]:
+        name = next(n for n, st in zip(names, starts) if st == end)
+        want_before[name] = want_before.get(name, 0) + h / per
+    assert got["idle_before"] == pytest.approx(want_before)
 
 
 @pytest.mark.slow  # ~20 s; the benchmark tool, checked on the oldest jax only
