@@ -495,3 +495,17 @@ def test_row_reduce_expand_probe_lowers_for_cuda():
         )
     with pytest.raises(ValueError, match="block_n=96"):
         rr.RowTiles(block_n=96)
+
+
+def test_host_overhead_runs_and_checks_generator_against_generate(tmp_path):
+    """benchmarks/host_overhead.py: both paths give the same tokens (it exits otherwise),
+    one row per (layers, model)."""
+    import json
+
+    import host_overhead
+
+    out = tmp_path / "host.json"
+    host_overhead.main(["--layers", "2", "--reps", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["layers"], r["model"]) for r in rows] == [(2, "base"), (2, "lora")]
+    assert rows[1]["variables"] > rows[0]["variables"]

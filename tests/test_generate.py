@@ -9,8 +9,9 @@ from flax import nnx
 
 import lora_jax
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
-from lora_jax.serving.generate import TRACE_COUNTS, bucket, generate
+from lora_jax.serving.generate import TRACE_COUNTS, Generator, bucket, generate
 from lora_jax.serving.sampling import SamplingParams, row_keys, sample_tokens, top_p_filter
+from lora_jax.serving.wrap import unwrap_model, wrap_model
 from lora_jax.sharding import ShardingRules
 
 CFG = DecoderConfig.tiny(qkv_bias=True)
@@ -236,6 +237,46 @@ def test_no_recompile_within_buckets(lora_model, mixed):
     generate(lora_model, [[2] * 20], [1], max_new_tokens=2, **B8)
     assert TRACE_COUNTS["prefill"] == before["prefill"] + 1
     assert TRACE_COUNTS["decode"] == before["decode"] + 1
+
+
+def test_generator_matches_generate_and_sees_adapter_writes(lora_model, mixed):
+    """A `Generator` walks the graph once; it still reads each call's current weights (a
+    new adapter written after it was made) and compiles once per bucket."""
+    before = TRACE_COUNTS.copy()
+    gen = Generator(lora_model)
+    assert gen(PROMPTS, SLOTS, max_new_tokens=NEW, **B8).tokens == mixed.tokens
+    other = [[9] * 12, [3, 1], [200, 201, 202]]
+    a = gen(other, [2, 2, 0], max_new_tokens=5, **B8)
+    _set(lora_model, 2, _adapters(7))
+    try:
+        c = gen(other, [2, 2, 0], max_new_tokens=5, **B8)
+        want = generate(lora_model, other, [2, 2, 0], max_new_tokens=5, **B8)
+    finally:
+        _set(lora_model, 2, ADAPTERS[2])
+    assert c.tokens == want.tokens
+    assert c.tokens[:2] != a.tokens[:2] and c.tokens[2] == a.tokens[2]
+    assert gen(other, [2, 2, 0], max_new_tokens=5, **B8).tokens == a.tokens
+    # One bucket (8 x 16 x 8): the generator's own two programs, traced once each.
+    assert TRACE_COUNTS["prefill"] == before["prefill"] + 1
+    assert TRACE_COUNTS["decode"] == before["decode"] + 1
+
+
+def test_generator_follows_wrap_and_unwrap(base_model):
+    """`wrap_model` / `unwrap_model` change the graph: a generator made before walks it
+    again, and its bad-slot check follows (no LoRA -> only -1)."""
+    model = _model()
+    gen = Generator(model)
+    base = gen(PROMPTS[:2], max_new_tokens=4, **B8).tokens
+    with pytest.raises(ValueError, match="no LoRA layers"):
+        gen(PROMPTS[:2], [0, -1], max_new_tokens=4, **B8)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    wrap_model(model, LORA_CFG, target_modules=targets)
+    _set(model, 0, ADAPTERS[0])
+    out = gen(PROMPTS[:2], [0, -1], max_new_tokens=4, **B8).tokens
+    assert out == generate(model, PROMPTS[:2], [0, -1], max_new_tokens=4, **B8).tokens
+    assert out[0] != base[0] and out[1] == base[1]
+    unwrap_model(model)
+    assert gen(PROMPTS[:2], max_new_tokens=4, **B8).tokens == base
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 2), (2, 2), (1, 4)])  # (1, 4): kv heads replicated

@@ -19,6 +19,7 @@ overwritten by later tokens before any query can see them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,16 @@ class KVCache:
         shape = (batch, physical_kv_heads(config, rules), max_len, config.head_dim)
         b = cache_batch_axis(rules, batch)
         sharding = rules.named(b, "tensor", None, None)
-        zeros = lambda: jnp.zeros(shape, dtype, device=sharding)  # noqa: E731
         n = config.num_hidden_layers
-        return cls(k=tuple(zeros() for _ in range(n)), v=tuple(zeros() for _ in range(n)))
+        arrays = _zeros(shape, jnp.dtype(dtype), sharding, 2 * n)()
+        return cls(k=tuple(arrays[:n]), v=tuple(arrays[n:]))
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape: tuple[int, ...], dtype, sharding, count: int):
+    """One jitted call that makes ``count`` zero arrays (one dispatch, where ``count``
+    eager `jnp.zeros` cost ~0.3 ms each on a CPU host: 17 ms for a 32-layer cache)."""
+    return jax.jit(
+        lambda: tuple(jnp.zeros(shape, dtype) for _ in range(count)),
+        out_shardings=(sharding,) * count,
+    )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -171,7 +172,12 @@ _decode = jax.jit(
 )
 
 
-def _check_inputs(model, prompts, adapter_slots, max_new_tokens, eos_token_id):
+def _model_max_loras(model) -> int | None:
+    """The LoRA slots of the model's layers; None where it has no LoRA layers."""
+    return _context_max_loras(model) if find_lora_context(model) is not None else None
+
+
+def _check_inputs(model, max_loras, prompts, adapter_slots, max_new_tokens, eos_token_id):
     vocab = model.config.vocab_size
     if len(prompts) == 0:
         raise ValueError("generate: prompts is empty")
@@ -186,8 +192,8 @@ def _check_inputs(model, prompts, adapter_slots, max_new_tokens, eos_token_id):
     slots = [-1] * len(prompts) if adapter_slots is None else [int(s) for s in adapter_slots]
     if len(slots) != len(prompts):
         raise ValueError(f"generate: {len(prompts)} prompts but {len(slots)} adapter_slots")
-    has_lora = find_lora_context(model) is not None
-    max_loras = _context_max_loras(model) if has_lora else 0
+    has_lora = max_loras is not None
+    max_loras = max_loras or 0
     bad = [s for s in slots if not -1 <= s < max_loras]
     if bad:
         allowed = f"[-1, {max_loras})" if has_lora else "-1 (the model has no LoRA layers)"
@@ -229,10 +235,47 @@ def generate(
         >>> len(out.tokens[1])  # doctest: +SKIP
         8
     """
+    graphdef, state = nnx.split(model)
+    return _generate(
+        model,
+        _model_max_loras(model),
+        functools.partial(_prefill, graphdef, state),
+        functools.partial(_decode, graphdef, state),
+        prompts,
+        adapter_slots,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        eos_token_id=eos_token_id,
+        min_batch_bucket=min_batch_bucket,
+        min_prompt_bucket=min_prompt_bucket,
+        cache_dtype=cache_dtype,
+    )
+
+
+def _generate(
+    model,
+    max_loras,
+    prefill,
+    decode,
+    prompts,
+    adapter_slots,
+    *,
+    max_new_tokens,
+    sampling,
+    eos_token_id,
+    min_batch_bucket,
+    min_prompt_bucket,
+    cache_dtype,
+) -> GenerationResult:
+    """`generate`'s steps around ``prefill(cache, ids, *common, mode)`` and ``decode(cache,
+    first, *common, active, max_new, eos, mode, new_bucket)`` (the jitted steps bound to
+    one model's graph and state)."""
     sampling = sampling if sampling is not None else SamplingParams()
     if isinstance(sampling, dict):
         sampling = SamplingParams(**sampling)
-    clean, slots = _check_inputs(model, prompts, adapter_slots, max_new_tokens, eos_token_id)
+    clean, slots = _check_inputs(
+        model, max_loras, prompts, adapter_slots, max_new_tokens, eos_token_id
+    )
     rules: ShardingRules = model.rules
     n = len(clean)
     B = bucket(n, max(min_batch_bucket, rules.size("batch")))
@@ -256,19 +299,18 @@ def generate(
     )
     dtype = cache_dtype or getattr(model, "dtype", None) or jnp.float32
     cache = KVCache.init(model.config, B, S + N, rules=rules, dtype=dtype)
-    graphdef, state = nnx.split(model)
     seed_key = jax.random.key(sampling.seed)
     temperature = jnp.float32(sampling.temperature)
     top_p = jnp.float32(sampling.top_p)
     common = (lengths, slot_arr, row_ids, seed_key, temperature, top_p)
-    first, cache = _prefill(graphdef, state, cache, ids, *common, mode=sampling.mode)
+    first, cache = prefill(cache, ids, *common, mode=sampling.mode)
     if max_new_tokens == 1:
         out = first[:, None]
     else:
         eos = jnp.int32(-2 if eos_token_id is None else eos_token_id)
         active = put(np.arange(B) < n, b)
-        out, _ = _decode(
-            graphdef, state, cache, first, *common, active, jnp.int32(max_new_tokens), eos,
+        out, _ = decode(
+            cache, first, *common, active, jnp.int32(max_new_tokens), eos,
             mode=sampling.mode, new_bucket=N,
         )  # fmt: skip
     out = np.asarray(jax.device_get(out))[:n, :max_new_tokens]
@@ -279,3 +321,97 @@ def generate(
         tokens.append([int(t) for t in row])
         reasons.append("eos" if hit else "length")
     return GenerationResult(tokens, reasons, B, S, N)
+
+
+def _raw_value(var: nnx.Variable):
+    get = getattr(var, "get_raw_value", None)  # flax >= 0.12: no hooks, ~0.2 us
+    return get() if get is not None else var.get_value()
+
+
+class Generator:
+    """`generate` for one model, with its graph split once.
+
+    `generate` splits the model (`nnx.split`) on every call and hands the jitted steps its
+    graph as a static argument, which jax hashes and compares on every call: host time that
+    grows with the model's variables (`benchmarks/host_overhead.py`: a 32-layer
+    LoRA-wrapped model, ~250 ms a call on a 2-core CPU host against ~30 ms). A `Generator` walks the graph once
+    and keeps the model's own variables: each call reads their current values (adapter
+    loads and weight updates through ``set_value``, as `LoRAManager` and the layers write,
+    are seen) and passes them as one flat list. Its steps compile once per bucket, as
+    `generate`'s do (`TRACE_COUNTS`).
+
+    A change of the model's *structure* (a new submodule or variable) needs `refresh`;
+    `wrap_model` / `unwrap_model` are noticed and refreshed for automatically.
+
+    Example:
+        >>> gen = Generator(model)  # doctest: +SKIP
+        >>> gen([[1, 2], [3]], [0, -1], max_new_tokens=8).tokens  # doctest: +SKIP
+    """
+
+    def __init__(self, model: nnx.Module):
+        self.model = model
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Walks the model's graph again (after a change of its structure)."""
+        from lora_jax.serving import wrap
+
+        graphdef, state = nnx.split(self.model)
+        flat = list(nnx.to_flat_state(state))
+        own = {p: v for p, v in nnx.iter_graph(self.model) if isinstance(v, nnx.Variable)}
+        self._vars = [own[p] for p, _ in flat]
+        # Each variable's kind and metadata, without its array (no stale weights kept alive).
+        shells = [(p, v.replace(value=None)) for p, v in flat]
+        self._graph_edits = wrap.graph_edits()
+        self._max_loras = _model_max_loras(self.model)
+
+        def state_of(values):
+            return nnx.from_flat_state(
+                [(p, shell.replace(value=v)) for (p, shell), v in zip(shells, values)]
+            )
+
+        def prefill(values, cache, *args, mode):
+            return _prefill_fn(graphdef, state_of(values), cache, *args, mode=mode)
+
+        def decode(values, cache, *args, mode, new_bucket):
+            return _decode_fn(
+                graphdef, state_of(values), cache, *args, mode=mode, new_bucket=new_bucket
+            )
+
+        self._prefill = jax.jit(prefill, static_argnames=("mode",), donate_argnames=("cache",))
+        self._decode = jax.jit(
+            decode, static_argnames=("mode", "new_bucket"), donate_argnames=("cache",)
+        )
+
+    def __call__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        adapter_slots: Sequence[int] | None = None,
+        *,
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        eos_token_id: int | None = None,
+        min_batch_bucket: int = 1,
+        min_prompt_bucket: int = 16,
+        cache_dtype=None,
+    ) -> GenerationResult:
+        """As `generate(model, ...)`, for this generator's model."""
+        from lora_jax.serving import wrap
+
+        if wrap.graph_edits() != self._graph_edits:
+            self.refresh()
+        values = [_raw_value(v) for v in self._vars]
+        return _generate(
+            self.model,
+            self._max_loras,
+            functools.partial(self._prefill, values),
+            functools.partial(self._decode, values),
+            prompts,
+            adapter_slots,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            eos_token_id=eos_token_id,
+            min_batch_bucket=min_batch_bucket,
+            min_prompt_bucket=min_prompt_bucket,
+            cache_dtype=cache_dtype,
+        )

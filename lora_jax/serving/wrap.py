@@ -143,7 +143,17 @@ def _get_child(parent, key):
     return parent[key] if isinstance(key, int) else getattr(parent, key)
 
 
+_GRAPH_EDITS = [0]
+
+
+def graph_edits() -> int:
+    """How many layers `wrap_model` / `unwrap_model` have swapped in this process (a
+    `Generator` re-walks its model's graph when this moved)."""
+    return _GRAPH_EDITS[0]
+
+
 def _set_child(parent, key, value) -> None:
+    _GRAPH_EDITS[0] += 1
     if isinstance(key, int):
         parent[key] = value
     else:
