@@ -104,13 +104,22 @@ def token_slots(batch: int, n_adapters: int, seed: int = 0) -> np.ndarray:
     return slots.astype(np.int32)
 
 
+def split_flat(model):
+    """(graphdef, the state's arrays as a flat list, their treedef): the steps take the
+    list, whose dispatch costs jax ~0.5 us an array, where an `nnx.State` costs ~5 us a
+    variable of Python-level flattening on every call (`benchmarks/host_overhead.py`)."""
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    return graphdef, leaves, treedef
+
+
 def make_decode(model, steps: int, tokens_per_slot: int | None = None):
     """``tokens_per_slot``: the host's hint for the step's mapping (`LoRAMapping`)."""
-    graphdef, state = nnx.split(model)
+    graphdef, leaves, treedef = split_flat(model)
 
     @jax.jit
-    def run(state, cache, ids, pos, idx):
-        m = nnx.merge(graphdef, state)
+    def run(leaves, cache, ids, pos, idx):
+        m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         lj.set_lora_mapping(m, idx, tokens_per_slot=tokens_per_slot)
 
         def body(i, carry):
@@ -120,23 +129,23 @@ def make_decode(model, steps: int, tokens_per_slot: int | None = None):
 
         return jax.lax.fori_loop(0, steps, body, (cache, ids))
 
-    return run, state
+    return run, leaves
 
 
 def make_prefill(model, hints: dict | None = None):
     """``hints``: what the host found of the step's prompts (`prefill_hints`), for its
     mapping (`LoRAMapping.prompt_tiles` / ``whole_tiles``), as `generate` passes them."""
     hints = hints or {}
-    graphdef, state = nnx.split(model)
+    graphdef, leaves, treedef = split_flat(model)
 
     @jax.jit
-    def run(state, ids, pos, idx):
-        m = nnx.merge(graphdef, state)
+    def run(leaves, ids, pos, idx):
+        m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         lj.set_lora_mapping(m, idx, **hints)
         hidden, _ = m.model(ids, pos, None, flat=False)
         return m.compute_logits(hidden[:, -1])
 
-    return run, state
+    return run, leaves
 
 
 def timeit(fn, *args, reps: int) -> tuple[float, float]:
