@@ -289,6 +289,8 @@ def test_sharded_lora_generation_matches_unsharded(mixed, mesh_shape):
         _set(model, slot, adapter)
     out = generate(model, PROMPTS, SLOTS, max_new_tokens=NEW, **B8)
     assert out.tokens == mixed.tokens
+    if mesh_shape == (1, 2):  # the Generator's flat values keep their shardings
+        assert Generator(model)(PROMPTS, SLOTS, max_new_tokens=NEW, **B8).tokens == mixed.tokens
 
 
 # -- sampling ---------------------------------------------------------------------------------
