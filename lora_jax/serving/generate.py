@@ -29,6 +29,7 @@ from flax import nnx
 from lora_jax.layers.base import _context_max_loras, find_lora_context, set_lora_mapping
 from lora_jax.mapping import PROMPT_ROWS_MIN_TOKENS, PROMPT_TILE_TOKENS
 from lora_jax.models.kv_cache import KVCache, cache_batch_axis
+from lora_jax.serving import wrap
 from lora_jax.serving.sampling import SamplingParams, row_keys, sample_tokens
 from lora_jax.sharding import ShardingRules, shard_map
 
@@ -355,8 +356,6 @@ class Generator:
 
     def refresh(self) -> None:
         """Walks the model's graph again (after a change of its structure)."""
-        from lora_jax.serving import wrap
-
         graphdef, state = nnx.split(self.model)
         flat = list(nnx.to_flat_state(state))
         own = {p: v for p, v in nnx.iter_graph(self.model) if isinstance(v, nnx.Variable)}
@@ -397,8 +396,6 @@ class Generator:
         cache_dtype=None,
     ) -> GenerationResult:
         """As `generate(model, ...)`, for this generator's model."""
-        from lora_jax.serving import wrap
-
         if wrap.graph_edits() != self._graph_edits:
             self.refresh()
         values = [_raw_value(v) for v in self._vars]
