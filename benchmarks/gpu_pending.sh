@@ -668,11 +668,45 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
       --prefill 4x1024 --hinted-prefill --no-sharded --reps 3 --out "$OUT/model23b/tp1.json"
     step host23 120 python3 -P benchmarks/host_overhead.py --layers 8,32 \
       --out "$OUT/host23.json" ;;
+  conc24)  # session 24: does XLA's concurrent command-buffer scheduling (kernels with no
+    # data dependence run side by side: the shrink beside the base matmul) cut LoRA's
+    # decode cost? The same profile and model under the default and CONCURRENT modes.
+    CONC=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT
+    step conc24_prof 200 python3 -P benchmarks/profile_decode.py --layers 4 --batch 64 \
+      --adapters 8 --backends default,pallas --calls 3 --top 16 --out "$OUT/conc24_prof.json"
+    XLA_FLAGS=$CONC step conc24_prof_c 200 python3 -P benchmarks/profile_decode.py --layers 4 \
+      --batch 64 --adapters 8 --backends default,pallas --calls 3 --top 16 \
+      --out "$OUT/conc24_prof_c.json"
+    step conc24_tp 200 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 \
+      --pallas-batches 64 --no-sharded --reps 3 --prefill 4x512 --out "$OUT/conc24_tp/tp1.json"
+    XLA_FLAGS=$CONC step conc24_tp_c 200 python3 -P benchmarks/tp.py --tp 1 \
+      --batches 1,16,64,256 --pallas-batches 64 --no-sharded --reps 3 --prefill 4x512 \
+      --out "$OUT/conc24_tp_c/tp1.json" ;;
+  conc24b)  # session 24: decode steps compiled with lora_jax.decode_compiler_options (the
+    # CONCURRENT mode per jit, not XLA_FLAGS): GPU tests of generation under it, the model
+    step conc24b_tests 150 env JAX_DEFAULT_MATMUL_PRECISION=highest python3 -P -m pytest \
+      tests/test_compile_options.py tests/test_generate.py -q -p no:cacheprovider
+    step conc24b_tp 280 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 \
+      --pallas-batches 64 --no-sharded --reps 3 --prefill "" --out "$OUT/conc24b_tp/tp1.json" ;;
+  conc24c)  # session 24: the same model with the decode steps in XLA's default order
+    step conc24c_tp 280 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64,256 \
+      --pallas-batches 64 --no-sharded --reps 3 --prefill "" --serial-decode \
+      --out "$OUT/conc24c_tp/tp1.json" ;;
+  delta24)  # session 24: the XLA decode expand's update apart from y (an optimization
+    # barrier: it then waits for the shrink only and may run beside the base matmul), under
+    # the concurrent decode; the GPU test of the concurrent decode on the final code
+    step delta24_tests 120 env JAX_DEFAULT_MATMUL_PRECISION=highest python3 -P -m pytest \
+      tests/test_compile_options.py tests/test_mapping_ops.py -k "options or concurrent or \
+      generate_compiles or decode_expand" -q -p no:cacheprovider
+    step delta24_tp 200 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64 --no-sharded \
+      --reps 3 --prefill "" --out "$OUT/delta24_tp/tp1.json"
+    step delta24_tpc 200 python3 -P benchmarks/tp.py --tp 1 --batches 1,16,64 --no-sharded \
+      --reps 3 --prefill "" --coupled-delta --out "$OUT/delta24_tpc/tp1.json" ;;
   two)  # kind nvidia-h200-x2: the model at tp = 2 (base, LoRA, fully sharded)
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 ws19 occ19 final19 decode19_e vr19_e floor20 floor20_x floor20_p floor20_t floor20_ts rect20 sweep_e20 mexp21 lib21 grid21 final21 rexp22 model22 split22 prof22 hlo22 final22 bar23 gaps23 gemmc23 final23 gapsat23 model23b bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 ws19 occ19 final19 decode19_e vr19_e floor20 floor20_x floor20_p floor20_t floor20_ts rect20 sweep_e20 mexp21 lib21 grid21 final21 rexp22 model22 split22 prof22 hlo22 final22 bar23 gaps23 gemmc23 final23 gapsat23 model23b conc24 conc24b conc24c delta24 bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done

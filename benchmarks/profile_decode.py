@@ -147,9 +147,16 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--top", type=int, default=12, help="kernels listed per case")
     p.add_argument("--prefill", default="", help="BxS: profile one prefill instead of decode")
+    p.add_argument(
+        "--serial-decode",
+        action="store_true",
+        help="compile the decode steps in XLA's default order (LORA_JAX_CONCURRENT_DECODE=0)",
+    )
     p.add_argument("--small", action="store_true", help="tiny f32 model (CPU smoke test)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.serial_decode:
+        os.environ["LORA_JAX_CONCURRENT_DECODE"] = "0"
     cfg, model, max_loras = bench_model(a.layers, a.small)
     prefill = tuple(int(v) for v in a.prefill.split("x")) if a.prefill else None
 

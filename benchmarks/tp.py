@@ -18,8 +18,10 @@ bandwidth (per GPU).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -117,7 +119,9 @@ def make_decode(model, steps: int, tokens_per_slot: int | None = None):
     """``tokens_per_slot``: the host's hint for the step's mapping (`LoRAMapping`)."""
     graphdef, leaves, treedef = split_flat(model)
 
-    @jax.jit
+    # Compiled as lora_jax's own decode steps are (`lj.decode_compiler_options`: kernels
+    # with no data dependence side by side on a GPU, unless LORA_JAX_CONCURRENT_DECODE=0).
+    @functools.partial(jax.jit, compiler_options=lj.decode_compiler_options() or None)
     def run(leaves, cache, ids, pos, idx):
         m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         lj.set_lora_mapping(m, idx, tokens_per_slot=tokens_per_slot)
@@ -271,9 +275,24 @@ def main(argv=None):
         default="",
         help="also time plain LoRA with the fused 'pallas_fused' ops backend at these batches",
     )
+    p.add_argument(
+        "--serial-decode",
+        action="store_true",
+        help="compile the decode steps in XLA's default order (LORA_JAX_CONCURRENT_DECODE=0)",
+    )
+    p.add_argument(
+        "--coupled-delta",
+        action="store_true",
+        help="let XLA fuse the decode expand's add into its update (lora_jax.ops.DECOUPLE_DELTA "
+        "off: the update then waits for the base matmul)",
+    )
     p.add_argument("--small", action="store_true", help="tiny model for a CPU smoke test")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.serial_decode:
+        os.environ["LORA_JAX_CONCURRENT_DECODE"] = "0"
+    if args.coupled_delta:
+        lj.ops.DECOUPLE_DELTA = False
 
     if args.small:
         # 8 query heads so that the smoke test also runs at tp = 4 and 8 (CPU devices)

@@ -9,7 +9,10 @@ seq_lora_indices=slots[B])` inside the jit, so a new adapter, a new mix of adapt
 prompts in the same buckets never recompile: compiles happen once per
 (batch bucket, prompt bucket, new-token bucket, sampling mode).
 
-The model is split once per call (`nnx.split`) and the jitted functions are pure over
+The decode loop is compiled with `lora_jax.compile_options.decode_compiler_options()`: on a
+GPU, XLA then runs kernels with no data dependence side by side (a layer's LoRA shrink
+beside its base matmul), which cut a decode step's LoRA cost; the prefill keeps XLA's
+default order. The model is split once per call (`nnx.split`) and the jitted functions are pure over
 `(graphdef, state)`; the KV cache is donated from prefill to decode. `TRACE_COUNTS`
 counts traces of each step, which is what the no-recompile tests assert on.
 """
@@ -26,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lora_jax.compile_options import decode_compiler_options
 from lora_jax.layers.base import _context_max_loras, find_lora_context, set_lora_mapping
 from lora_jax.mapping import PROMPT_ROWS_MIN_TOKENS, PROMPT_TILE_TOKENS
 from lora_jax.models.kv_cache import KVCache, cache_batch_axis
@@ -168,9 +172,21 @@ def _decode_fn(
 
 
 _prefill = jax.jit(_prefill_fn, static_argnames=("graphdef", "mode"), donate_argnames=("cache",))
-_decode = jax.jit(
-    _decode_fn, static_argnames=("graphdef", "mode", "new_bucket"), donate_argnames=("cache",)
-)
+
+
+@functools.cache
+def _decode_jit(options: tuple[tuple[str, str], ...]):
+    return jax.jit(
+        _decode_fn,
+        static_argnames=("graphdef", "mode", "new_bucket"),
+        donate_argnames=("cache",),
+        compiler_options=dict(options) or None,
+    )
+
+
+def _decode(*args, **kwargs):
+    """The jitted decode loop, compiled with `decode_compiler_options` as they are now."""
+    return _decode_jit(tuple(sorted(decode_compiler_options().items())))(*args, **kwargs)
 
 
 def _model_max_loras(model) -> int | None:
@@ -380,7 +396,10 @@ class Generator:
 
         self._prefill = jax.jit(prefill, static_argnames=("mode",), donate_argnames=("cache",))
         self._decode = jax.jit(
-            decode, static_argnames=("mode", "new_bucket"), donate_argnames=("cache",)
+            decode,
+            static_argnames=("mode", "new_bucket"),
+            donate_argnames=("cache",),
+            compiler_options=decode_compiler_options() or None,
         )
 
     def __call__(
