@@ -694,7 +694,9 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
       --out "$OUT/conc24c_tp/tp1.json" ;;
   delta24)  # session 24: the XLA decode expand's update apart from y (an optimization
     # barrier: it then waits for the shrink only and may run beside the base matmul), under
-    # the concurrent decode; the GPU test of the concurrent decode on the final code
+    # the concurrent decode; the GPU test of the concurrent decode. The probe's code
+    # (lora_jax.ops.DECOUPLE_DELTA, tp.py --coupled-delta) is in commit 7bd9316 only:
+    # not taken, removed after this run (benchmarks/RESULTS.md, session 24).
     step delta24_tests 120 env JAX_DEFAULT_MATMUL_PRECISION=highest python3 -P -m pytest \
       tests/test_compile_options.py tests/test_mapping_ops.py -k "options or concurrent or \
       generate_compiles or decode_expand" -q -p no:cacheprovider

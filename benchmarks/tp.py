@@ -280,19 +280,11 @@ def main(argv=None):
         action="store_true",
         help="compile the decode steps in XLA's default order (LORA_JAX_CONCURRENT_DECODE=0)",
     )
-    p.add_argument(
-        "--coupled-delta",
-        action="store_true",
-        help="let XLA fuse the decode expand's add into its update (lora_jax.ops.DECOUPLE_DELTA "
-        "off: the update then waits for the base matmul)",
-    )
     p.add_argument("--small", action="store_true", help="tiny model for a CPU smoke test")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.serial_decode:
         os.environ["LORA_JAX_CONCURRENT_DECODE"] = "0"
-    if args.coupled_delta:
-        lj.ops.DECOUPLE_DELTA = False
 
     if args.small:
         # 8 query heads so that the smoke test also runs at tp = 4 and 8 (CPU devices)

@@ -10,11 +10,12 @@ after another on one stream.
 
 On an H200, a Llama-3-8B-shaped decoder (32 layers, rank 16 on all 7 projections, 64
 slots) ran its LoRA decode steps up to 14 % faster with it (benchmarks/RESULTS.md, session
-24; base steps 0-3 %): LoRA's cost over base at one token fell from 1.20 x to 1.06 x, at 64
-tokens over 8 adapters from 1.29 x to 1.25 x (1.21 x with the Pallas kernels forced), at
-256 tokens over 64 adapters from 1.35 x to 1.30 x. One case lost: 16 tokens over 16
-adapters, 3 % slower (1.23 -> 1.28 x). A 4 x 512-token prefill ran 9 % *slower* (large
-kernels side by side contend), so only decode steps ask for it.
+24; base steps 0-3 %): LoRA's cost over base at one token fell from 1.20 x to 1.06 x
+(1.11-1.12 x in two other runs), at 64 tokens over 8 adapters from 1.29 x to 1.25 x
+(1.21 x with the Pallas kernels forced), at 256 tokens over 64 adapters from 1.35 x to
+1.30 x. One case lost, in every run: 16 tokens over 16 adapters, 3-5 % slower (1.23 ->
+1.28 x). A 4 x 512-token prefill ran 9 % *slower* (large kernels side by side contend),
+so only decode steps ask for it.
 
 `lora_jax.serving.generate` compiles its decode loop with `decode_compiler_options()`;
 a decode step of your own can do the same:

@@ -220,8 +220,7 @@ def lora_expand(
         )
     idx = mapping.token_lora_indices
     keep = (idx >= 0)[:, None]
-    deltas = []
-    for s, b in enumerate(lora_b):
+    for s, (b, off) in enumerate(zip(lora_b, offsets)):
         hs = h[s].astype(jnp.float32)  # [T, R]
         if _use_one_hot(idx.shape[0], b.shape[0]):
             L = b.shape[0]
@@ -234,26 +233,10 @@ def lora_expand(
         else:
             b_t = _gather_slot(b, idx)  # [T, n_s, R]
             delta = jnp.einsum("tr,tnr->tn", hs, b_t, preferred_element_type=jnp.float32)
-        deltas.append(delta)
-    if DECOUPLE_DELTA and y.shape[0] <= DECOUPLE_DELTA_MAX_TOKENS:
-        deltas = jax.lax.optimization_barrier(deltas)
-    for b, off, delta in zip(lora_b, offsets, deltas):
         cols = y[:, off : off + b.shape[1]]
         new = (cols.astype(jnp.float32) + delta).astype(y.dtype)
         y = set_columns(y, off, jnp.where(keep, new, cols))
     return y
-
-
-DECOUPLE_DELTA = True
-DECOUPLE_DELTA_MAX_TOKENS = PALLAS_MIN_TOKENS
-"""Up to this many tokens, the XLA expand computes its updates apart from ``y`` (an
-optimization barrier between them and the add): XLA would otherwise fuse the add into the
-update's fusion, which then waits for the base matmul that wrote ``y``. Apart, the update
-depends on the shrink only, so a decode step compiled for concurrency
-(`lora_jax.compile_options`) may run the whole LoRA path beside the base matmul. The sums
-are the same. Past this size the barrier would keep an f32 ``[T, N]`` update in memory for
-nothing (larger batches take the kernels on a GPU). `DECOUPLE_DELTA` False is for the
-benchmark that measures it."""
 
 
 def set_columns(y: jax.Array, offset: int, cols: jax.Array) -> jax.Array:

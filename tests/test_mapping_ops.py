@@ -1,7 +1,6 @@
 """`make_lora_mapping` metadata and the XLA ops against numpy loops."""
 
 import jax
-import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -76,49 +75,6 @@ def test_add_lora_linear_xla_matches_loop(dtype, L):
     )
     # -1 rows bit-identical.
     np.testing.assert_array_equal(np.asarray(y)[idx < 0], np.asarray(y0)[idx < 0])
-
-
-def _depends_on(jaxpr, source) -> set:
-    """The variables of ``jaxpr`` (top level) computed from ``source``."""
-    seen = {source}
-    for eqn in jaxpr.eqns:
-        if any(v in seen for v in eqn.invars if isinstance(v, jax.extend.core.Var)):
-            seen.update(eqn.outvars)
-    return seen
-
-
-@pytest.mark.parametrize("L", [3, 16], ids=["one_hot_path", "gather_path"])
-@pytest.mark.parametrize("T", [9, 200])
-def test_decode_expand_update_waits_for_the_shrink_only(monkeypatch, T, L):
-    """Up to `DECOUPLE_DELTA_MAX_TOKENS` tokens the XLA expand puts its updates behind one
-    optimization barrier that nothing of ``y`` feeds (so a concurrent decode step may run
-    them beside the base matmul that wrote ``y``); above, no barrier. The sums are those
-    of the coupled form, bit for bit."""
-    rng = np.random.default_rng(1)
-    R, sizes, offsets = 8, [16, 8], [4, 20]
-    b = [jnp.asarray(rng.normal(size=(L, n, R)), jnp.float32) for n in sizes]
-    h = jnp.asarray(rng.normal(size=(len(sizes), T, R)), jnp.float32)
-    y0 = jnp.asarray(rng.normal(size=(T, 40)), jnp.float32)
-    m = lj.make_lora_mapping(jnp.asarray(rng.integers(-1, L, T), jnp.int32), L)
-    got = {}
-    for decouple in (True, False):
-        monkeypatch.setattr(ops, "DECOUPLE_DELTA", decouple)
-        # A new function each time: jax caches traces by function, not by this flag.
-        expand = lambda y: ops.lora_expand(y, h, b, m, offsets=offsets, backend="xla")  # noqa: E731
-        jaxpr = jax.make_jaxpr(expand)(y0).jaxpr
-        barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
-        assert len(barriers) == (decouple and T <= ops.DECOUPLE_DELTA_MAX_TOKENS)
-        for e in barriers:
-            assert len(e.invars) == len(sizes)
-            assert not set(e.invars) & _depends_on(jaxpr, jaxpr.invars[0])
-        got[decouple] = np.asarray(jax.jit(expand)(y0))
-    np.testing.assert_array_equal(got[True], got[False])
-    ref = np.array(y0)
-    hn, idx = np.asarray(h), np.asarray(m.token_lora_indices)
-    for s, (bs, off) in enumerate(zip(b, offsets)):
-        for t in np.flatnonzero(idx >= 0):
-            ref[t, off : off + bs.shape[1]] += np.asarray(bs[idx[t]]) @ hn[s, t]
-    np.testing.assert_allclose(got[True], ref, rtol=1e-5, atol=1e-5)
 
 
 def test_shrink_rows_without_adapter_are_zero():
