@@ -15,7 +15,9 @@ slots) ran its LoRA decode steps up to 14 % faster with it (benchmarks/RESULTS.m
 (1.21 x with the Pallas kernels forced), at 256 tokens over 64 adapters from 1.35 x to
 1.30 x. One case lost, in every run: 16 tokens over 16 adapters, 3-5 % slower (1.23 ->
 1.28 x). A 4 x 512-token prefill ran 9 % *slower* (large kernels side by side contend),
-so only decode steps ask for it.
+so only decode steps ask for it. Measured on one GPU: a tensor-parallel decode step gets
+the same option (XLA keeps collectives out of its command buffers by default, so only the
+compute between them is rescheduled) but has not been timed with it.
 
 `lora_jax.serving.generate` compiles its decode loop with `decode_compiler_options()`;
 a decode step of your own can do the same:
