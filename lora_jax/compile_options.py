@@ -34,7 +34,9 @@ import os
 import jax
 
 CONCURRENT_DECODE_ENV = "LORA_JAX_CONCURRENT_DECODE"
-"""Environment variable: "0" turns the concurrent decode scheduling off."""
+"""Environment variable: "0" (or false / off / no) turns the concurrent decode scheduling
+off; "1" (true / on / yes) or unset leaves it on."""
+_OFF, _ON = ("0", "false", "off", "no"), ("", "1", "true", "on", "yes")
 
 CONCURRENT_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 """The XLA option `decode_compiler_options` returns on GPU."""
@@ -43,12 +45,19 @@ CONCURRENT_OPTIONS = {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"}
 def decode_compiler_options() -> dict[str, str]:
     """``compiler_options`` for a jitted decode step: `CONCURRENT_OPTIONS` on a GPU, ``{}``
     on other backends or when ``LORA_JAX_CONCURRENT_DECODE=0``. Read at each call, so a
-    change of the variable reaches steps compiled after it.
+    change of the variable reaches steps compiled after it; a value it does not know
+    raises ValueError.
 
     Example:
         >>> step = jax.jit(lambda x: x + 1, compiler_options=decode_compiler_options())
     """
-    if os.environ.get(CONCURRENT_DECODE_ENV, "1") == "0":
+    value = os.environ.get(CONCURRENT_DECODE_ENV, "").strip().lower()
+    if value not in _OFF + _ON:
+        raise ValueError(
+            f"{CONCURRENT_DECODE_ENV}={os.environ[CONCURRENT_DECODE_ENV]!r}: use 0 / false / "
+            "off / no to turn the concurrent decode off, 1 / true / on / yes (or unset) for on"
+        )
+    if value in _OFF:
         return {}
     if jax.default_backend() != "gpu":
         return {}

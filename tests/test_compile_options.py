@@ -29,6 +29,15 @@ def test_options_follow_the_backend_and_the_environment(monkeypatch):
     assert decode_compiler_options() == CONCURRENT_OPTIONS
     monkeypatch.setenv(compile_options.CONCURRENT_DECODE_ENV, "0")
     assert decode_compiler_options() == {}
+    for off in ("false", " OFF", "no"):
+        monkeypatch.setenv(compile_options.CONCURRENT_DECODE_ENV, off)
+        assert decode_compiler_options() == {}
+    for on in ("1", "True", "yes", ""):
+        monkeypatch.setenv(compile_options.CONCURRENT_DECODE_ENV, on)
+        assert decode_compiler_options() == CONCURRENT_OPTIONS
+    monkeypatch.setenv(compile_options.CONCURRENT_DECODE_ENV, "maybe")
+    with pytest.raises(ValueError, match="LORA_JAX_CONCURRENT_DECODE='maybe': use 0"):
+        decode_compiler_options()
     monkeypatch.setenv(compile_options.CONCURRENT_DECODE_ENV, "1")
     monkeypatch.setattr(compile_options.jax, "default_backend", lambda: "cpu")
     assert decode_compiler_options() == {}
