@@ -6,10 +6,11 @@ adapters as requests (capped at max_loras) plus 8-adapter cases, and a prefill c
 
 Device time, not host dispatch: each timed call runs `--steps` decode steps inside one
 jit (a `fori_loop` feeding back argmax tokens), so the ~50-80 us dispatch of one call is
-spread over the steps. Collective bytes per step are read from the compiled HLO (the
-loop body). Targets (DESIGN.md §5): B=64, 8 adapters: LoRA step <= 1.10 x base; 64
-adapters: LoRA's added time <= 1.3 x the time to read the used adapters once at HBM
-bandwidth (per GPU).
+spread over the steps; they are compiled as the library's own decode steps are
+(`lj.decode_compiler_options()`; `--serial-decode`: XLA's default order). Collective
+bytes per step are read from the compiled HLO (the loop body). Targets (DESIGN.md §5):
+B=64, 8 adapters: LoRA step <= 1.10 x base; 64 adapters: LoRA's added time <= 1.3 x the
+time to read the used adapters once at HBM bandwidth (per GPU).
 
     python benchmarks/tp.py --tp 1,2 --out results.json       # on the GPU machine
     python benchmarks/tp.py --small --tp 1,2                   # CPU smoke test
