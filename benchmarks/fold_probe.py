@@ -1,0 +1,181 @@
+"""Probe: the decode expand folded into the base matmul (pallas_triton_fold.base_expand).
+
+For each Llama-3-8B projection at decode batch sizes, GPU busy µs per call (trace timer,
+``--calls`` different weight copies inside one jit) of:
+
+* ``xla_base``: the base matmul alone, ``x @ W`` (XLA);
+* ``fold_base[tiles]``: the fold kernel with no active slot (our GEMM alone);
+* ``xla+pallas``: XLA's matmul, then `lora_jax.ops.lora_expand` on the Pallas backend;
+* ``xla+xla``: the same with the XLA expand (the library's default below 128 tokens);
+* ``fold[tiles]``: the fold kernel, base and expand in one launch.
+
+Every fold result is checked against ``xla+xla`` (relative max error). The shrink is the
+same in both designs and is not timed here. Prints a table, writes JSON.
+
+    python3 -P benchmarks/fold_probe.py --tokens 64 --adapters 8,64 --out /tmp/fold.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ops as ops_bench  # noqa: E402
+
+from lora_jax import mapping as mapping_lib  # noqa: E402
+from lora_jax import ops as lora_ops  # noqa: E402
+from lora_jax.kernels.shrink_expand.pallas_triton_fold import FoldTiles, base_expand  # noqa: E402
+
+# name -> (hidden, slice widths): Llama-3-8B at tp = 1
+PROJECTIONS = {
+    "qkv": (4096, (4096, 1024, 1024)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (14336, 14336)),
+    "down": (14336, (4096,)),
+}
+MAX_LORAS = 64
+INTERPRET = False
+"""CPU smoke runs (tests): the Pallas kernels in interpret mode."""
+
+
+def parse_tiles(spec: str) -> FoldTiles:
+    bm, bn, bk, w, st = (int(v) for v in spec.split(":"))
+    return FoldTiles(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+
+
+def build(proj: str, tokens: int, adapters: int, rank: int, calls: int, seed: int = 0):
+    hidden, widths = PROJECTIONS[proj]
+    width = sum(widths)
+    offsets = tuple(int(v) for v in np.cumsum((0,) + widths[:-1]))
+    rng = np.random.default_rng(seed)
+    k = jax.random.key(seed)
+    dt = jnp.bfloat16
+    calls_in = []
+    for i in range(calls):
+        ki = jax.random.fold_in(k, i)
+        x = jax.random.normal(jax.random.fold_in(ki, 0), (tokens, hidden), dt)
+        w = jax.random.normal(jax.random.fold_in(ki, 1), (hidden, width), dt) * hidden**-0.5
+        bs = tuple(
+            jax.random.normal(jax.random.fold_in(ki, 2 + s), (MAX_LORAS, n, rank), dt)
+            for s, n in enumerate(widths)
+        )
+        h = jax.random.normal(jax.random.fold_in(ki, 9), (len(widths), tokens, rank), jnp.float32)
+        slots = rng.permutation(MAX_LORAS)[:adapters]
+        idx = slots[rng.integers(0, adapters, tokens)].astype(np.int32)
+        if tokens >= adapters:  # every adapter used
+            idx[:adapters] = slots
+        m = mapping_lib.make_lora_mapping(idx, MAX_LORAS, is_prefill=False)
+        calls_in.append((x, w, bs, h, m))
+    return calls_in, offsets
+
+
+def variants(offsets, tiles_list):
+    def xla_base(cs):
+        return [jnp.dot(x, w, preferred_element_type=x.dtype) for x, w, *_ in cs]
+
+    def with_expand(backend):
+        def f(cs):
+            out = []
+            for x, w, bs, h, m in cs:
+                y = jnp.dot(x, w, preferred_element_type=x.dtype)
+                out.append(lora_ops.lora_expand(y, h, bs, m, offsets=offsets, backend=backend))
+            return out
+
+        return f
+
+    def fold(tiles, lora=True):
+        def f(cs):
+            out = []
+            for x, w, bs, h, m in cs:
+                n = m.num_active if lora else jnp.int32(0)
+                out.append(
+                    base_expand(
+                        x, w, h, bs, m.token_lora_indices, m.active_slots, n,
+                        offsets=offsets, tiles=tiles, interpret=INTERPRET,
+                    )
+                )  # fmt: skip
+            return out
+
+        return f
+
+    out = {"xla_base": xla_base, "xla+pallas": with_expand("pallas"), "xla+xla": with_expand("xla")}
+    for t in tiles_list:
+        name = f"{t.block_m}:{t.block_n}:{t.block_k}:{t.num_warps}:{t.num_stages}"
+        out[f"fold_base[{name}]"] = fold(t, lora=False)
+        out[f"fold[{name}]"] = fold(t)
+    return out
+
+
+def rel_err(got, want) -> float:
+    g = jnp.stack([a.astype(jnp.float32) for a in got])
+    w = jnp.stack([a.astype(jnp.float32) for a in want])
+    return float(jnp.max(jnp.abs(g - w)) / jnp.maximum(jnp.max(jnp.abs(w)), 1e-30))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--projections", default="qkv,o,gate_up,down")
+    p.add_argument("--tokens", default="64")
+    p.add_argument("--adapters", default="8,64")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--tiles",
+        default="16:64:128:4:4,16:128:128:4:4,16:32:256:4:3,16:64:256:4:3",
+        help="block_m:block_n:block_k:warps:stages, comma-separated (block_m grows to "
+        "the token count, up to 64)",
+    )
+    p.add_argument("--compile-budget", type=float, default=60)
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    ops_bench.TIMER = "trace"
+    rows = []
+    print(f"device: {jax.devices()[0]}; rank {a.rank}, {a.calls} calls a jit, trace busy µs")
+    for proj in a.projections.split(","):
+        for tokens in (int(v) for v in a.tokens.split(",")):
+            for adapters in (int(v) for v in a.adapters.split(",")):
+                if adapters > tokens:
+                    continue
+                cs, offsets = build(proj, tokens, adapters, a.rank, a.calls)
+                bm = min(64, max(16, 1 << (tokens - 1).bit_length()))
+                tiles = []
+                for spec in a.tiles.split(","):
+                    t = parse_tiles(spec)
+                    tiles.append(FoldTiles(**{**t.__dict__, "block_m": max(t.block_m, bm)}))
+                want = None
+                row = {"proj": proj, "tokens": tokens, "adapters": adapters, "us": {}, "err": {}}
+                for name, fn in variants(offsets, tiles).items():
+                    compiled, why = ops_bench.compile_with_budget(fn, (cs,), a.compile_budget)
+                    if compiled is None:
+                        row["us"][name] = None
+                        row["err"][name] = why
+                        print(f"  {proj} T={tokens} n={adapters} {name}: skipped ({why})")
+                        continue
+                    out = compiled(cs)
+                    if name == "xla+xla":
+                        want = out
+                    elif want is not None and name.startswith(("fold[", "xla+pallas")):
+                        row["err"][name] = rel_err(out, want)
+                    row["us"][name] = ops_bench.time_calls(compiled, (cs,), a.calls, a.reps)
+                rows.append(row)
+                base = row["us"].get("xla_base")
+                cells = "  ".join(
+                    f"{k}={v:.1f}" + (f"({v / base:.2f})" if base else "")
+                    for k, v in row["us"].items()
+                    if v is not None
+                )
+                errs = max((v for v in row["err"].values() if isinstance(v, float)), default=0)
+                print(f"{proj:8s} T={tokens:4d} n={adapters:3d}  {cells}  maxerr={errs:.1e}")
+                sys.stdout.flush()
+    ops_bench.write_json(a.out, {"device": str(jax.devices()[0]), "argv": argv or sys.argv, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
