@@ -30,6 +30,8 @@ import ops as ops_bench  # noqa: E402
 
 from lora_jax import mapping as mapping_lib  # noqa: E402
 from lora_jax import ops as lora_ops  # noqa: E402
+from lora_jax.kernels import lora_expand as kernel_expand  # noqa: E402
+from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes  # noqa: E402
 from lora_jax.kernels.shrink_expand.pallas_triton_fold import FoldTiles, base_expand  # noqa: E402
 
 # name -> (hidden, slice widths): Llama-3-8B at tp = 1
@@ -47,6 +49,16 @@ INTERPRET = False
 def parse_tiles(spec: str) -> FoldTiles:
     bm, bn, bk, w, st = (int(v) for v in spec.split(":"))
     return FoldTiles(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+
+
+def parse_expand_tiles(spec: str) -> BlockSizes:
+    """``bm:bn:stages:warps:tiles_n:live_programs``, or ``pt:bn`` (the per-token kernel)."""
+    if spec.startswith("pt:"):
+        return BlockSizes(per_token=True, block_n=int(spec[3:]), num_stages=1)
+    bm, bn, st, w, tn, live = (int(v) for v in spec.split(":"))
+    return BlockSizes(
+        block_m=bm, block_n=bn, num_stages=st, num_warps=w, tiles_n=tn, live_programs=live
+    )
 
 
 def build(proj: str, tokens: int, adapters: int, rank: int, calls: int, seed: int = 0):
@@ -75,7 +87,7 @@ def build(proj: str, tokens: int, adapters: int, rank: int, calls: int, seed: in
     return calls_in, offsets
 
 
-def variants(offsets, tiles_list):
+def variants(offsets, tiles_list, expand_specs=()):
     def xla_base(cs):
         return [jnp.dot(x, w, preferred_element_type=x.dtype) for x, w, *_ in cs]
 
@@ -104,7 +116,22 @@ def variants(offsets, tiles_list):
 
         return f
 
+    def with_tiles(bs):
+        def f(cs):
+            out = []
+            for x, w, b, h, m in cs:
+                y = jnp.dot(x, w, preferred_element_type=x.dtype)
+                kw = m.expand_kwargs()
+                out.append(
+                    kernel_expand(y, h, b, offsets=offsets, block_sizes=bs, interpret=INTERPRET, **kw)
+                )
+            return out
+
+        return f
+
     out = {"xla_base": xla_base, "xla+pallas": with_expand("pallas"), "xla+xla": with_expand("xla")}
+    for spec in expand_specs:
+        out[f"xla+pallas[{spec}]"] = with_tiles(parse_expand_tiles(spec))
     for t in tiles_list:
         name = f"{t.block_m}:{t.block_n}:{t.block_k}:{t.num_warps}:{t.num_stages}"
         out[f"fold_base[{name}]"] = fold(t, lora=False)
@@ -132,6 +159,13 @@ def main(argv=None):
         help="block_m:block_n:block_k:warps:stages, comma-separated (block_m grows to "
         "the token count, up to 64)",
     )
+    p.add_argument(
+        "--expand-tiles",
+        default="",
+        help="the Pallas expand after XLA's matmul with these tiles: "
+        "bm:bn:stages:warps:tiles_n:live_programs or pt:bn (per-token), comma-separated",
+    )
+    p.add_argument("--no-fold", action="store_true", help="time no fold variant")
     p.add_argument("--compile-budget", type=float, default=60)
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
@@ -146,12 +180,12 @@ def main(argv=None):
                 cs, offsets = build(proj, tokens, adapters, a.rank, a.calls)
                 bm = min(64, max(16, 1 << (tokens - 1).bit_length()))
                 tiles = []
-                for spec in a.tiles.split(","):
+                for spec in [] if a.no_fold else a.tiles.split(","):
                     t = parse_tiles(spec)
                     tiles.append(FoldTiles(**{**t.__dict__, "block_m": max(t.block_m, bm)}))
                 want = None
                 row = {"proj": proj, "tokens": tokens, "adapters": adapters, "us": {}, "err": {}}
-                for name, fn in variants(offsets, tiles).items():
+                for name, fn in variants(offsets, tiles, [v for v in a.expand_tiles.split(",") if v]).items():
                     compiled, why = ops_bench.compile_with_budget(fn, (cs,), a.compile_budget)
                     if compiled is None:
                         row["us"][name] = None
