@@ -31,6 +31,7 @@ import ops as ops_bench  # noqa: E402
 from lora_jax import mapping as mapping_lib  # noqa: E402
 from lora_jax import ops as lora_ops  # noqa: E402
 from lora_jax.kernels import lora_expand as kernel_expand  # noqa: E402
+from lora_jax.kernels import lora_shrink as kernel_shrink  # noqa: E402
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes  # noqa: E402
 from lora_jax.kernels.shrink_expand.pallas_triton_fold import FoldTiles, base_expand  # noqa: E402
 
@@ -61,6 +62,19 @@ def parse_expand_tiles(spec: str) -> BlockSizes:
     )
 
 
+def parse_shrink_tiles(spec: str) -> BlockSizes:
+    """``bm:br:bk:warps:stages:split:atomic_programs:persistent``, or ``pt:br:bk`` (the
+    per-token kernel, the hidden split over k ranges of ``bk``)."""
+    if spec.startswith("pt:"):
+        br, bk = (int(v) for v in spec[3:].split(":"))
+        return BlockSizes(per_token=True, block_r=br, block_k=bk, split_k=64, num_stages=1)
+    bm, br, bk, w, st, split, atomic, pers = (int(v) for v in spec.split(":"))
+    return BlockSizes(
+        block_m=bm, block_r=br, block_k=bk, num_warps=w, num_stages=st, split_k=split,
+        atomic_programs=atomic, persistent=bool(pers),
+    )  # fmt: skip
+
+
 def build(proj: str, tokens: int, adapters: int, rank: int, calls: int, seed: int = 0):
     hidden, widths = PROJECTIONS[proj]
     width = sum(widths)
@@ -83,18 +97,23 @@ def build(proj: str, tokens: int, adapters: int, rank: int, calls: int, seed: in
         if tokens >= adapters:  # every adapter used
             idx[:adapters] = slots
         m = mapping_lib.make_lora_mapping(idx, MAX_LORAS, is_prefill=False)
-        calls_in.append((x, w, bs, h, m))
+        a_s = tuple(
+            jax.random.normal(jax.random.fold_in(ki, 20 + s), (MAX_LORAS, rank, hidden), dt)
+            * hidden**-0.5
+            for s in range(len(widths))
+        )
+        calls_in.append((x, w, bs, h, m, a_s))
     return calls_in, offsets
 
 
-def variants(offsets, tiles_list, expand_specs=()):
+def variants(offsets, tiles_list, expand_specs=(), shrink_specs=()):
     def xla_base(cs):
         return [jnp.dot(x, w, preferred_element_type=x.dtype) for x, w, *_ in cs]
 
     def with_expand(backend):
         def f(cs):
             out = []
-            for x, w, bs, h, m in cs:
+            for x, w, bs, h, m, _ in cs:
                 y = jnp.dot(x, w, preferred_element_type=x.dtype)
                 out.append(lora_ops.lora_expand(y, h, bs, m, offsets=offsets, backend=backend))
             return out
@@ -104,7 +123,7 @@ def variants(offsets, tiles_list, expand_specs=()):
     def fold(tiles, lora=True):
         def f(cs):
             out = []
-            for x, w, bs, h, m in cs:
+            for x, w, bs, h, m, _ in cs:
                 n = m.num_active if lora else jnp.int32(0)
                 out.append(
                     base_expand(
@@ -119,7 +138,7 @@ def variants(offsets, tiles_list, expand_specs=()):
     def with_tiles(bs):
         def f(cs):
             out = []
-            for x, w, b, h, m in cs:
+            for x, w, b, h, m, _ in cs:
                 y = jnp.dot(x, w, preferred_element_type=x.dtype)
                 kw = m.expand_kwargs()
                 out.append(
@@ -129,7 +148,24 @@ def variants(offsets, tiles_list, expand_specs=()):
 
         return f
 
-    out = {"xla_base": xla_base, "xla+pallas": with_expand("pallas"), "xla+xla": with_expand("xla")}
+    def shrink(backend=None, bs=None):
+        def f(cs):
+            if bs is None:
+                return [lora_ops.lora_shrink(x, a, m, backend=backend) for x, *_, m, a in cs]
+            return [
+                kernel_shrink(x, a, block_sizes=bs, interpret=INTERPRET, **m.shrink_kwargs())
+                for x, *_, m, a in cs
+            ]
+
+        return f
+
+    out = {}
+    if shrink_specs:
+        out["shrink:xla"] = shrink("xla")
+        out["shrink:pallas"] = shrink("pallas")
+        for spec in shrink_specs:
+            out[f"shrink:pallas[{spec}]"] = shrink(bs=parse_shrink_tiles(spec))
+    out |= {"xla_base": xla_base, "xla+pallas": with_expand("pallas"), "xla+xla": with_expand("xla")}
     for spec in expand_specs:
         out[f"xla+pallas[{spec}]"] = with_tiles(parse_expand_tiles(spec))
     for t in tiles_list:
@@ -165,6 +201,12 @@ def main(argv=None):
         help="the Pallas expand after XLA's matmul with these tiles: "
         "bm:bn:stages:warps:tiles_n:live_programs or pt:bn (per-token), comma-separated",
     )
+    p.add_argument(
+        "--shrink-tiles",
+        default="",
+        help="also time the shrink (XLA, the Pallas default and these tiles): "
+        "bm:br:bk:warps:stages:split:atomic_programs:persistent or pt:br:bk",
+    )
     p.add_argument("--no-fold", action="store_true", help="time no fold variant")
     p.add_argument("--compile-budget", type=float, default=60)
     p.add_argument("--out", default="")
@@ -183,9 +225,14 @@ def main(argv=None):
                 for spec in [] if a.no_fold else a.tiles.split(","):
                     t = parse_tiles(spec)
                     tiles.append(FoldTiles(**{**t.__dict__, "block_m": max(t.block_m, bm)}))
-                want = None
+                want = {}  # is a shrink -> its reference outputs
                 row = {"proj": proj, "tokens": tokens, "adapters": adapters, "us": {}, "err": {}}
-                for name, fn in variants(offsets, tiles, [v for v in a.expand_tiles.split(",") if v]).items():
+                for name, fn in variants(
+                    offsets,
+                    tiles,
+                    [v for v in a.expand_tiles.split(",") if v],
+                    [v for v in a.shrink_tiles.split(",") if v],
+                ).items():
                     compiled, why = ops_bench.compile_with_budget(fn, (cs,), a.compile_budget)
                     if compiled is None:
                         row["us"][name] = None
@@ -193,10 +240,12 @@ def main(argv=None):
                         print(f"  {proj} T={tokens} n={adapters} {name}: skipped ({why})")
                         continue
                     out = compiled(cs)
-                    if name == "xla+xla":
-                        want = out
-                    elif want is not None and name.startswith(("fold[", "xla+pallas")):
-                        row["err"][name] = rel_err(out, want)
+                    if name in ("xla+xla", "shrink:xla"):
+                        want[name.startswith("shrink")] = out
+                    elif name.startswith(("fold[", "xla+pallas", "shrink:pallas")):
+                        ref = want.get(name.startswith("shrink"))
+                        if ref is not None:
+                            row["err"][name] = rel_err(out, ref)
                     row["us"][name] = ops_bench.time_calls(compiled, (cs,), a.calls, a.reps)
                 rows.append(row)
                 base = row["us"].get("xla_base")

@@ -716,13 +716,15 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
     step fold25 330 python3 -P benchmarks/fold_probe.py --tokens 64 --adapters 8,64 \
       --tiles 16:32:128:4:4,16:64:128:4:4,16:128:128:4:3,16:128:64:4:5,16:64:256:4:3,16:128:128:8:4 \
       --out "$OUT/fold25/fold.json" ;;
-  exp25)  # session 25: rank-16 decode expand tiles after XLA's matmul, per Llama projection
-    # (gate_up's 28672 columns ran at ~30 % of its bytes' time in the model profile)
+  exp25)  # session 25: rank-16 decode shrink and expand tiles per Llama projection (the
+    # expand after XLA's matmul; gate_up's 28672 columns ran at ~30 % of its bytes' time
+    # in the model profile)
     ET=16:128:1:4:1:0,16:128:2:4:4:264,16:128:2:4:2:264,16:256:1:4:1:0,16:256:2:8:2:264,16:64:1:4:1:0,pt:128
-    step exp25_64 250 python3 -P benchmarks/fold_probe.py --tokens 16,64 --adapters 8,64 \
-      --expand-tiles $ET --tiles 16:64:128:4:4,16:128:64:4:5 --out "$OUT/exp25/t64.json"
-    step exp25_256 250 python3 -P benchmarks/fold_probe.py --tokens 256 --adapters 8,64 \
-      --expand-tiles $ET --tiles 16:64:128:4:4,16:128:64:4:5 --out "$OUT/exp25/t256.json" ;;
+    ST=16:16:256:4:2:16:528:1,16:16:128:4:3:32:528:1,16:16:512:4:2:8:264:1,16:16:128:2:2:32:1056:0,pt:16:128,pt:16:256
+    step exp25_64 240 python3 -P benchmarks/fold_probe.py --tokens 64 --adapters 8,64 --no-fold \
+      --expand-tiles $ET --shrink-tiles $ST --out "$OUT/exp25/t64.json"
+    step exp25_16 240 python3 -P benchmarks/fold_probe.py --tokens 16,256 --adapters 8 --no-fold \
+      --expand-tiles $ET --shrink-tiles $ST --out "$OUT/exp25/t16.json" ;;
   two)  # kind nvidia-h200-x2: the model at tp = 2 (base, LoRA, fully sharded)
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
