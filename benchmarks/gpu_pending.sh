@@ -712,7 +712,8 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
       python3 -P benchmarks/moe.py --phases decode --adapters 8 \
       --variants base/grouped,lora/ops,lora/ops-xla --reps 3 --out "$OUT/moe24_c.json" ;;
   fold25)  # session 25: probe of the decode expand folded into the base matmul (one
-    # launch: x @ W, then each active slot's B tile into the same accumulator)
+    # launch: x @ W, then each active slot's B tile into the same accumulator). Runs at
+    # commit 8aabeb1 only: not taken, its kernel removed after (benchmarks/RESULTS.md)
     step fold25 330 python3 -P benchmarks/fold_probe.py --tokens 64 --adapters 8,64 \
       --tiles 16:32:128:4:4,16:64:128:4:4,16:128:128:4:3,16:128:64:4:5,16:64:256:4:3,16:128:128:8:4 \
       --out "$OUT/fold25/fold.json" ;;
@@ -721,9 +722,9 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
     # in the model profile)
     ET=16:128:1:4:1:0,16:128:2:4:4:264,16:128:2:4:2:264,16:256:1:4:1:0,16:256:2:8:2:264,16:64:1:4:1:0,pt:128
     ST=16:16:256:4:2:16:528:1,16:16:128:4:3:32:528:1,16:16:512:4:2:8:264:1,16:16:128:2:2:32:1056:0,pt:16:128,pt:16:256
-    step exp25_64 240 python3 -P benchmarks/fold_probe.py --tokens 64 --adapters 8,64 --no-fold \
+    step exp25_64 240 python3 -P benchmarks/decode_probe.py --tokens 64 --adapters 8,64 \
       --expand-tiles $ET --shrink-tiles $ST --out "$OUT/exp25/t64.json"
-    step exp25_16 240 python3 -P benchmarks/fold_probe.py --tokens 16,256 --adapters 8 --no-fold \
+    step exp25_16 240 python3 -P benchmarks/decode_probe.py --tokens 16,256 --adapters 8 \
       --expand-tiles $ET --shrink-tiles $ST --out "$OUT/exp25/t16.json" ;;
   two)  # kind nvidia-h200-x2: the model at tp = 2 (base, LoRA, fully sharded)
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \

@@ -288,6 +288,34 @@ def test_kernel_probe_checks_the_default_and_times_each_variant(
     assert (pallas_triton.expand_tile, pallas_triton_shrink._add_to) == before
 
 
+def test_decode_probe_checks_every_kernel_variant(tmp_path, monkeypatch):
+    """benchmarks/decode_probe.py: every Pallas shrink and expand variant is checked
+    against the XLA op of the same projection and timed."""
+    import json
+
+    import decode_probe
+
+    from lora_jax import ops as lora_ops
+
+    monkeypatch.setattr(decode_probe, "PROJECTIONS", {"qkv": (64, (64, 32, 32))})
+    monkeypatch.setattr(lora_ops, "PALLAS_INTERPRET", False)  # the probe sets it
+    out = tmp_path / "probe.json"
+    decode_probe.main(
+        ["--projections", "qkv", "--tokens", "16", "--adapters", "4", "--calls", "1",
+         "--reps", "1", "--interpret", "--expand-tiles", "16:32:1:4:1:0,pt:32",
+         "--shrink-tiles", "pt:16:32", "--out", str(out)]
+    )  # fmt: skip
+    monkeypatch.setattr(decode_probe, "INTERPRET", False)
+    (row,) = json.loads(out.read_text())["rows"]
+    checked = {k: v for k, v in row["err"].items()}
+    assert set(checked) == {
+        "xla+pallas", "xla+pallas[16:32:1:4:1:0]", "xla+pallas[pt:32]",
+        "shrink:pallas", "shrink:pallas[pt:16:32]",
+    }  # fmt: skip
+    assert all(isinstance(v, float) and v < 1e-2 for v in checked.values()), checked
+    assert all(v > 0 for v in row["us"].values())
+
+
 def test_ncu_summary_reads_a_raw_csv(tmp_path, capsys):
     """ncu_cells.py --summarize: the program's own output lines are dropped, the units row
     skipped, each kernel's metrics scaled, the top stall reasons kept."""

@@ -1,18 +1,20 @@
-"""Probe: the decode expand folded into the base matmul (pallas_triton_fold.base_expand).
+"""Probe: LoRA's decode ops at the shapes of a Llama-3-8B layer, with given tiles.
 
-For each Llama-3-8B projection at decode batch sizes, GPU busy µs per call (trace timer,
-``--calls`` different weight copies inside one jit) of:
+For each projection (qkv, o, gate_up, down) at decode batch sizes, GPU busy µs per call
+(trace timer, ``--calls`` different weight copies inside one jit) of:
 
 * ``xla_base``: the base matmul alone, ``x @ W`` (XLA);
-* ``fold_base[tiles]``: the fold kernel with no active slot (our GEMM alone);
-* ``xla+pallas``: XLA's matmul, then `lora_jax.ops.lora_expand` on the Pallas backend;
-* ``xla+xla``: the same with the XLA expand (the library's default below 128 tokens);
-* ``fold[tiles]``: the fold kernel, base and expand in one launch.
+* ``xla+xla``: XLA's matmul, then `lora_jax.ops.lora_expand` on the XLA backend (the
+  library's default below 128 tokens);
+* ``xla+pallas``: the same with the Pallas expand at its default tiles;
+* ``xla+pallas[tiles]``: the Pallas expand with the given tiles (``--expand-tiles``);
+* with ``--shrink-tiles``: ``shrink:xla``, ``shrink:pallas`` and ``shrink:pallas[tiles]``.
 
-Every fold result is checked against ``xla+xla`` (relative max error). The shrink is the
-same in both designs and is not timed here. Prints a table, writes JSON.
+Every Pallas result is checked against the XLA one (relative max error). Prints a row a
+cell, writes JSON. (Session 25 also timed a base matmul with the expand folded in here:
+commit 8aabeb1, benchmarks/RESULTS.md.)
 
-    python3 -P benchmarks/fold_probe.py --tokens 64 --adapters 8,64 --out /tmp/fold.json
+    python3 -P benchmarks/decode_probe.py --tokens 64 --adapters 8 --expand-tiles pt:128
 """
 
 from __future__ import annotations
@@ -27,13 +29,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ops as ops_bench  # noqa: E402
-
-from lora_jax import mapping as mapping_lib  # noqa: E402
-from lora_jax import ops as lora_ops  # noqa: E402
 from lora_jax.kernels import lora_expand as kernel_expand  # noqa: E402
 from lora_jax.kernels import lora_shrink as kernel_shrink  # noqa: E402
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes  # noqa: E402
-from lora_jax.kernels.shrink_expand.pallas_triton_fold import FoldTiles, base_expand  # noqa: E402
+
+from lora_jax import mapping as mapping_lib  # noqa: E402
+from lora_jax import ops as lora_ops  # noqa: E402
 
 # name -> (hidden, slice widths): Llama-3-8B at tp = 1
 PROJECTIONS = {
@@ -45,11 +46,6 @@ PROJECTIONS = {
 MAX_LORAS = 64
 INTERPRET = False
 """CPU smoke runs (tests): the Pallas kernels in interpret mode."""
-
-
-def parse_tiles(spec: str) -> FoldTiles:
-    bm, bn, bk, w, st = (int(v) for v in spec.split(":"))
-    return FoldTiles(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
 
 
 def parse_expand_tiles(spec: str) -> BlockSizes:
@@ -106,7 +102,7 @@ def build(proj: str, tokens: int, adapters: int, rank: int, calls: int, seed: in
     return calls_in, offsets
 
 
-def variants(offsets, tiles_list, expand_specs=(), shrink_specs=()):
+def variants(offsets, expand_specs=(), shrink_specs=()):
     def xla_base(cs):
         return [jnp.dot(x, w, preferred_element_type=x.dtype) for x, w, *_ in cs]
 
@@ -120,21 +116,6 @@ def variants(offsets, tiles_list, expand_specs=(), shrink_specs=()):
 
         return f
 
-    def fold(tiles, lora=True):
-        def f(cs):
-            out = []
-            for x, w, bs, h, m, _ in cs:
-                n = m.num_active if lora else jnp.int32(0)
-                out.append(
-                    base_expand(
-                        x, w, h, bs, m.token_lora_indices, m.active_slots, n,
-                        offsets=offsets, tiles=tiles, interpret=INTERPRET,
-                    )
-                )  # fmt: skip
-            return out
-
-        return f
-
     def with_tiles(bs):
         def f(cs):
             out = []
@@ -142,7 +123,9 @@ def variants(offsets, tiles_list, expand_specs=(), shrink_specs=()):
                 y = jnp.dot(x, w, preferred_element_type=x.dtype)
                 kw = m.expand_kwargs()
                 out.append(
-                    kernel_expand(y, h, b, offsets=offsets, block_sizes=bs, interpret=INTERPRET, **kw)
+                    kernel_expand(
+                        y, h, b, offsets=offsets, block_sizes=bs, interpret=INTERPRET, **kw
+                    )
                 )
             return out
 
@@ -165,13 +148,13 @@ def variants(offsets, tiles_list, expand_specs=(), shrink_specs=()):
         out["shrink:pallas"] = shrink("pallas")
         for spec in shrink_specs:
             out[f"shrink:pallas[{spec}]"] = shrink(bs=parse_shrink_tiles(spec))
-    out |= {"xla_base": xla_base, "xla+pallas": with_expand("pallas"), "xla+xla": with_expand("xla")}
+    out |= {
+        "xla_base": xla_base,
+        "xla+xla": with_expand("xla"),
+        "xla+pallas": with_expand("pallas"),
+    }
     for spec in expand_specs:
         out[f"xla+pallas[{spec}]"] = with_tiles(parse_expand_tiles(spec))
-    for t in tiles_list:
-        name = f"{t.block_m}:{t.block_n}:{t.block_k}:{t.num_warps}:{t.num_stages}"
-        out[f"fold_base[{name}]"] = fold(t, lora=False)
-        out[f"fold[{name}]"] = fold(t)
     return out
 
 
@@ -190,12 +173,6 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=4)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument(
-        "--tiles",
-        default="16:64:128:4:4,16:128:128:4:4,16:32:256:4:3,16:64:256:4:3",
-        help="block_m:block_n:block_k:warps:stages, comma-separated (block_m grows to "
-        "the token count, up to 64)",
-    )
-    p.add_argument(
         "--expand-tiles",
         default="",
         help="the Pallas expand after XLA's matmul with these tiles: "
@@ -207,10 +184,13 @@ def main(argv=None):
         help="also time the shrink (XLA, the Pallas default and these tiles): "
         "bm:br:bk:warps:stages:split:atomic_programs:persistent or pt:br:bk",
     )
-    p.add_argument("--no-fold", action="store_true", help="time no fold variant")
+    p.add_argument("--interpret", action="store_true", help="Pallas in interpret mode (CPU)")
     p.add_argument("--compile-budget", type=float, default=60)
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
+    global INTERPRET
+    if a.interpret:
+        INTERPRET = lora_ops.PALLAS_INTERPRET = True
     ops_bench.TIMER = "trace"
     rows = []
     print(f"device: {jax.devices()[0]}; rank {a.rank}, {a.calls} calls a jit, trace busy µs")
@@ -220,16 +200,10 @@ def main(argv=None):
                 if adapters > tokens:
                     continue
                 cs, offsets = build(proj, tokens, adapters, a.rank, a.calls)
-                bm = min(64, max(16, 1 << (tokens - 1).bit_length()))
-                tiles = []
-                for spec in [] if a.no_fold else a.tiles.split(","):
-                    t = parse_tiles(spec)
-                    tiles.append(FoldTiles(**{**t.__dict__, "block_m": max(t.block_m, bm)}))
                 want = {}  # is a shrink -> its reference outputs
                 row = {"proj": proj, "tokens": tokens, "adapters": adapters, "us": {}, "err": {}}
                 for name, fn in variants(
                     offsets,
-                    tiles,
                     [v for v in a.expand_tiles.split(",") if v],
                     [v for v in a.shrink_tiles.split(",") if v],
                 ).items():
@@ -242,7 +216,7 @@ def main(argv=None):
                     out = compiled(cs)
                     if name in ("xla+xla", "shrink:xla"):
                         want[name.startswith("shrink")] = out
-                    elif name.startswith(("fold[", "xla+pallas", "shrink:pallas")):
+                    elif name.startswith(("xla+pallas", "shrink:pallas")):
                         ref = want.get(name.startswith("shrink"))
                         if ref is not None:
                             row["err"][name] = rel_err(out, ref)
@@ -250,14 +224,16 @@ def main(argv=None):
                 rows.append(row)
                 base = row["us"].get("xla_base")
                 cells = "  ".join(
-                    f"{k}={v:.1f}" + (f"({v / base:.2f})" if base else "")
+                    f"{k}={v:.1f}" + (f"({v / base:.2f})" if base and "shrink" not in k else "")
                     for k, v in row["us"].items()
                     if v is not None
                 )
                 errs = max((v for v in row["err"].values() if isinstance(v, float)), default=0)
                 print(f"{proj:8s} T={tokens:4d} n={adapters:3d}  {cells}  maxerr={errs:.1e}")
                 sys.stdout.flush()
-    ops_bench.write_json(a.out, {"device": str(jax.devices()[0]), "argv": argv or sys.argv, "rows": rows})
+    ops_bench.write_json(
+        a.out, {"device": str(jax.devices()[0]), "argv": argv or sys.argv, "rows": rows}
+    )
 
 
 if __name__ == "__main__":
