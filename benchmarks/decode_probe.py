@@ -49,9 +49,13 @@ INTERPRET = False
 
 
 def parse_expand_tiles(spec: str) -> BlockSizes:
-    """``bm:bn:stages:warps:tiles_n:live_programs``, or ``pt:bn`` (the per-token kernel)."""
+    """``bm:bn:stages:warps:tiles_n:live_programs``, ``pt:bn`` (the per-token kernel) or
+    ``bg:bm:bn:stages:warps:groups`` (programs walking the live blocks: ``block_groups``)."""
     if spec.startswith("pt:"):
         return BlockSizes(per_token=True, block_n=int(spec[3:]), num_stages=1)
+    if spec.startswith("bg:"):
+        bm, bn, st, w, groups = (int(v) for v in spec[3:].split(":"))
+        return BlockSizes(block_m=bm, block_n=bn, num_stages=st, num_warps=w, block_groups=groups)
     bm, bn, st, w, tn, live = (int(v) for v in spec.split(":"))
     return BlockSizes(
         block_m=bm, block_n=bn, num_stages=st, num_warps=w, tiles_n=tn, live_programs=live

@@ -99,6 +99,13 @@ class BlockSizes:
     once); 8 adapters give 8 blocks, and 4 tiles a program would leave 64 programs on 132
     SMs (session 16: vLLM's one-tile programs beat ours there).
     """
+    block_groups: int = 0
+    """Expand: when > 0, the grid is (column tile of a slice, group) with this many groups,
+    and program g walks the step's live token blocks g, g + groups, ... in a loop (the
+    work list's row 3 counts them), loading its B tile per block. No program is launched
+    for the blocks of the list's static tail (at 64 tokens over 64 slots the list has 68
+    entries, and 8 adapters fill 8 of them). ``tiles_n`` and ``live_programs`` are not used.
+    """
     per_token: bool = False
     """Shrink / expand: a program per token (pallas_triton_bgmv.py, Punica's BGMV) and
     ``split_k`` k ranges x ``block_r`` rank rows (shrink) or ``tiles_n`` column tiles of
@@ -136,6 +143,8 @@ class BlockSizes:
             raise ValueError(
                 f"BlockSizes.tiles_n={self.tiles_n}: with live_programs it must be a power of two."
             )
+        if self.block_groups < 0:
+            raise ValueError(f"BlockSizes.block_groups={self.block_groups}: must be >= 0 (0: off).")
         if self.split_n < 1:
             raise ValueError(f"BlockSizes.split_n={self.split_n}: must be >= 1.")
         if self.num_stages < 1:

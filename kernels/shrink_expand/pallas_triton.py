@@ -200,6 +200,57 @@ def _expand_kernel(
                 jax.lax.fori_loop(0, tiles, tile, 0)
 
 
+def _expand_blocks_kernel(
+    tab_ref,  # [4 + block_m, NB] int32 (work_list.py)
+    *refs,
+    num_slices: int,
+    has_ranks: bool,
+    offsets: tuple[int, ...],
+    widths: tuple[int, ...],
+    rank: int,
+    compute_dtype,
+    bs: BlockSizes,
+    mask_rows: bool,
+):
+    """``block_groups`` > 0: a program per (column tile of a slice, group g) walks the live
+    token blocks g, g + groups, ... (the work list's row 3 counts them), so no program is
+    launched for a block of the list's static tail."""
+    ranks_ref, h_ref, b_refs, y_ref = expand_refs(refs, has_ranks, num_slices)
+    tile, grp = pl.program_id(0), pl.program_id(1)
+    bm, bn, groups = bs.block_m, bs.block_n, bs.block_groups
+    rank_p = max(16, 1 << (rank - 1).bit_length())
+    precision = _dot_precision(compute_dtype)
+    walks = jnp.maximum(tab_ref[3, 0] - grp + groups - 1, 0) // groups
+    r = jnp.arange(rank_p, dtype=jnp.int32)
+    first = 0
+    for s in range(num_slices):
+        n_s, off = widths[s], offsets[s]
+        blocks_s = -(-n_s // bn)
+
+        @pl.when((tile >= first) & (tile < first + blocks_s))
+        def _(s=s, n_s=n_s, off=off, first=first):
+            c = (tile - first) * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
+
+            def block(i, carry):
+                slot, nrows, rows = _block_rows(tab_ref, grp + i * groups, bm)
+                r_mask = r < _true_rank(ranks_ref, s, slot, rank)
+                ht = plgpu.load(
+                    h_ref.at[s, rows[:, None], r[None, :]],
+                    mask=jnp.broadcast_to(r_mask[None, :], (bm, rank_p)),
+                    other=0,
+                ).astype(compute_dtype)  # [bm, rank_p]
+                row_ok = jnp.arange(bm, dtype=jnp.int32) < nrows
+                expand_tile(
+                    y_ref, b_refs[s], ht, rows, slot, r, r_mask, c, n_s, off, compute_dtype,
+                    precision, row_ok if mask_rows else None,
+                )  # fmt: skip
+                return carry
+
+            jax.lax.fori_loop(0, walks, block, 0)
+
+        first += blocks_s
+
+
 def _tiles_per_program(live_tiles, bs: BlockSizes):
     """Column tiles a program walks: the largest power of two up to ``bs.tiles_n`` that
     leaves at least ``bs.live_programs`` programs for ``live_tiles`` (live blocks x
@@ -248,26 +299,34 @@ def expand(
     bs = expand_tiles(bs, lora_b, y)
     bn = bs.block_n  # the grid below must use the fitted width
     has_ranks = slot_ranks is not None
-    kernel = functools.partial(
-        _expand_kernel,
+    common = dict(
         num_slices=num_slices,
         has_ranks=has_ranks,
         offsets=tuple(offsets),
         widths=widths,
         rank=rank,
         compute_dtype=compute_dtype,
-        bs=bs,
         # Interpret mode writes masked lanes back with their old value, which would race
         # with the real row; on the GPU, masking the repeated rows saves their stores.
         mask_rows=not interpret,
     )
-    max_tiles = -(-max(widths) // bn)
-    tiles = max(1, min(bs.tiles_n, max_tiles))
-    if bs.live_programs:  # a power of two, for the run-time pick
-        tiles = 1 << (tiles.bit_length() - 1)
-    kernel = functools.partial(kernel, bs=dataclasses.replace(bs, tiles_n=tiles))
-    # With live_programs, a program per column tile; the groups are picked at run time.
-    grid = (tab.shape[1], num_slices, max_tiles if bs.live_programs else -(-max_tiles // tiles))
+    if bs.block_groups:  # a program per (slice column tile, group of live blocks)
+        kernel = functools.partial(_expand_blocks_kernel, bs=bs, **common)
+        grid = (sum(-(-n // bn) for n in widths), bs.block_groups)
+    else:
+        max_tiles = -(-max(widths) // bn)
+        tiles = max(1, min(bs.tiles_n, max_tiles))
+        if bs.live_programs:  # a power of two, for the run-time pick
+            tiles = 1 << (tiles.bit_length() - 1)
+        kernel = functools.partial(
+            _expand_kernel, bs=dataclasses.replace(bs, tiles_n=tiles), **common
+        )
+        # With live_programs, a program per column tile; the groups are picked at run time.
+        grid = (
+            tab.shape[1],
+            num_slices,
+            max_tiles if bs.live_programs else -(-max_tiles // tiles),
+        )
     inputs = [tab] + ([slot_ranks] if has_ranks else []) + [h, *lora_b, y]
     return pl.pallas_call(
         kernel,
