@@ -90,6 +90,7 @@ class Case:
             f"{'-atomic' if self.block_sizes and self.block_sizes.atomic_programs else ''}"
             f"{'-grid' if self.block_sizes and not self.block_sizes.persistent else ''}"
             f"{'-bgmv' if self.block_sizes and self.block_sizes.per_token else ''}"
+            f"{'-groups' if self.block_sizes and self.block_sizes.block_groups else ''}"
         )
 
 
@@ -102,6 +103,9 @@ _TILES2 = BlockSizes(block_m=16, block_n=16, tiles_n=2, num_stages=2)
 _LIVE_MANY = BlockSizes(block_m=16, block_n=16, tiles_n=4, num_stages=2, live_programs=2)
 _LIVE_FEW = BlockSizes(block_m=16, block_n=16, tiles_n=4, num_stages=2, live_programs=1000)
 _LIVE_MID = dataclasses.replace(_LIVE_MANY, live_programs=20)
+# Expand programs per column tile walking the live blocks: 3 groups (some walk none), 1
+_GROUPS3 = BlockSizes(block_m=16, block_n=16, num_stages=2, block_groups=3)
+_GROUPS1 = dataclasses.replace(_GROUPS3, block_groups=1)
 # Atomic split-K: few workers (each walks several items) and many (a split of up to 5)
 _ATOMIC8 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=4, atomic_programs=8)
 _ATOMIC64 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=8, atomic_programs=64)
@@ -153,6 +157,14 @@ CPU_CASES = [
     ),
     Case(24, 64, 16, (48, 20), jnp.float16, "distinct", max_loras=32, block_sizes=_LIVE_FEW),
     Case(8, 64, 16, (48,), jnp.bfloat16, "none", block_sizes=_LIVE_MANY),
+    # expand programs per (slice, column tile) that walk the live blocks in groups: the
+    # slices' tails past their width, ranks, unmapped tokens, one block per slot
+    Case(24, 64, 16, (48, 20, 20), jnp.bfloat16, "unsorted", block_sizes=_GROUPS3),
+    Case(
+        40, 64, 32, (40, 30), jnp.float32, "sorted", max_loras=8, ranked=True, block_sizes=_GROUPS1
+    ),
+    Case(24, 64, 16, (48, 20), jnp.float16, "distinct", max_loras=32, block_sizes=_GROUPS3),
+    Case(8, 64, 16, (48,), jnp.bfloat16, "none", block_sizes=_GROUPS3),
     # per-token programs (no work list): atomic k ranges, masked ranks, -1 tokens
     Case(9, 130, 32, (40, 20), jnp.float32, "unsorted", ranked=True, block_sizes=_BGMV3),
     Case(12, 64, 8, (16, 16, 8), jnp.bfloat16, "unsorted", block_sizes=_BGMV3),
@@ -164,7 +176,7 @@ CPU_CASES = [
 
 # Cases whose kernel path another case already takes (tiles, mapping kind, dtype): they
 # run on the oldest jax only (marked slow; the newest-jax CI run skips slow tests).
-_REPEATS = {1, 8, 9, 11, 13, 14, 16, 18, 20, 22, 23, 24, 26, 28}
+_REPEATS = {1, 8, 9, 11, 13, 14, 16, 18, 20, 22, 23, 24, 27, 30, 32}
 CPU_PARAMS = [
     pytest.param(c, marks=pytest.mark.slow) if i in _REPEATS else c for i, c in enumerate(CPU_CASES)
 ]
@@ -212,8 +224,10 @@ class ShrinkExpandTestBase:
 
     @pytest.mark.parametrize("case", CPU_PARAMS, ids=str)
     def test_shrink(self, case: Case):
-        if case.block_sizes is not None and case.block_sizes.live_programs:
-            pytest.skip("expand tiling (live_programs): the shrink runs as the cases above")
+        if case.block_sizes is not None and (
+            case.block_sizes.live_programs or case.block_sizes.block_groups
+        ):
+            pytest.skip("expand tiling: the shrink runs as the cases above")
         idx, meta, x, lora_a, _, _, _, slot_ranks, _ = self._inputs(case)
         kw = dict(meta, scale=0.5, slot_ranks=slot_ranks)
         out = lora_shrink(x, lora_a, **kw, block_sizes=case.block_sizes, interpret=self.interpret)

@@ -42,6 +42,7 @@ _BGMV_WIDE = BlockSizes(
     per_token=True, block_r=64, block_k=256, split_k=16, block_n=256, num_warps=8
 )
 _BGMV_ONE = BlockSizes(per_token=True, block_r=64, block_k=256, block_n=128, tiles_n=2)
+_GROUPS = BlockSizes(block_m=16, block_n=128, num_stages=2, block_groups=2)
 _BIG_SMEM = 200 * 1024  # what an H100/H200 lets the shrink opt in to (pallas_triton.py)
 
 
@@ -103,6 +104,9 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(256, 4096, 128, (4096, 1024), jnp.bfloat16, "unsorted", 64, True, _BGMV_WIDE),
             Case(16, 2049, 64, (512,), jnp.float16, "unsorted", 8, True, _BGMV_ONE),
             Case(37, 1000, 8, (200, 100), jnp.float32, "unsorted", 8, block_sizes=_BGMV),
+            # expand programs per column tile walking the live blocks (block_groups)
+            Case(64, 4096, 16, (14336, 14336), jnp.bfloat16, "unsorted", 8, block_sizes=_GROUPS),
+            Case(256, 2049, 64, (4096, 1024, 1024), jnp.float16, "distinct", 64, True, _GROUPS),
         ],
         ids=str,
     )
