@@ -722,9 +722,11 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
     # in the model profile), and the expand whose programs walk the live blocks (bg:)
     ET=16:128:1:4:1:0,16:128:2:4:4:264,16:256:1:4:1:0,pt:128,bg:16:128:2:4:2,bg:16:128:2:4:4,bg:16:64:2:4:4,bg:16:128:3:4:2,bg:16:256:2:8:2
     ST=16:16:256:4:2:16:528:1,16:16:128:4:3:32:528:1,16:16:512:4:2:8:264:1,16:16:128:2:2:32:1056:0,pt:16:128,pt:16:256
-    step exp25_64 270 python3 -P benchmarks/decode_probe.py --tokens 64 --adapters 8,64 \
+    JAX_DEFAULT_MATMUL_PRECISION=highest step exp25_tests 90 python3 -P -m pytest \
+      tests/kernels/test_shrink_expand_pallas_triton.py -m gpu -k groups -q -p no:cacheprovider
+    step exp25_64 250 python3 -P benchmarks/decode_probe.py --tokens 64 --adapters 8,64 \
       --expand-tiles $ET --shrink-tiles $ST --out "$OUT/exp25/t64.json"
-    step exp25_16 270 python3 -P benchmarks/decode_probe.py --tokens 16,256 --adapters 8 \
+    step exp25_16 220 python3 -P benchmarks/decode_probe.py --tokens 16,256 --adapters 8 \
       --expand-tiles $ET --shrink-tiles $ST --out "$OUT/exp25/t16.json" ;;
   two)  # kind nvidia-h200-x2: the model at tp = 2 (base, LoRA, fully sharded)
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
