@@ -30,6 +30,14 @@ PREFILL_MAX_SPLIT_K = 8
 EXPAND_LIVE_PROGRAMS = 264
 """Decode expands (ranks >= 64, 64-256 tokens) walk as many column tiles a program as keep
 about this many programs working: 2 per SM of an H200."""
+WIDE_DECODE_EXPAND_COLUMNS = 16384
+"""From this many output columns (128 column tiles of 128) a rank-16/32 decode expand
+walks the live token blocks in ``DECODE_EXPAND_GROUPS`` groups a column tile
+(``block_groups``). H200, session 25 (benchmarks/RESULTS.md; Llama-3-8B gate_up, 28672
+columns, after XLA's matmul): 64 tokens over 8 adapters 12.3 -> 6.9 us over the matmul,
+256 over 8 14.0 -> 10.1; over 64 adapters equal; narrower outputs (4096-6144 columns,
+32-48 tiles) lost with it at 64 adapters."""
+DECODE_EXPAND_GROUPS = 4
 WIDE_PREFILL_MAX_SPLIT_K = 16
 """Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
 the hidden size keeps 8 k steps of 64 per split (H >= 8192)."""
@@ -166,6 +174,7 @@ class BlockSizes:
 
         ``op`` is "shrink", "expand" or "fused" (`lora_shrink_expand`; there
         ``out_features`` is the widest slice and ``num_slices`` the slice count).
+        For the expand, ``hidden`` is y's width (all slices).
         ``per_token``: the per-token (BGMV) tiles of a shrink or expand, for steps whose
         tokens mostly have an adapter of their own (`per_token_default`).
         """
@@ -244,6 +253,10 @@ class BlockSizes:
                         num_stages=2,
                         tiles_n=4,
                         live_programs=EXPAND_LIVE_PROGRAMS,
+                    )
+                if rank_p <= 32 and hidden >= WIDE_DECODE_EXPAND_COLUMNS:
+                    return cls(
+                        block_m=16, block_n=128, num_stages=2, block_groups=DECODE_EXPAND_GROUPS
                     )
                 return cls(block_m=16, block_n=128, num_warps=4, num_stages=1)
             if rank_p >= 128:  # the tiles fit shared memory at 64 x 64; T = 16384: 233 -> 129 us

@@ -381,6 +381,24 @@ def test_session14_defaults_rank16_expand_and_wide_split():
         assert bs.split_k == cap and h // bs.split_k >= 8 * bs.block_k, (h, bs)
 
 
+def test_session25_wide_decode_expand_walks_live_blocks():
+    """Rank-16/32 decode expands into y of at least WIDE_DECODE_EXPAND_COLUMNS columns (a
+    Llama gate_up) walk the live blocks in groups; narrower ones, higher ranks, prefill
+    and the per-token tiles do not."""
+    from lora_jax.kernels.shrink_expand import block_sizes as B
+
+    def expand(t, width, r, per_token=False):
+        return BlockSizes.get_default(
+            "expand", num_tokens=t, hidden=width, rank=r, per_token=per_token
+        )
+
+    for t, r in ((1, 16), (64, 16), (256, 32)):
+        assert expand(t, 28672, r).block_groups == B.DECODE_EXPAND_GROUPS, (t, r)
+    for t, width, r in ((64, 6144, 16), (64, 28672, 64), (1024, 28672, 16)):
+        assert expand(t, width, r).block_groups == 0, (t, width, r)
+    assert expand(64, 28672, 16, per_token=True).block_groups == 0
+
+
 def test_session16_decode_expand_picks_its_tiles_when_it_runs():
     """Decode expands at ranks >= 64 from 64 tokens walk up to 4 column tiles a program,
     as many as the live blocks allow (`live_programs`); rank 16 and 16 tokens keep one
