@@ -10,10 +10,12 @@ expand leaves `y` bit-identical).
 
 Backends: "pallas" (the GPU kernels in `lora_jax.kernels`) and "xla" (a gather einsum, or
 one matmul over all slots when tokens outnumber slots; runs anywhere). The default is
-"pallas" on GPU for batches of at least `PALLAS_MIN_TOKENS` tokens and "xla" otherwise:
-on an H200, in a Llama-3-8B decode step at 64 tokens, XLA was as fast as the kernels with
-8 adapters and faster with 64 (benchmarks/RESULTS.md, "model"), while the kernels win
-from 256 tokens up. Force one per call with `backend=`, globally with
+"pallas" on GPU for batches of at least `PALLAS_MIN_TOKENS` tokens, or of at least
+`PALLAS_MIN_TOKENS_HINTED` where the mapping carries the host's tokens-per-slot hint (a
+mapping made from numpy indices, as `generate`'s), and "xla" otherwise: on an H200, in a
+Llama-3-8B decode step at 64 tokens over 64 adapters, XLA was faster than the kernels
+without the hint and as fast as them with it (benchmarks/RESULTS.md, "model", session 25),
+while the kernels win from 256 tokens up. Force one per call with `backend=`, globally with
 `set_default_backend`, or with the environment variable `LORA_JAX_OPS_BACKEND`.
 "pallas_fused" (opt-in only, never a default) runs `add_lora_linear` as ONE fused
 shrink->expand kernel launch (`lora_jax.kernels.lora_shrink_expand`, made for decode);
@@ -45,8 +47,17 @@ BACKENDS = ("xla", "pallas", "pallas_fused")
 # session 6), and as fast in a whole decode step at 64 tokens ("model", session 4). With
 # the per-token kernels (session 18, a mapping from host indices) a 16-layer decode step
 # was 4 % faster at 1 and at 64 tokens with 8 adapters, 4 % slower at 16 with 16, equal at
-# 64 with 64: no clear win, so the default stays.
+# 64 with 64: no clear win, so the default stayed. Under the concurrent decode (session 24)
+# with the hint they won from 16 tokens (session 25): `PALLAS_MIN_TOKENS_HINTED`.
 PALLAS_MIN_TOKENS = 128
+PALLAS_MIN_TOKENS_HINTED = 16
+"""Where the step's mapping carries the host's tokens-per-slot hint (`LoRAMapping.
+tokens_per_slot`, found when the mapping is made from numpy indices, as `generate` does),
+the GPU default is "pallas" from this many tokens: the hint lets the kernels run a program
+per token where each request has its own adapter. H200, session 25, 32-layer Llama-3-8B
+decode steps under the concurrent decode (benchmarks/RESULTS.md): 16 requests over 16
+adapters 6.630 -> 6.031 ms, 64 over 8 8.264 -> 7.815, 64 over 64 8.991 -> 8.979; one
+token 5.078 (XLA) vs 5.151, so a single token keeps XLA."""
 _default_backend: str | None = os.environ.get("LORA_JAX_OPS_BACKEND") or None
 PALLAS_INTERPRET = False
 """Run the Pallas backends in interpret mode (CPU tests of the kernel paths)."""
@@ -74,8 +85,14 @@ def _kernels():
     return kernels if hasattr(kernels, "lora_shrink") else None
 
 
-def resolve_backend(backend: str | None = None, num_tokens: int | None = None) -> str:
+def resolve_backend(
+    backend: str | None = None, num_tokens: int | None = None, hinted: bool = False
+) -> str:
     """The backend an op will use: explicit > global default > GPU and batch size.
+
+    ``hinted``: the step's mapping carries the host's tokens-per-slot hint (then the GPU
+    default is "pallas" from `PALLAS_MIN_TOKENS_HINTED` tokens, else from
+    `PALLAS_MIN_TOKENS`).
 
     Example:
         >>> resolve_backend("xla")
@@ -84,13 +101,18 @@ def resolve_backend(backend: str | None = None, num_tokens: int | None = None) -
     choice = backend or _default_backend
     if choice is None:
         gpu = jax.default_backend() == "gpu" and _kernels() is not None
-        big = num_tokens is None or num_tokens >= PALLAS_MIN_TOKENS
+        floor = PALLAS_MIN_TOKENS_HINTED if hinted else PALLAS_MIN_TOKENS
+        big = num_tokens is None or num_tokens >= floor
         choice = "pallas" if gpu and big else "xla"
     if choice not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {choice!r}")
     if choice in ("pallas", "pallas_fused") and _kernels() is None:
         raise ValueError(f"backend={choice!r} requested but lora_jax.kernels is not available")
     return choice
+
+
+def _hinted(mapping: LoRAMapping) -> bool:
+    return mapping.tokens_per_slot is not None
 
 
 def _check_stacks(name: str, stacks: Sequence[jax.Array], mapping: LoRAMapping) -> None:
@@ -142,7 +164,7 @@ def lora_shrink(
     """
     lora_a = tuple(lora_a)
     _check_stacks("lora_a", lora_a, mapping)
-    if resolve_backend(backend, x.shape[0]) in ("pallas", "pallas_fused"):
+    if resolve_backend(backend, x.shape[0], _hinted(mapping)) in ("pallas", "pallas_fused"):
         return _kernels().lora_shrink(
             x,
             lora_a,
@@ -208,7 +230,7 @@ def lora_expand(
             raise ValueError(
                 f"lora_expand: slice {s} [{off}, {off + b.shape[1]}) exceeds y width {y.shape[-1]}"
             )
-    if resolve_backend(backend, y.shape[0]) in ("pallas", "pallas_fused"):
+    if resolve_backend(backend, y.shape[0], _hinted(mapping)) in ("pallas", "pallas_fused"):
         return _kernels().lora_expand(
             y,
             h,
@@ -271,7 +293,7 @@ def add_lora_linear(
         >>> y = add_lora_linear(y, x, a_slices, b_slices, mapping)  # doctest: +SKIP
         >>> y = add_lora_linear(y, x, a, b, mapping, backend="pallas_fused")  # doctest: +SKIP
     """
-    if resolve_backend(backend, x.shape[0]) == "pallas_fused":
+    if resolve_backend(backend, x.shape[0], _hinted(mapping)) == "pallas_fused":
         lora_a, lora_b = tuple(lora_a), tuple(lora_b)
         _check_stacks("lora_a", lora_a, mapping)
         _check_stacks("lora_b", lora_b, mapping)

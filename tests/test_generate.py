@@ -9,7 +9,14 @@ from flax import nnx
 
 import lora_jax
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
-from lora_jax.serving.generate import TRACE_COUNTS, Generator, bucket, generate
+from lora_jax.serving.generate import (
+    TRACE_COUNTS,
+    Generator,
+    _model_max_loras,
+    bucket,
+    decode_hint,
+    generate,
+)
 from lora_jax.serving.sampling import SamplingParams, row_keys, sample_tokens, top_p_filter
 from lora_jax.serving.wrap import unwrap_model, wrap_model
 from lora_jax.sharding import ShardingRules
@@ -175,11 +182,12 @@ def test_prefill_and_decode_say_which_they_are(lora_model, mixed, monkeypatch):
     seen = []
     real = gen.set_lora_mapping
 
-    def spy(model, tokens, seqs, *, is_prefill=None, prompt_tiles=None, whole_tiles=None):
-        seen.append((tokens.shape[0], is_prefill, prompt_tiles, whole_tiles))
+    def spy(model, tokens, seqs, *, is_prefill=None, prompt_tiles=None, whole_tiles=None,
+            tokens_per_slot=None):  # fmt: skip
+        seen.append((tokens.shape[0], is_prefill, prompt_tiles, whole_tiles, tokens_per_slot))
         return real(
             model, tokens, seqs, is_prefill=is_prefill, prompt_tiles=prompt_tiles,
-            whole_tiles=whole_tiles,
+            whole_tiles=whole_tiles, tokens_per_slot=tokens_per_slot,
         )  # fmt: skip
 
     monkeypatch.setattr(gen, "set_lora_mapping", spy)
@@ -189,14 +197,15 @@ def test_prefill_and_decode_say_which_they_are(lora_model, mixed, monkeypatch):
         min_prompt_bucket=32,
     )  # fmt: skip
     # rows of 32 tokens fill the prompt tiles (PROMPT_ROWS_MIN_TOKENS), not whole 64- or
-    # 128-row tiles; decode has none
-    assert seen == [(2 * 32, True, "all", None), (2, False, None, None)]
+    # 128-row tiles; decode has none, and on a GPU the host's tokens per slot (one each)
+    hint = 1 if jax.default_backend() == "gpu" else None
+    assert seen == [(2 * 32, True, "all", None, None), (2, False, None, None, hint)]
     for i in range(2):
         assert out.tokens[i] == mixed.tokens[i][:3]
     seen.clear()
     generate(lora_model, PROMPTS[:1], SLOTS[:1], max_new_tokens=1, min_prompt_bucket=128)
     # rows of 128 tokens are whole tiles of one slot (PROMPT_TILE_TOKENS)
-    assert seen[0][1:] == (True, "all", "all")
+    assert seen[0][1:] == (True, "all", "all", None)
 
 
 def test_mixed_batch_equals_single_requests(lora_model, mixed):
@@ -217,9 +226,29 @@ def test_mixed_batch_equals_merged_dense_models(base_model, mixed):
             assert toks != base[i], "the adapter should change this request's tokens"
 
 
+def _new_decode_programs(model, warmed, *calls) -> int:
+    """Decode programs that calls with these slots add to a bucket warmed with ``warmed``:
+    none, or on a GPU one per new tokens-per-slot hint (`decode_hint`)."""
+    max_loras = _model_max_loras(model)
+    hint = lambda slots: decode_hint(max_loras, np.array(slots + [-1] * (8 - len(slots))))  # noqa: E731
+    return len({hint(s) for s in calls} - {hint(warmed)})
+
+
+def test_decode_hint_only_on_gpu():
+    """The decode steps' tokens-per-slot hint is found on a GPU only, from the host's slots
+    (pad rows and unmapped requests are -1); off a GPU, and without LoRA layers, None."""
+    slots = np.array([0, 1, 1, -1], np.int32)
+    assert decode_hint(None, slots) is None
+    if jax.default_backend() == "gpu":
+        assert decode_hint(4, slots) == 2 and decode_hint(4, np.array([0, 1, -1])) == 1
+    else:
+        assert decode_hint(4, slots) is None
+
+
 def test_no_recompile_within_buckets(lora_model, mixed):
     # Warm every program used below once (mixed already compiled the 8 x 16 x 8 bucket).
     before = TRACE_COUNTS.copy()
+    new = _new_decode_programs(lora_model, SLOTS, [2, 2, 0], [-1, 1])
     other_prompts = [[9] * 12, [3, 1], [200, 201, 202]]
     a = generate(lora_model, other_prompts, [2, 2, 0], max_new_tokens=5, **B8)
     b = generate(lora_model, other_prompts[:2], [-1, 1], max_new_tokens=8, **B8)
@@ -229,14 +258,15 @@ def test_no_recompile_within_buckets(lora_model, mixed):
         c = generate(lora_model, other_prompts, [2, 2, 0], max_new_tokens=5, **B8)
     finally:
         _set(lora_model, 2, ADAPTERS[2])
-    assert TRACE_COUNTS == before, (before, TRACE_COUNTS)
+    assert TRACE_COUNTS["prefill"] == before["prefill"], (before, TRACE_COUNTS)
+    assert TRACE_COUNTS["decode"] == before["decode"] + new, (before, TRACE_COUNTS)
     assert c.tokens[:2] != a.tokens[:2] and c.tokens[2] == a.tokens[2]
     assert len(b.tokens[1]) == 8
     # A new bucket compiles once, then is cached.
     generate(lora_model, [[1] * 17], [0], max_new_tokens=2, **B8)
     generate(lora_model, [[2] * 20], [1], max_new_tokens=2, **B8)
     assert TRACE_COUNTS["prefill"] == before["prefill"] + 1
-    assert TRACE_COUNTS["decode"] == before["decode"] + 1
+    assert TRACE_COUNTS["decode"] == before["decode"] + new + 1
 
 
 def test_generator_matches_generate_and_sees_adapter_writes(lora_model, mixed):

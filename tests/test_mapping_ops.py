@@ -85,6 +85,23 @@ def test_shrink_rows_without_adapter_are_zero():
     np.testing.assert_allclose(h[0, 1], 2.0)
 
 
+def test_gpu_default_backend_by_tokens_and_host_hint(monkeypatch):
+    """On a GPU the ops default to the kernels from PALLAS_MIN_TOKENS tokens, or from
+    PALLAS_MIN_TOKENS_HINTED where the mapping carries the host's tokens-per-slot hint."""
+    monkeypatch.setattr(ops, "_default_backend", None)
+    monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
+    lo, hi = ops.PALLAS_MIN_TOKENS_HINTED, ops.PALLAS_MIN_TOKENS
+    assert lo < hi
+    assert ops.resolve_backend(None, lo, hinted=True) == "pallas"
+    assert ops.resolve_backend(None, lo - 1, hinted=True) == "xla"
+    assert ops.resolve_backend(None, lo, hinted=False) == "xla"
+    assert ops.resolve_backend(None, hi) == "pallas"
+    assert ops.resolve_backend("xla", hi, hinted=True) == "xla"
+    hinted = lj.make_lora_mapping(np.zeros(lo, np.int32), 4)  # numpy indices: hint found
+    assert hinted.tokens_per_slot is not None and ops._hinted(hinted)
+    assert not ops._hinted(lj.make_lora_mapping(jnp.zeros(lo, jnp.int32), 4))
+
+
 def test_backend_selection():
     assert ops.resolve_backend("xla") == "xla"
     with pytest.raises(ValueError, match="backend"):

@@ -7,7 +7,8 @@ stopping early when every request hit `eos_token_id`). Each token's adapter slot
 request's; the step sets it with `set_lora_mapping(model, token_slots[B*S],
 seq_lora_indices=slots[B])` inside the jit, so a new adapter, a new mix of adapters or new
 prompts in the same buckets never recompile: compiles happen once per
-(batch bucket, prompt bucket, new-token bucket, sampling mode).
+(batch bucket, prompt bucket, new-token bucket, sampling mode), and on a GPU the decode
+loop once per tokens-per-slot hint (`decode_hint`: 1, 2 or more tokens an adapter).
 
 The decode loop is compiled with `lora_jax.compile_options.decode_compiler_options()`: on a
 GPU, XLA then runs kernels with no data dependence side by side (a layer's LoRA shrink
@@ -31,7 +32,7 @@ from flax import nnx
 
 from lora_jax.compile_options import decode_compiler_options
 from lora_jax.layers.base import _context_max_loras, find_lora_context, set_lora_mapping
-from lora_jax.mapping import PROMPT_ROWS_MIN_TOKENS, PROMPT_TILE_TOKENS
+from lora_jax.mapping import PROMPT_ROWS_MIN_TOKENS, PROMPT_TILE_TOKENS, host_tokens_per_slot
 from lora_jax.models.kv_cache import KVCache, cache_batch_axis
 from lora_jax.serving import wrap
 from lora_jax.serving.sampling import SamplingParams, row_keys, sample_tokens
@@ -83,7 +84,14 @@ def _last_hidden(rules: ShardingRules, hidden: jax.Array, lengths: jax.Array, S:
 
 
 def _set_mapping(
-    model, token_slots, seq_slots, *, is_prefill: bool, prompt_tiles=None, whole_tiles=None
+    model,
+    token_slots,
+    seq_slots,
+    *,
+    is_prefill: bool,
+    prompt_tiles=None,
+    whole_tiles=None,
+    tokens_per_slot=None,
 ):
     # The mapping's sort over tokens needs them unsharded (Explicit meshes refuse a sort
     # over a sharded dim); LoRA layers re-split tokens over "batch" themselves.
@@ -95,7 +103,23 @@ def _set_mapping(
         is_prefill=is_prefill,
         prompt_tiles=prompt_tiles,
         whole_tiles=whole_tiles,
+        tokens_per_slot=tokens_per_slot,
     )
+
+
+def decode_hint(max_loras: int | None, slots: np.ndarray) -> int | None:
+    """The decode steps' tokens-per-slot hint (`LoRAMapping.tokens_per_slot`), found from
+    the requests' slots on the host: on a GPU, where it picks the kernels (the Pallas ops
+    from `lora_jax.ops.PALLAS_MIN_TOKENS_HINTED` tokens, a program per token where each
+    request has an adapter of its own), so a batch bucket compiles one decode program per
+    hint value (at most three); None elsewhere or without LoRA layers (one program).
+
+    Example:
+        >>> decode_hint(None, np.array([0, 1, -1]))  # no LoRA layers
+    """
+    if max_loras is None or jax.default_backend() != "gpu":
+        return None
+    return host_tokens_per_slot(np.asarray(slots), max_loras)
 
 
 def _prefill_fn(
@@ -137,11 +161,13 @@ def _decode_fn(
     *,
     mode,
     new_bucket,
+    tokens_per_slot=None,
 ):
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
     B = first.shape[0]
-    _set_mapping(model, slots, slots, is_prefill=False)  # one token per request
+    # one token per request
+    _set_mapping(model, slots, slots, is_prefill=False, tokens_per_slot=tokens_per_slot)
     # Fixed shardings for the loop carry (Explicit meshes want them equal on every trip).
     b = cache_batch_axis(model.rules, B)
     rows = lambda x: model.rules.constrain(x, b)  # noqa: E731
@@ -178,7 +204,7 @@ _prefill = jax.jit(_prefill_fn, static_argnames=("graphdef", "mode"), donate_arg
 def _decode_jit(options: tuple[tuple[str, str], ...]):
     return jax.jit(
         _decode_fn,
-        static_argnames=("graphdef", "mode", "new_bucket"),
+        static_argnames=("graphdef", "mode", "new_bucket", "tokens_per_slot"),
         donate_argnames=("cache",),
         compiler_options=dict(options) or None,
     )
@@ -285,8 +311,8 @@ def _generate(
     cache_dtype,
 ) -> GenerationResult:
     """`generate`'s steps around ``prefill(cache, ids, *common, mode)`` and ``decode(cache,
-    first, *common, active, max_new, eos, mode, new_bucket)`` (the jitted steps bound to
-    one model's graph and state)."""
+    first, *common, active, max_new, eos, mode, new_bucket, tokens_per_slot)`` (the jitted
+    steps bound to one model's graph and state)."""
     sampling = sampling if sampling is not None else SamplingParams()
     if isinstance(sampling, dict):
         sampling = SamplingParams(**sampling)
@@ -305,6 +331,7 @@ def _generate(
         lengths[i] = len(p)
     slot_arr = np.full((B,), -1, np.int32)
     slot_arr[:n] = slots
+    hint = decode_hint(max_loras, slot_arr)
     row_ids = np.arange(B, dtype=np.int32)
     b = cache_batch_axis(rules, B)
     put = lambda x, *ax: rules.place(jnp.asarray(x), *ax)  # noqa: E731
@@ -328,7 +355,7 @@ def _generate(
         active = put(np.arange(B) < n, b)
         out, _ = decode(
             cache, first, *common, active, jnp.int32(max_new_tokens), eos,
-            mode=sampling.mode, new_bucket=N,
+            mode=sampling.mode, new_bucket=N, tokens_per_slot=hint,
         )  # fmt: skip
     out = np.asarray(jax.device_get(out))[:n, :max_new_tokens]
     tokens, reasons = [], []
@@ -389,15 +416,16 @@ class Generator:
         def prefill(values, cache, *args, mode):
             return _prefill_fn(graphdef, state_of(values), cache, *args, mode=mode)
 
-        def decode(values, cache, *args, mode, new_bucket):
+        def decode(values, cache, *args, mode, new_bucket, tokens_per_slot):
             return _decode_fn(
-                graphdef, state_of(values), cache, *args, mode=mode, new_bucket=new_bucket
-            )
+                graphdef, state_of(values), cache, *args, mode=mode, new_bucket=new_bucket,
+                tokens_per_slot=tokens_per_slot,
+            )  # fmt: skip
 
         self._prefill = jax.jit(prefill, static_argnames=("mode",), donate_argnames=("cache",))
         self._decode = jax.jit(
             decode,
-            static_argnames=("mode", "new_bucket"),
+            static_argnames=("mode", "new_bucket", "tokens_per_slot"),
             donate_argnames=("cache",),
             compiler_options=decode_compiler_options() or None,
         )
