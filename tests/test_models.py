@@ -33,6 +33,14 @@ TINY = dict(
 )
 
 
+def _mesh(shape):
+    """A ("dp", "tp") mesh, or a skip where fewer devices are visible (one GPU; CPU runs
+    have 8 simulated devices, tests/conftest.py)."""
+    if jax.device_count() < shape[0] * shape[1]:
+        pytest.skip(f"mesh {shape} needs more than the {jax.device_count()} visible devices")
+    return jax.make_mesh(shape, ("dp", "tp"))
+
+
 # -- HF oracle helpers ----------------------------------------------------------------------
 def _hf_model(model_type, **overrides):
     torch = pytest.importorskip("torch")
@@ -170,7 +178,7 @@ def test_tied_lm_head_matches_hf(tmp_path):
 def test_hf_model_on_mesh_matches_hf(tmp_path):
     hf = _hf_model("qwen3", head_dim=16, num_key_value_heads=1)  # kv heads replicated
     path = _save(hf, tmp_path)
-    rules = ShardingRules(jax.make_mesh((2, 4), ("dp", "tp")))
+    rules = ShardingRules(_mesh((2, 4)))
     model = load_hf_model(path, rules=rules)
     ids = _ids(4, 8, TINY["vocab_size"])
     ours = _fwd(model, ids, _positions(4, 8))
@@ -294,7 +302,7 @@ def test_mesh_matches_unsharded(cfg, mesh_shape):
     B, S = 4, 7
     ids, pos = _ids(B, S, cfg.vocab_size, seed=3), _positions(B, S)
     ref = _fwd(_random_model(cfg), ids, pos)
-    rules = ShardingRules(jax.make_mesh(mesh_shape, ("dp", "tp")))
+    rules = ShardingRules(_mesh(mesh_shape))
     model = _random_model(cfg, rules)
     out = _fwd(model, ids, pos)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
@@ -318,7 +326,7 @@ def _decode_by_steps(model, ids, prompt_len, cache):
 @pytest.mark.parametrize("mesh_shape", [None, (2, 4)])
 def test_kv_cache_decode_matches_full_forward(mesh_shape):
     cfg = TP_CFG
-    rules = ShardingRules(jax.make_mesh(mesh_shape, ("dp", "tp"))) if mesh_shape else None
+    rules = ShardingRules(_mesh(mesh_shape)) if mesh_shape else None
     model = _random_model(cfg, rules)
     B, S = 2, 9
     ids = _ids(B, S, cfg.vocab_size, seed=5)
@@ -406,7 +414,7 @@ def test_loader_roundtrip_on_mesh(exported):
     model, _, path = exported
     ids, pos = _ids(2, 5, model.config.vocab_size), _positions(2, 5)
     ref = _fwd(model, ids, pos)
-    rules = ShardingRules(jax.make_mesh((1, 4), ("dp", "tp")))
+    rules = ShardingRules(_mesh((1, 4)))
     loaded = load_hf_model(path, rules=rules)
     out = _fwd(loaded, ids, pos)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
