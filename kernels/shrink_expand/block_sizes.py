@@ -31,12 +31,17 @@ EXPAND_LIVE_PROGRAMS = 264
 """Decode expands (ranks >= 64, 64-256 tokens) walk as many column tiles a program as keep
 about this many programs working: 2 per SM of an H200."""
 WIDE_DECODE_EXPAND_COLUMNS = 16384
-"""From this many output columns (128 column tiles of 128) a rank-16/32 decode expand
-walks the live token blocks in ``DECODE_EXPAND_GROUPS`` groups a column tile
-(``block_groups``). H200, session 25 (benchmarks/RESULTS.md; Llama-3-8B gate_up, 28672
-columns, after XLA's matmul): 64 tokens over 8 adapters 12.3 -> 6.9 us over the matmul,
-256 over 8 14.0 -> 10.1; over 64 adapters equal; narrower outputs (4096-6144 columns,
-32-48 tiles) lost with it at 64 adapters."""
+"""From this many output columns (128 column tiles of 128) a rank-16/32 decode expand of
+up to ``WIDE_DECODE_EXPAND_MAX_TOKENS`` tokens walks the live token blocks in
+``DECODE_EXPAND_GROUPS`` groups a column tile (``block_groups``). H200, session 25
+(benchmarks/RESULTS.md; Llama-3-8B gate_up, 28672 columns, after XLA's matmul): 64 tokens
+over 8 adapters 12.3 -> 6.9 us over the matmul, over 64 adapters equal (the block kernel;
+with the host's hint the per-token kernel runs there); narrower outputs (4096-6144
+columns, 32-48 tiles) lost with it at 64 adapters."""
+WIDE_DECODE_EXPAND_MAX_TOKENS = 64
+"""256 tokens over 8 adapters gained too (14.0 -> 10.1 us), but 256 over 64 was not
+measured with it, and the 32-layer model's step there ran 3 % slower than in session 24
+with it (one run each): kept to the measured regime."""
 DECODE_EXPAND_GROUPS = 4
 WIDE_PREFILL_MAX_SPLIT_K = 16
 """Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
@@ -254,7 +259,8 @@ class BlockSizes:
                         tiles_n=4,
                         live_programs=EXPAND_LIVE_PROGRAMS,
                     )
-                if rank_p <= 32 and hidden >= WIDE_DECODE_EXPAND_COLUMNS:
+                wide = hidden >= WIDE_DECODE_EXPAND_COLUMNS
+                if rank_p <= 32 and wide and num_tokens <= WIDE_DECODE_EXPAND_MAX_TOKENS:
                     return cls(
                         block_m=16, block_n=128, num_stages=2, block_groups=DECODE_EXPAND_GROUPS
                     )
