@@ -136,6 +136,18 @@ def expand_tile(
     plgpu.store(y_at, (yt.astype(jnp.float32) + delta).astype(y_ref.dtype), mask=col_mask)
 
 
+def _block_h(h_ref, ranks_ref, s: int, slot, rows, r, rank: int, compute_dtype):
+    """A token block's h [block_m, rank_p] of slice ``s`` in the dot's dtype, 0 past the
+    slot's true rank, and that rank mask [rank_p]."""
+    r_mask = r < _true_rank(ranks_ref, s, slot, rank)
+    ht = plgpu.load(
+        h_ref.at[s, rows[:, None], r[None, :]],
+        mask=jnp.broadcast_to(r_mask[None, :], (rows.shape[0], r.shape[0])),
+        other=0,
+    )
+    return ht.astype(compute_dtype), r_mask
+
+
 def _expand_kernel(
     tab_ref,  # [4 + block_m, NB] int32 (work_list.py)
     *refs,
@@ -175,13 +187,8 @@ def _expand_kernel(
         def _(s=s, n_s=n_s, off=off, blocks_s=blocks_s):
             slot, nrows, rows = _block_rows(tab_ref, pid, bm)
             r = jnp.arange(rank_p, dtype=jnp.int32)
-            r_mask = r < _true_rank(ranks_ref, s, slot, rank)
             # The tokens' h, loaded once for all of this program's column tiles.
-            ht = plgpu.load(
-                h_ref.at[s, rows[:, None], r[None, :]],
-                mask=jnp.broadcast_to(r_mask[None, :], (bm, rank_p)),
-                other=0,
-            ).astype(compute_dtype)  # [bm, rank_p]
+            ht, r_mask = _block_h(h_ref, ranks_ref, s, slot, rows, r, rank, compute_dtype)
             row_ok = jnp.arange(bm, dtype=jnp.int32) < nrows
 
             def tile(j, carry):
@@ -233,12 +240,7 @@ def _expand_blocks_kernel(
 
             def block(i, carry):
                 slot, nrows, rows = _block_rows(tab_ref, grp + i * groups, bm)
-                r_mask = r < _true_rank(ranks_ref, s, slot, rank)
-                ht = plgpu.load(
-                    h_ref.at[s, rows[:, None], r[None, :]],
-                    mask=jnp.broadcast_to(r_mask[None, :], (bm, rank_p)),
-                    other=0,
-                ).astype(compute_dtype)  # [bm, rank_p]
+                ht, r_mask = _block_h(h_ref, ranks_ref, s, slot, rows, r, rank, compute_dtype)
                 row_ok = jnp.arange(bm, dtype=jnp.int32) < nrows
                 expand_tile(
                     y_ref, b_refs[s], ht, rows, slot, r, r_mask, c, n_s, off, compute_dtype,
