@@ -288,6 +288,7 @@ def test_kernel_probe_checks_the_default_and_times_each_variant(
     assert (pallas_triton.expand_tile, pallas_triton_shrink._add_to) == before
 
 
+@pytest.mark.slow  # ~14 s of interpret-mode kernels; a probe's check, once (the 3.11 run)
 def test_decode_probe_checks_every_kernel_variant(tmp_path, monkeypatch):
     """benchmarks/decode_probe.py: every Pallas shrink and expand variant is checked
     against the XLA op of the same projection and timed."""
