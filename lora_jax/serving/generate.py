@@ -383,7 +383,8 @@ class Generator:
     A `Generator` walks the graph once and keeps the model's own variables. Each call
     reads their current values and passes them as one flat list, so adapter loads and
     weight updates (``set_value``, as `LoRAManager` and the layers write) are seen. Its
-    steps compile once per bucket, as `generate`'s do (`TRACE_COUNTS`).
+    steps compile once per bucket (on a GPU the decode loop once per tokens-per-slot hint,
+    `decode_hint`), as `generate`'s do (`TRACE_COUNTS`).
 
     A change of the model's *structure* (a new submodule or variable) needs `refresh`;
     `wrap_model` / `unwrap_model` are noticed and refreshed for automatically.
