@@ -20,7 +20,8 @@ from a `jax.profiler` trace (kernel intervals, without launch gaps and host jitt
 "ours" is the library's default as a server's host-built mapping runs it: the host's
 prompt tiles and tokens per slot known (session 18: the latter picks the per-token
 kernels where tokens have adapters of their own); "ours_blind" the same with neither
-known (a mapping built on the device), "ours_pt" the per-token tiles forced.
+known (a mapping built on the device), "ours_pt" the per-token tiles forced, "ours_pf"
+(expand) the default tiles with ``prefetch`` (the next column tile's y loaded ahead).
 
     python benchmarks/ops.py --out $OUT            # full grid, prints a table, writes ops.json
     python benchmarks/ops.py --sweep --out $OUT    # also try a few tile configs per case
@@ -806,6 +807,13 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=1, persistent=False),
         BlockSizes(block_m=32, block_n=128, num_stages=1, tiles_n=1, persistent=False),
         BlockSizes(block_m=64, block_n=64, num_stages=1, tiles_n=1, persistent=False),
+        # 35-39 (session 26): the next column tile's y loaded ahead (`prefetch`), with
+        # longer walks than the defaults (the ahead-load hides more of each walk)
+        BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=8, prefetch=True),
+        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=16, prefetch=True),
+        BlockSizes(block_m=64, block_n=128, num_stages=2, tiles_n=4, prefetch=True),
+        BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, prefetch=True),
+        BlockSizes(block_m=32, block_n=64, num_stages=2, tiles_n=8, prefetch=True),
     ],
 }
 
@@ -1121,6 +1129,16 @@ def main(argv=None):
                 c.op, num_tokens=c.tokens, hidden=c.hidden, rank=c.rank, per_token=True
             )
             variants.append(("ours_pt", ours(c, candidates["ours_pt"]), w))
+        if "ours_pf" in impls and c.op == "expand":  # the default tiles, y loaded ahead
+            candidates["ours_pf"] = dataclasses.replace(
+                BlockSizes.get_default(
+                    c.op, num_tokens=c.tokens, hidden=c.hidden, rank=c.rank
+                ),
+                prefetch=True,
+            )  # fmt: skip
+            variants.append(
+                ("ours_pf", ours(c, candidates["ours_pf"], prompt_tiles=tiles), w)
+            )  # fmt: skip
         if "gather" in impls:
             gathered = c.tokens * c.rank * c.hidden * 2
             if gathered > 4e9:

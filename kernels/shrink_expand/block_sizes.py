@@ -102,6 +102,12 @@ class BlockSizes:
     tile per program, every column tile re-reads h, which at prefill ranks (64-128) is
     as many bytes as the tile's y and B.
     """
+    prefetch: bool = False
+    """Expand with ``tiles_n`` > 1 (and no ``live_programs``): each step of a program's
+    column-tile loop loads the next tile's y before this tile's B, dot and store, and
+    carries it. Triton software-pipelines only the loads that feed a dot (B's), and the
+    prefill expand waits on its gathered y rows (session 16's probe: 30.8 -> 21.3 us at
+    T = 4096, R = 128, n = 8 without y's loads)."""
     live_programs: int = 0
     """Expand: when > 0, the column tiles one program walks are picked when the kernel
     runs, from the step's live token blocks (the work list's row 3): the most, up to

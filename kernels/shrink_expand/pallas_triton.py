@@ -114,19 +114,29 @@ def expand_refs(refs, has_ranks: bool, num_slices: int):
     return ranks_ref, h_ref, rest[:num_slices], rest[num_slices + 1]
 
 
+def load_y_tile(y_ref, rows, c, n_s: int, off: int, live=True):
+    """y's [block_m, block_n] tile at ``rows`` x ``off + c``; columns past the slice
+    (``c >= n_s``), or every column where ``live`` is False, are masked (no bytes move)."""
+    mask = jnp.broadcast_to(((c < n_s) & live)[None, :], (rows.shape[0], c.shape[0]))
+    return plgpu.load(y_ref.at[rows[:, None], off + c[None, :]], mask=mask, other=0)
+
+
 def expand_tile(
-    y_ref, b_ref, h, rows, slot, r, r_mask, c, n_s: int, off: int, dtype, precision, row_ok
-):
+    y_ref, b_ref, h, rows, slot, r, r_mask, c, n_s: int, off: int, dtype, precision, row_ok,
+    yt=None,
+):  # fmt: skip
     """``y[rows, off + c] += h @ B[slot, c, r].T`` for one [block_m, block_n] tile.
 
     Columns past the slice (``c >= n_s``) are masked, so a tile wholly past it moves no
     bytes; ``row_ok`` (or None) masks the stores of rows. y's tile is the most bytes, so
-    its load is issued first, in flight while B loads and the dot runs.
+    its load is issued first, in flight while B loads and the dot runs; ``yt``: that
+    tile, loaded earlier by the caller (`load_y_tile`).
     """
     c_mask = c < n_s
     col_mask = jnp.broadcast_to(c_mask[None, :], (h.shape[0], c.shape[0]))
     y_at = y_ref.at[rows[:, None], off + c[None, :]]
-    yt = plgpu.load(y_at, mask=col_mask, other=0)
+    if yt is None:
+        yt = plgpu.load(y_at, mask=col_mask, other=0)
     bt = plgpu.load(
         b_ref.at[slot, c[:, None], r[None, :]], mask=c_mask[:, None] & r_mask[None, :], other=0
     )  # [bn, rank_p]
@@ -203,6 +213,23 @@ def _expand_kernel(
                 jax.lax.fori_loop(0, jnp.minimum(per, blocks_s - first), tile, 0)
             elif tiles == 1:
                 tile(0, 0)
+            elif bs.prefetch:
+                # The next tile's y is loaded before this tile's B, dot and store, and
+                # carried: Triton pipelines only the loads that feed a dot, and the
+                # gathered y rows' loads are what the prefill expand waits on.
+                def cols(j):
+                    return (first + j) * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
+
+                def tile_ahead(j, yt):
+                    y_next = load_y_tile(y_ref, rows, cols(j + 1), n_s, off, j + 1 < tiles)
+                    expand_tile(
+                        y_ref, b_refs[s], ht, rows, slot, r, r_mask, cols(j), n_s, off,
+                        compute_dtype, precision, row_ok if mask_rows else None, yt=yt,
+                    )  # fmt: skip
+                    return y_next
+
+                y_first = load_y_tile(y_ref, rows, cols(0), n_s, off)
+                jax.lax.fori_loop(0, tiles, tile_ahead, y_first)
             else:
                 jax.lax.fori_loop(0, tiles, tile, 0)
 

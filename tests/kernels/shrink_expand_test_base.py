@@ -91,6 +91,7 @@ class Case:
             f"{'-grid' if self.block_sizes and not self.block_sizes.persistent else ''}"
             f"{'-bgmv' if self.block_sizes and self.block_sizes.per_token else ''}"
             f"{'-groups' if self.block_sizes and self.block_sizes.block_groups else ''}"
+            f"{'-prefetch' if self.block_sizes and self.block_sizes.prefetch else ''}"
         )
 
 
@@ -98,6 +99,8 @@ _PREFILL = BlockSizes(block_m=16, block_k=32, block_r=16, block_n=32)
 _SPLIT3 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=3)
 _SPLIT4 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=4)
 _TILES2 = BlockSizes(block_m=16, block_n=16, tiles_n=2, num_stages=2)
+_TILES2_PF = dataclasses.replace(_TILES2, prefetch=True)
+_TILES4_PF = dataclasses.replace(_TILES2, tiles_n=4, prefetch=True)
 # Column tiles per program picked at run time from the live blocks: up to 4 (a few live
 # blocks x 3 tiles >= 4 x 2 programs), or 1 (no block count reaches 4 x 1000).
 _LIVE_MANY = BlockSizes(block_m=16, block_n=16, tiles_n=4, num_stages=2, live_programs=2)
@@ -172,6 +175,10 @@ CPU_CASES = [
     Case(8, 64, 16, (32,), jnp.float32, "none", block_sizes=_BGMV1),
     # rank 256: expand tiles shrink to fit shared memory (block_n 128 -> 64), grid follows
     Case(4, 32, 256, (200,), jnp.float16, "unsorted", max_loras=2),
+    # expand loading the next column tile's y ahead: 2 and 4 tiles a program, slices whose
+    # last group runs past them (the tile ahead masked), true ranks, unmapped tokens
+    Case(24, 64, 16, (48, 20, 20), jnp.bfloat16, "unsorted", block_sizes=_TILES2_PF),
+    Case(18, 64, 32, (40, 70), jnp.float32, "sorted", ranked=True, block_sizes=_TILES4_PF),
 ]
 
 # Cases whose kernel path another case already takes (tiles, mapping kind, dtype): they

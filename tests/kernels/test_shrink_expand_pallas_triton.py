@@ -43,6 +43,8 @@ _BGMV_WIDE = BlockSizes(
 )
 _BGMV_ONE = BlockSizes(per_token=True, block_r=64, block_k=256, block_n=128, tiles_n=2)
 _GROUPS = BlockSizes(block_m=16, block_n=128, num_stages=2, block_groups=2)
+_PF128 = BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=True)
+_PF64 = BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=True)
 _BIG_SMEM = 200 * 1024  # what an H100/H200 lets the shrink opt in to (pallas_triton.py)
 
 
@@ -107,6 +109,9 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             # expand programs per column tile walking the live blocks (block_groups)
             Case(64, 4096, 16, (14336, 14336), jnp.bfloat16, "unsorted", 8, block_sizes=_GROUPS),
             Case(256, 2049, 64, (4096, 1024, 1024), jnp.float16, "distinct", 64, True, _GROUPS),
+            # prefill expands loading the next column tile's y ahead (prefetch)
+            Case(4096, 4096, 128, (4096,), jnp.bfloat16, "unsorted", 8, block_sizes=_PF128),
+            Case(1024, 2049, 64, (4096, 1024, 1024), jnp.float16, "sorted", 8, True, _PF64),
         ],
         ids=str,
     )
@@ -172,6 +177,27 @@ def test_lowers_for_cuda(dtype, tiles):
     per_token = tiles is not None and tiles.per_token
     assert ("lora_shrink_bgmv" in text) == per_token
     assert ("lora_expand_bgmv" in text) == per_token
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_prefetching_expand_lowers_for_cuda(dtype):
+    """The expand that carries the next column tile's y through its loop lowers to Triton."""
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    num_tokens, rank, max_loras = 300, 64, 4
+    meta = make_metadata(np.arange(num_tokens) % max_loras, max_loras)
+    sds = jax.ShapeDtypeStruct
+    h = sds((2, num_tokens, rank), jnp.float32)
+    lora_b = (sds((max_loras, 300, rank), dtype), sds((max_loras, 50, rank), dtype))
+    y = sds((num_tokens, 360), dtype)
+    tiles = BlockSizes(block_m=32, block_n=64, num_stages=2, tiles_n=4, prefetch=True)
+
+    def step(y, h, lora_b, meta):
+        return lora_expand(y, h, lora_b, offsets=(0, 310), **meta, block_sizes=tiles)
+
+    with abstract_gpu_context():
+        text = jax.jit(step).trace(y, h, lora_b, meta).lower(lowering_platforms=("cuda",))
+    assert "lora_expand" in text.as_text()
 
 
 @pytest.mark.parametrize("relaxed", [True, False], ids=["relaxed", "acq_rel"])
