@@ -21,7 +21,8 @@ from a `jax.profiler` trace (kernel intervals, without launch gaps and host jitt
 prompt tiles and tokens per slot known (session 18: the latter picks the per-token
 kernels where tokens have adapters of their own); "ours_blind" the same with neither
 known (a mapping built on the device), "ours_pt" the per-token tiles forced, "ours_pf"
-(expand) the default tiles with ``prefetch`` (the next column tile's y loaded ahead).
+(expand) the default tiles with ``prefetch`` (the next column tile's y loaded ahead),
+"ours_s25" (prefill expand) session 25's default tiles (before the ahead-loads).
 
     python benchmarks/ops.py --out $OUT            # full grid, prints a table, writes ops.json
     python benchmarks/ops.py --sweep --out $OUT    # also try a few tile configs per case
@@ -814,8 +815,26 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=64, block_n=128, num_stages=2, tiles_n=4, prefetch=True),
         BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, prefetch=True),
         BlockSizes(block_m=32, block_n=64, num_stages=2, tiles_n=8, prefetch=True),
+        # 40-42 (session 26, after run 1: prefetch gained at rank 128, lost at 64 on the
+        # 32 x 128 tiles): 64 x 64 tiles at rank 64, 8 warps (half the registers a thread)
+        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=True),
+        BlockSizes(block_m=32, block_n=128, num_stages=2, num_warps=8, tiles_n=4, prefetch=True),
+        BlockSizes(block_m=64, block_n=64, num_stages=2, num_warps=8, tiles_n=8, prefetch=True),
     ],
 }
+
+
+def session25_prefill_expand(tokens: int, rank: int) -> BlockSizes:
+    """The prefill expand's default tiles before session 26's ahead-loads (`ours_s25`),
+    for the A/B of the new defaults inside one run."""
+    rank_p = max(16, 1 << (rank - 1).bit_length())
+    if rank_p >= 128:
+        return BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=4 if tokens <= 2048 else 8)
+    if rank_p <= 16 and tokens <= 4096:
+        return BlockSizes(
+            block_m=16, block_n=64 if tokens <= 2048 else 128, num_stages=2, tiles_n=2
+        )
+    return BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4)
 
 
 # Decode tile candidates for `--model K --decode-sweep` (fatter programs than the defaults).
@@ -1138,6 +1157,11 @@ def main(argv=None):
             )  # fmt: skip
             variants.append(
                 ("ours_pf", ours(c, candidates["ours_pf"], prompt_tiles=tiles), w)
+            )  # fmt: skip
+        if "ours_s25" in impls and c.op == "expand" and c.tokens > 256:
+            candidates["ours_s25"] = session25_prefill_expand(c.tokens, c.rank)
+            variants.append(
+                ("ours_s25", ours(c, candidates["ours_s25"], prompt_tiles=tiles), w)
             )  # fmt: skip
         if "gather" in impls:
             gathered = c.tokens * c.rank * c.hidden * 2

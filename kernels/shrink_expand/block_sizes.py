@@ -43,6 +43,10 @@ WIDE_DECODE_EXPAND_MAX_TOKENS = 64
 measured with it, and the 32-layer model's step there ran 3 % slower than in session 24
 with it (one run each): kept to the measured regime."""
 DECODE_EXPAND_GROUPS = 4
+PREFETCH_MIN_TOKENS = 2048
+"""Prefill expands of more tokens than this load each column tile's y a tile ahead
+(``prefetch``; session 26, H200: up to 12 % faster at 4096-16384 tokens; at 1024 tokens
+over 64 adapters it lost 16-27 %)."""
 WIDE_PREFILL_MAX_SPLIT_K = 16
 """Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
 the hidden size keeps 8 k steps of 64 per split (H >= 8192)."""
@@ -271,12 +275,22 @@ class BlockSizes:
                         block_m=16, block_n=128, num_stages=2, block_groups=DECODE_EXPAND_GROUPS
                     )
                 return cls(block_m=16, block_n=128, num_warps=4, num_stages=1)
+            long = num_tokens > PREFETCH_MIN_TOKENS
             if rank_p >= 128:  # the tiles fit shared memory at 64 x 64; T = 16384: 233 -> 129 us
                 # Up to 2048 tokens, 4 column tiles per program rather than 8 (twice the
                 # programs; session 10, n = 1 / 64: T = 1024 19.0 / 32.6 -> 14.5 / 28.1 us,
-                # T = 2048 23.9 / 34.9 -> 16.2 / 31.7 us).
-                tiles_n = 4 if num_tokens <= 2048 else 8
-                return cls(block_m=64, block_n=64, num_stages=2, tiles_n=tiles_n)
+                # T = 2048 23.9 / 34.9 -> 16.2 / 31.7 us). Past that, y loaded a tile
+                # ahead, and from 16384 tokens 16 tiles a program (session 26, n = 8 / 64:
+                # T = 4096 30.8 / 40.3 -> 28.0 / 39.2 us, T = 16384 118.6 / 127.0 ->
+                # 106.6 / 111.3).
+                ahead = long and rank_p == 128  # measured at 128 (256 fits smaller tiles)
+                tiles_n = 4 if not long else 16 if ahead and num_tokens >= 16384 else 8
+                return cls(block_m=64, block_n=64, num_stages=2, tiles_n=tiles_n, prefetch=ahead)
+            if rank_p == 64 and long:
+                # 64 x 64 tiles, 8 a program, y loaded a tile ahead (session 26, T = 4096,
+                # n = 8 / 64: 26.0 / 30.7 -> 23.4 / 30.4 us; on the 32 x 128 tiles below
+                # the ahead-load lost 12-15 %).
+                return cls(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=True)
             if rank_p <= 16 and num_tokens <= SHORT_PREFILL_MAX_TOKENS:
                 # Rank 16 up to 4096 tokens: 16-token blocks, 2 column tiles per program
                 # (session 14, n = 1 / 8 / 64: T = 1024 8.9 / 10.0 / 11.3 -> 7.7 / 7.8 /
@@ -286,8 +300,11 @@ class BlockSizes:
                 # n = 64 each adapter has ~T / 64 tokens, and 32-token blocks ran half
                 # empty at 1024 tokens; h is 64 bytes a row at rank 16, so fewer column
                 # tiles per program cost little.
-                block_n = 64 if num_tokens <= 2048 else 128
-                return cls(block_m=16, block_n=block_n, num_stages=2, tiles_n=2)
+                # Past 2048 tokens 4 tiles a program, y loaded a tile ahead (session 26,
+                # T = 4096, n = 8 / 64: 21.7 / 23.9 -> 20.0 / 21.8 us).
+                if long:
+                    return cls(block_m=16, block_n=128, num_stages=2, tiles_n=4, prefetch=True)
+                return cls(block_m=16, block_n=64, num_stages=2, tiles_n=2)
             return cls(block_m=32, block_n=128, num_stages=2, tiles_n=4)
         if op == "fused":
             return fused_default(num_tokens, hidden, rank_p, out_features, num_slices)

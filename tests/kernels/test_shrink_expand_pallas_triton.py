@@ -397,14 +397,43 @@ def test_session14_defaults_rank16_expand_and_wide_split():
     def expand(t, r=16):
         return BlockSizes.get_default("expand", num_tokens=t, hidden=4096, rank=r)
 
-    for t, n in ((300, 64), (1024, 64), (2048, 64), (2049, 128), (B.SHORT_PREFILL_MAX_TOKENS, 128)):
+    for t in (300, 1024, 2048):
         bs = expand(t)
-        assert (bs.block_m, bs.block_n, bs.tiles_n) == (16, n, 2), (t, bs)
+        assert (bs.block_m, bs.block_n, bs.tiles_n) == (16, 64, 2), (t, bs)
+    for t in (2049, B.SHORT_PREFILL_MAX_TOKENS):  # session 26: 4 tiles, y loaded ahead
+        bs = expand(t)
+        assert (bs.block_m, bs.block_n, bs.tiles_n, bs.prefetch) == (16, 128, 4, True), (t, bs)
     assert expand(B.SHORT_PREFILL_MAX_TOKENS + 1).block_m == 32
     assert expand(1024, r=64).block_m == 32 and expand(1024, r=8).block_m == 16
     for h, cap in ((4096, 8), (8192, 16), (16384, 16), (1024, 2)):
         bs = BlockSizes.get_default("shrink", num_tokens=1024, hidden=h, rank=64)
         assert bs.split_k == cap and h // bs.split_k >= 8 * bs.block_k, (h, bs)
+
+
+def test_session26_prefill_expands_load_y_ahead():
+    """Prefill expands of more than PREFETCH_MIN_TOKENS tokens at ranks 16, 64 and 128 load
+    each column tile's y a tile ahead (64 x 64 tiles at 64 and 128, 16 tiles a program at
+    128 from 16384 tokens); shorter ones, rank 32 and rank 256 keep their tiles."""
+    from lora_jax.kernels.shrink_expand import block_sizes as B
+
+    def expand(t, r):
+        return BlockSizes.get_default("expand", num_tokens=t, hidden=4096, rank=r)
+
+    long = B.PREFETCH_MIN_TOKENS + 1
+    for t, r, want in (
+        (long, 64, (64, 64, 8)),
+        (16384, 64, (64, 64, 8)),
+        (long, 128, (64, 64, 8)),
+        (16384, 128, (64, 64, 16)),
+        (16384, 16, (32, 128, 4)),  # past SHORT_PREFILL_MAX_TOKENS: unchanged, no ahead-load
+    ):
+        bs = expand(t, r)
+        assert (bs.block_m, bs.block_n, bs.tiles_n) == want, (t, r, bs)
+        assert bs.prefetch == (r != 16 or t <= B.SHORT_PREFILL_MAX_TOKENS), (t, r, bs)
+    for t, r in ((B.PREFETCH_MIN_TOKENS, 64), (B.PREFETCH_MIN_TOKENS, 128), (1024, 16), (long, 32)):
+        assert not expand(t, r).prefetch, (t, r)
+    assert not expand(16384, 256).prefetch and expand(16384, 256).tiles_n == 8
+    assert not expand(256, 128).prefetch  # decode
 
 
 def test_session25_wide_decode_expand_walks_live_blocks():
