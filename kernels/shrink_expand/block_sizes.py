@@ -45,8 +45,9 @@ with it (one run each): kept to the measured regime."""
 DECODE_EXPAND_GROUPS = 4
 PREFETCH_MIN_TOKENS = 2048
 """Prefill expands of more tokens than this load each column tile's y a tile ahead
-(``prefetch``; session 26, H200: up to 12 % faster at 4096-16384 tokens; at 1024 tokens
-over 64 adapters it lost 16-27 %)."""
+(``prefetch``) at rank 128, and at ranks 16 and 64 up to SHORT_PREFILL_MAX_TOKENS (session
+26, H200: 7-12 % faster over 8 adapters at 4096 tokens, up to 12 % at rank 128 and 16384;
+at 1024 tokens over 64 adapters it lost 16-27 %, at rank 64 from 8192 tokens 2-7 %)."""
 WIDE_PREFILL_MAX_SPLIT_K = 16
 """Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
 the hidden size keeps 8 k steps of 64 per split (H >= 8192)."""
@@ -281,15 +282,17 @@ class BlockSizes:
                 # programs; session 10, n = 1 / 64: T = 1024 19.0 / 32.6 -> 14.5 / 28.1 us,
                 # T = 2048 23.9 / 34.9 -> 16.2 / 31.7 us). Past that, y loaded a tile
                 # ahead, and from 16384 tokens 16 tiles a program (session 26, n = 8 / 64:
-                # T = 4096 30.8 / 40.3 -> 28.0 / 39.2 us, T = 16384 118.6 / 127.0 ->
-                # 106.6 / 111.3).
+                # T = 4096 30.6 / 39.8 -> 27.7 / 38.9 us, T = 8192 60.6 / 67.5 -> 56.0 /
+                # 63.0, T = 16384 118.5 / 127.0 -> 106.8 / 112.0; n = 1 runs the Mosaic
+                # kernel, unchanged).
                 ahead = long and rank_p == 128  # measured at 128 (256 fits smaller tiles)
                 tiles_n = 4 if not long else 16 if ahead and num_tokens >= 16384 else 8
                 return cls(block_m=64, block_n=64, num_stages=2, tiles_n=tiles_n, prefetch=ahead)
-            if rank_p == 64 and long:
+            if rank_p == 64 and long and num_tokens <= SHORT_PREFILL_MAX_TOKENS and hidden < 8192:
                 # 64 x 64 tiles, 8 a program, y loaded a tile ahead (session 26, T = 4096,
-                # n = 8 / 64: 26.0 / 30.7 -> 23.4 / 30.4 us; on the 32 x 128 tiles below
-                # the ahead-load lost 12-15 %).
+                # H = 4096, n = 8 / 64: 26.1 / 30.5 -> 23.6 / 30.3 us). Not at 8192 and
+                # 16384 tokens (2 % and 7 % slower) nor into 8192 columns (2.6 % slower);
+                # on the 32 x 128 tiles below the ahead-load lost 12-15 %.
                 return cls(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=True)
             if rank_p <= 16 and num_tokens <= SHORT_PREFILL_MAX_TOKENS:
                 # Rank 16 up to 4096 tokens: 16-token blocks, 2 column tiles per program

@@ -411,27 +411,31 @@ def test_session14_defaults_rank16_expand_and_wide_split():
 
 
 def test_session26_prefill_expands_load_y_ahead():
-    """Prefill expands of more than PREFETCH_MIN_TOKENS tokens at ranks 16, 64 and 128 load
-    each column tile's y a tile ahead (64 x 64 tiles at 64 and 128, 16 tiles a program at
-    128 from 16384 tokens); shorter ones, rank 32 and rank 256 keep their tiles."""
+    """Prefill expands of more than PREFETCH_MIN_TOKENS tokens load each column tile's y a
+    tile ahead at rank 128 (16 tiles a program from 16384 tokens), and at ranks 16 and 64
+    up to SHORT_PREFILL_MAX_TOKENS (rank 64: 64 x 64 tiles, under 8192 columns); shorter
+    ones, longer rank-16/64 ones, rank 32 and rank 256 keep their tiles."""
     from lora_jax.kernels.shrink_expand import block_sizes as B
 
-    def expand(t, r):
-        return BlockSizes.get_default("expand", num_tokens=t, hidden=4096, rank=r)
+    def expand(t, r, width=4096):
+        return BlockSizes.get_default("expand", num_tokens=t, hidden=width, rank=r)
 
-    long = B.PREFETCH_MIN_TOKENS + 1
+    long, short_max = B.PREFETCH_MIN_TOKENS + 1, B.SHORT_PREFILL_MAX_TOKENS
     for t, r, want in (
-        (long, 64, (64, 64, 8)),
-        (16384, 64, (64, 64, 8)),
+        (long, 16, (16, 128, 4)),
+        (short_max, 64, (64, 64, 8)),
         (long, 128, (64, 64, 8)),
+        (8192, 128, (64, 64, 8)),
         (16384, 128, (64, 64, 16)),
-        (16384, 16, (32, 128, 4)),  # past SHORT_PREFILL_MAX_TOKENS: unchanged, no ahead-load
     ):
         bs = expand(t, r)
-        assert (bs.block_m, bs.block_n, bs.tiles_n) == want, (t, r, bs)
-        assert bs.prefetch == (r != 16 or t <= B.SHORT_PREFILL_MAX_TOKENS), (t, r, bs)
+        assert (bs.block_m, bs.block_n, bs.tiles_n, bs.prefetch) == (*want, True), (t, r, bs)
+    for t, r, want in ((16384, 16, (32, 128, 4)), (8192, 64, (32, 128, 4))):
+        bs = expand(t, r)
+        assert (bs.block_m, bs.block_n, bs.tiles_n, bs.prefetch) == (*want, False), (t, r, bs)
     for t, r in ((B.PREFETCH_MIN_TOKENS, 64), (B.PREFETCH_MIN_TOKENS, 128), (1024, 16), (long, 32)):
         assert not expand(t, r).prefetch, (t, r)
+    assert not expand(short_max, 64, width=8192).prefetch
     assert not expand(16384, 256).prefetch and expand(16384, 256).tiles_n == 8
     assert not expand(256, 128).prefetch  # decode
 
