@@ -820,6 +820,13 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=True),
         BlockSizes(block_m=32, block_n=128, num_stages=2, num_warps=8, tiles_n=4, prefetch=True),
         BlockSizes(block_m=64, block_n=64, num_stages=2, num_warps=8, tiles_n=8, prefetch=True),
+        # 43-47 (session 26): 128-token blocks (half the L2 re-reads of B) with the
+        # ahead-load; at rank 128 over 48 KiB (run with LORA_JAX_TRITON_SMEM_BUDGET set)
+        BlockSizes(block_m=128, block_n=64, num_stages=2, num_warps=8, tiles_n=8, prefetch=True),
+        BlockSizes(block_m=128, block_n=64, num_stages=2, tiles_n=8, prefetch=True),
+        BlockSizes(block_m=128, block_n=64, num_stages=2, num_warps=8, tiles_n=16, prefetch=True),
+        BlockSizes(block_m=64, block_n=128, num_stages=2, num_warps=8, tiles_n=4, prefetch=True),
+        BlockSizes(block_m=128, block_n=32, num_stages=2, tiles_n=16, prefetch=True),
     ],
 }
 
