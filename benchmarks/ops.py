@@ -810,23 +810,27 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=64, block_n=64, num_stages=1, tiles_n=1, persistent=False),
         # 35-39 (session 26): the next column tile's y loaded ahead (`prefetch`), with
         # longer walks than the defaults (the ahead-load hides more of each walk)
-        BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=8, prefetch=True),
-        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=16, prefetch=True),
-        BlockSizes(block_m=64, block_n=128, num_stages=2, tiles_n=4, prefetch=True),
-        BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, prefetch=True),
-        BlockSizes(block_m=32, block_n=64, num_stages=2, tiles_n=8, prefetch=True),
+        BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=8, prefetch=1),
+        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=16, prefetch=1),
+        BlockSizes(block_m=64, block_n=128, num_stages=2, tiles_n=4, prefetch=1),
+        BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, prefetch=1),
+        BlockSizes(block_m=32, block_n=64, num_stages=2, tiles_n=8, prefetch=1),
         # 40-42 (session 26, after run 1: prefetch gained at rank 128, lost at 64 on the
         # 32 x 128 tiles): 64 x 64 tiles at rank 64, 8 warps (half the registers a thread)
-        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=True),
-        BlockSizes(block_m=32, block_n=128, num_stages=2, num_warps=8, tiles_n=4, prefetch=True),
-        BlockSizes(block_m=64, block_n=64, num_stages=2, num_warps=8, tiles_n=8, prefetch=True),
+        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=1),
+        BlockSizes(block_m=32, block_n=128, num_stages=2, num_warps=8, tiles_n=4, prefetch=1),
+        BlockSizes(block_m=64, block_n=64, num_stages=2, num_warps=8, tiles_n=8, prefetch=1),
         # 43-47 (session 26): 128-token blocks (half the L2 re-reads of B) with the
         # ahead-load; at rank 128 over 48 KiB (run with LORA_JAX_TRITON_SMEM_BUDGET set)
-        BlockSizes(block_m=128, block_n=64, num_stages=2, num_warps=8, tiles_n=8, prefetch=True),
-        BlockSizes(block_m=128, block_n=64, num_stages=2, tiles_n=8, prefetch=True),
-        BlockSizes(block_m=128, block_n=64, num_stages=2, num_warps=8, tiles_n=16, prefetch=True),
-        BlockSizes(block_m=64, block_n=128, num_stages=2, num_warps=8, tiles_n=4, prefetch=True),
-        BlockSizes(block_m=128, block_n=32, num_stages=2, tiles_n=16, prefetch=True),
+        BlockSizes(block_m=128, block_n=64, num_stages=2, num_warps=8, tiles_n=8, prefetch=1),
+        BlockSizes(block_m=128, block_n=64, num_stages=2, tiles_n=8, prefetch=1),
+        BlockSizes(block_m=128, block_n=64, num_stages=2, num_warps=8, tiles_n=16, prefetch=1),
+        BlockSizes(block_m=64, block_n=128, num_stages=2, num_warps=8, tiles_n=4, prefetch=1),
+        BlockSizes(block_m=128, block_n=32, num_stages=2, tiles_n=16, prefetch=1),
+        # 48-50 (session 26): two column tiles of y loaded ahead, on the new defaults' tiles
+        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=2),
+        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=16, prefetch=2),
+        BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, prefetch=2),
     ],
 }
 
@@ -1160,7 +1164,7 @@ def main(argv=None):
                 BlockSizes.get_default(
                     c.op, num_tokens=c.tokens, hidden=c.hidden, rank=c.rank
                 ),
-                prefetch=True,
+                prefetch=1,
             )  # fmt: skip
             variants.append(
                 ("ours_pf", ours(c, candidates["ours_pf"], prompt_tiles=tiles), w)

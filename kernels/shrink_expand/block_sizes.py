@@ -107,12 +107,13 @@ class BlockSizes:
     tile per program, every column tile re-reads h, which at prefill ranks (64-128) is
     as many bytes as the tile's y and B.
     """
-    prefetch: bool = False
-    """Expand with ``tiles_n`` > 1 (and no ``live_programs``): each step of a program's
-    column-tile loop loads the next tile's y before this tile's B, dot and store, and
-    carries it. Triton software-pipelines only the loads that feed a dot (B's), and the
-    prefill expand waits on its gathered y rows (session 16's probe: 30.8 -> 21.3 us at
-    T = 4096, R = 128, n = 8 without y's loads)."""
+    prefetch: int = 0
+    """Expand with ``tiles_n`` > 1 (and no ``live_programs``): column tiles of y loaded
+    ahead (0: none). Step j of a program's column-tile loop loads tile j + prefetch's y
+    before tile j's B, dot and store, and carries the loaded tiles (the first ones are
+    issued before h's load). Triton software-pipelines only the loads that feed a dot
+    (B's), and the prefill expand waits on its gathered y rows (session 16's probe: 30.8
+    -> 21.3 us at T = 4096, R = 128, n = 8 without y's loads). True counts as 1."""
     live_programs: int = 0
     """Expand: when > 0, the column tiles one program walks are picked when the kernel
     runs, from the step's live token blocks (the work list's row 3): the most, up to
@@ -171,6 +172,10 @@ class BlockSizes:
             raise ValueError(f"BlockSizes.block_groups={self.block_groups}: must be >= 0 (0: off).")
         if self.split_n < 1:
             raise ValueError(f"BlockSizes.split_n={self.split_n}: must be >= 1.")
+        if not 0 <= int(self.prefetch) <= 4:
+            raise ValueError(
+                f"BlockSizes.prefetch={self.prefetch}: column tiles loaded ahead, 0 (off) to 4."
+            )
         if self.num_stages < 1:
             raise ValueError(f"BlockSizes.num_stages={self.num_stages}: must be >= 1.")
 
@@ -287,13 +292,15 @@ class BlockSizes:
                 # kernel, unchanged).
                 ahead = long and rank_p == 128  # measured at 128 (256 fits smaller tiles)
                 tiles_n = 4 if not long else 16 if ahead and num_tokens >= 16384 else 8
-                return cls(block_m=64, block_n=64, num_stages=2, tiles_n=tiles_n, prefetch=ahead)
+                return cls(
+                    block_m=64, block_n=64, num_stages=2, tiles_n=tiles_n, prefetch=int(ahead)
+                )
             if rank_p == 64 and long and num_tokens <= SHORT_PREFILL_MAX_TOKENS and hidden < 8192:
                 # 64 x 64 tiles, 8 a program, y loaded a tile ahead (session 26, T = 4096,
                 # H = 4096, n = 8 / 64: 26.1 / 30.5 -> 23.6 / 30.3 us). Not at 8192 and
                 # 16384 tokens (2 % and 7 % slower) nor into 8192 columns (2.6 % slower);
                 # on the 32 x 128 tiles below the ahead-load lost 12-15 %.
-                return cls(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=True)
+                return cls(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=1)
             if rank_p <= 16 and num_tokens <= SHORT_PREFILL_MAX_TOKENS:
                 # Rank 16 up to 4096 tokens: 16-token blocks, 2 column tiles per program
                 # (session 14, n = 1 / 8 / 64: T = 1024 8.9 / 10.0 / 11.3 -> 7.7 / 7.8 /
@@ -306,7 +313,7 @@ class BlockSizes:
                 # Past 2048 tokens 4 tiles a program, y loaded a tile ahead (session 26,
                 # T = 4096, n = 8 / 64: 21.7 / 23.9 -> 20.0 / 21.8 us).
                 if long:
-                    return cls(block_m=16, block_n=128, num_stages=2, tiles_n=4, prefetch=True)
+                    return cls(block_m=16, block_n=128, num_stages=2, tiles_n=4, prefetch=1)
                 return cls(block_m=16, block_n=64, num_stages=2, tiles_n=2)
             return cls(block_m=32, block_n=128, num_stages=2, tiles_n=4)
         if op == "fused":

@@ -197,6 +197,15 @@ def _expand_kernel(
         def _(s=s, n_s=n_s, off=off, blocks_s=blocks_s):
             slot, nrows, rows = _block_rows(tab_ref, pid, bm)
             r = jnp.arange(rank_p, dtype=jnp.int32)
+            ahead = bs.prefetch if not bs.live_programs and tiles > 1 else 0
+
+            def cols(j):
+                return (first + j) * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
+
+            # With the ahead-load, the first tiles' y loads are issued before h's.
+            y_first = tuple(
+                load_y_tile(y_ref, rows, cols(i), n_s, off, i < tiles) for i in range(ahead)
+            )
             # The tokens' h, loaded once for all of this program's column tiles.
             ht, r_mask = _block_h(h_ref, ranks_ref, s, slot, rows, r, rank, compute_dtype)
             row_ok = jnp.arange(bm, dtype=jnp.int32) < nrows
@@ -213,22 +222,18 @@ def _expand_kernel(
                 jax.lax.fori_loop(0, jnp.minimum(per, blocks_s - first), tile, 0)
             elif tiles == 1:
                 tile(0, 0)
-            elif bs.prefetch:
-                # The next tile's y is loaded before this tile's B, dot and store, and
-                # carried: Triton pipelines only the loads that feed a dot, and the
-                # gathered y rows' loads are what the prefill expand waits on.
-                def cols(j):
-                    return (first + j) * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
-
-                def tile_ahead(j, yt):
-                    y_next = load_y_tile(y_ref, rows, cols(j + 1), n_s, off, j + 1 < tiles)
+            elif ahead:
+                # Tile j + ahead's y is loaded before tile j's B, dot and store, and the
+                # loaded tiles are carried: Triton pipelines only the loads that feed a
+                # dot, and the gathered y rows' loads are what the prefill expand waits on.
+                def tile_ahead(j, ys):
+                    y_next = load_y_tile(y_ref, rows, cols(j + ahead), n_s, off, j + ahead < tiles)
                     expand_tile(
                         y_ref, b_refs[s], ht, rows, slot, r, r_mask, cols(j), n_s, off,
-                        compute_dtype, precision, row_ok if mask_rows else None, yt=yt,
+                        compute_dtype, precision, row_ok if mask_rows else None, yt=ys[0],
                     )  # fmt: skip
-                    return y_next
+                    return (*ys[1:], y_next)
 
-                y_first = load_y_tile(y_ref, rows, cols(0), n_s, off)
                 jax.lax.fori_loop(0, tiles, tile_ahead, y_first)
             else:
                 jax.lax.fori_loop(0, tiles, tile, 0)

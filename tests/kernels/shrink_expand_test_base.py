@@ -99,8 +99,8 @@ _PREFILL = BlockSizes(block_m=16, block_k=32, block_r=16, block_n=32)
 _SPLIT3 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=3)
 _SPLIT4 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=4)
 _TILES2 = BlockSizes(block_m=16, block_n=16, tiles_n=2, num_stages=2)
-_TILES2_PF = dataclasses.replace(_TILES2, prefetch=True)
-_TILES4_PF = dataclasses.replace(_TILES2, tiles_n=4, prefetch=True)
+_TILES2_PF = dataclasses.replace(_TILES2, prefetch=1)
+_TILES4_PF = dataclasses.replace(_TILES2, tiles_n=4, prefetch=2)  # two tiles ahead
 # Column tiles per program picked at run time from the live blocks: up to 4 (a few live
 # blocks x 3 tiles >= 4 x 2 programs), or 1 (no block count reaches 4 x 1000).
 _LIVE_MANY = BlockSizes(block_m=16, block_n=16, tiles_n=4, num_stages=2, live_programs=2)

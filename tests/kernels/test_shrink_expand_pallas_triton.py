@@ -43,8 +43,8 @@ _BGMV_WIDE = BlockSizes(
 )
 _BGMV_ONE = BlockSizes(per_token=True, block_r=64, block_k=256, block_n=128, tiles_n=2)
 _GROUPS = BlockSizes(block_m=16, block_n=128, num_stages=2, block_groups=2)
-_PF128 = BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=True)
-_PF64 = BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=True)
+_PF128 = BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=2)
+_PF64 = BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=1)
 _BIG_SMEM = 200 * 1024  # what an H100/H200 lets the shrink opt in to (pallas_triton.py)
 
 
@@ -190,7 +190,7 @@ def test_prefetching_expand_lowers_for_cuda(dtype):
     h = sds((2, num_tokens, rank), jnp.float32)
     lora_b = (sds((max_loras, 300, rank), dtype), sds((max_loras, 50, rank), dtype))
     y = sds((num_tokens, 360), dtype)
-    tiles = BlockSizes(block_m=32, block_n=64, num_stages=2, tiles_n=4, prefetch=True)
+    tiles = BlockSizes(block_m=32, block_n=64, num_stages=2, tiles_n=4, prefetch=2)
 
     def step(y, h, lora_b, meta):
         return lora_expand(y, h, lora_b, offsets=(0, 310), **meta, block_sizes=tiles)
