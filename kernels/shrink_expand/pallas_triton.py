@@ -211,10 +211,9 @@ def _expand_kernel(
             row_ok = jnp.arange(bm, dtype=jnp.int32) < nrows
 
             def tile(j, carry):
-                c = (first + j) * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
                 expand_tile(
-                    y_ref, b_refs[s], ht, rows, slot, r, r_mask, c, n_s, off, compute_dtype,
-                    precision, row_ok if mask_rows else None,
+                    y_ref, b_refs[s], ht, rows, slot, r, r_mask, cols(j), n_s, off,
+                    compute_dtype, precision, row_ok if mask_rows else None,
                 )  # fmt: skip
                 return carry
 
