@@ -802,11 +802,29 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
     step pf26f_16k 110 "${OPS[@]}" --sweep --sweep-set prefill --candidates 49 \
       --ops expand --tokens 16384 --hiddens 4096 --ranks 128 --adapters 8,64 \
       --impls ours,ours_s25 --time-budget 95 --out "$OUT/pf26f_16k" ;;
+  card27a)  # session 27: the grid on the final code, decode H = 4096 and H = 8192 at rank 64
+    step card27_d 280 "${OPS[@]}" --tokens 1,16,64,256 --hiddens 4096 --ranks 16,64,128 \
+      --adapters 1,8,64 --impls ours,gather,onehot --time-budget 265 --out "$OUT/card27_d"
+    step card27_w 270 "${OPS[@]}" --tokens 1,16,64,256,1024,4096,16384 --hiddens 8192 \
+      --ranks 64 --adapters 1,8,64 --impls ours,gather,onehot --time-budget 250 \
+      --out "$OUT/card27_w" ;;
+  card27b)  # session 27: the grid on the final code, prefill H = 4096
+    step card27_p 560 "${OPS[@]}" --tokens 1024,4096,16384 --hiddens 4096 --ranks 16,64,128 \
+      --adapters 1,8,64 --impls ours,gather,onehot --time-budget 530 --out "$OUT/card27_p" ;;
+  card27c)  # session 27: the H = 8192 expand cells card27_w's budget left out
+    step card27_w3a 200 "${OPS[@]}" --ops expand --tokens 4096 --hiddens 8192 --ranks 64 \
+      --adapters 64 --impls ours,gather,onehot --time-budget 180 --out "$OUT/card27_w3a"
+    step card27_w3b 300 "${OPS[@]}" --ops expand --tokens 16384 --hiddens 8192 --ranks 64 \
+      --adapters 1,8,64 --impls ours,gather,onehot --time-budget 280 --out "$OUT/card27_w3b" ;;
+  card27r)  # session 27: jax.lax.ragged_dot beside ours over the H = 4096 grid
+    step card27_r 440 "${OPS[@]}" --tokens 1,16,64,256,1024,4096,16384 --hiddens 4096 \
+      --ranks 16,64,128 --adapters 1,8,64 --impls ours,ragged --no-check --time-budget 410 \
+      --out "$OUT/card27_r" ;;
   two)  # kind nvidia-h200-x2: the model at tp = 2 (base, LoRA, fully sharded)
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 ws19 occ19 final19 decode19_e vr19_e floor20 floor20_x floor20_p floor20_t floor20_ts rect20 sweep_e20 mexp21 lib21 grid21 final21 rexp22 model22 split22 prof22 hlo22 final22 bar23 gaps23 gemmc23 final23 gapsat23 model23b conc24 conc24b conc24c delta24 moe24 fold25 exp25 model25 final25 pf26 pf26b pf26c pf26d pf26e pf26f bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 ws19 occ19 final19 decode19_e vr19_e floor20 floor20_x floor20_p floor20_t floor20_ts rect20 sweep_e20 mexp21 lib21 grid21 final21 rexp22 model22 split22 prof22 hlo22 final22 bar23 gaps23 gemmc23 final23 gapsat23 model23b conc24 conc24b conc24c delta24 moe24 fold25 exp25 model25 final25 pf26 pf26b pf26c pf26d pf26e pf26f card27a card27b card27c card27r bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done
