@@ -820,7 +820,7 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
     step card27_r 440 "${OPS[@]}" --tokens 1,16,64,256,1024,4096,16384 --hiddens 4096 \
       --ranks 16,64,128 --adapters 1,8,64 --impls ours,ragged --no-check --time-budget 410 \
       --out "$OUT/card27_r" ;;
-  sy28)  # session 28: the expand's y tiles through the pipelined dot with the identity (51-57)
+  sy28)  # session 28 (commit 465b6a0; removed after run 1): the expand's y tiles through a dot with the identity (51-57)
     JAX_DEFAULT_MATMUL_PRECISION=highest step sy28_tests 100 python3 -P -m pytest \
       tests/kernels/test_shrink_expand_pallas_triton.py -k "ydot or y_dot" -q -p no:cacheprovider
     step sy28_r128 180 "${OPS[@]}" --sweep --sweep-set prefill --candidates 51,52,53,54,57 \

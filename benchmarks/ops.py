@@ -831,15 +831,6 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=2),
         BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=16, prefetch=2),
         BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, prefetch=2),
-        # 51-57 (session 28): y's tiles through the pipelined dot with the identity
-        # (`y_dot`), so Triton copies them ahead into shared memory as it does B's
-        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=4, y_dot=True),
-        BlockSizes(block_m=64, block_n=64, num_stages=3, tiles_n=4, y_dot=True),
-        BlockSizes(block_m=64, block_n=64, num_stages=3, tiles_n=8, y_dot=True),
-        BlockSizes(block_m=64, block_n=64, num_stages=3, tiles_n=16, y_dot=True),
-        BlockSizes(block_m=32, block_n=128, num_stages=3, tiles_n=4, y_dot=True),
-        BlockSizes(block_m=16, block_n=128, num_stages=3, tiles_n=4, y_dot=True),
-        BlockSizes(block_m=64, block_n=64, num_stages=4, tiles_n=8, y_dot=True),
     ],
 }
 

@@ -114,15 +114,6 @@ class BlockSizes:
     issued before h's load). Triton software-pipelines only the loads that feed a dot
     (B's), and the prefill expand waits on its gathered y rows (session 16's probe: 30.8
     -> 21.3 us at T = 4096, R = 128, n = 8 without y's loads). True counts as 1."""
-    y_dot: bool = False
-    """Expand with ``tiles_n`` > 1 (and no ``live_programs`` or ``prefetch``): each column
-    tile's y enters the f32 sum through a dot with the identity (``y @ I + h @ B.T``), so
-    that Triton's software pipeliner, which pipelines only the loads that feed a dot,
-    copies the gathered y rows asynchronously into shared memory ``num_stages - 1`` tiles
-    ahead, as it does B's, instead of the program waiting on them in registers. Exact (y's
-    values times 1, plus zeros, in f32); only where y has the dot's dtype (bf16 / fp16),
-    else the plain tile loop runs. Its pipeline holds y's tiles too, so its tiles are
-    fitted to the shared memory the GPU lets a kernel opt in to."""
     live_programs: int = 0
     """Expand: when > 0, the column tiles one program walks are picked when the kernel
     runs, from the step's live token blocks (the work list's row 3): the most, up to
@@ -184,10 +175,6 @@ class BlockSizes:
         if not 0 <= int(self.prefetch) <= 4:
             raise ValueError(
                 f"BlockSizes.prefetch={self.prefetch}: column tiles loaded ahead, 0 (off) to 4."
-            )
-        if self.y_dot and self.prefetch:
-            raise ValueError(
-                "BlockSizes: y_dot and prefetch both feed y's loads ahead; set one of them."
             )
         if self.num_stages < 1:
             raise ValueError(f"BlockSizes.num_stages={self.num_stages}: must be >= 1.")

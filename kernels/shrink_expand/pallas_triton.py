@@ -123,16 +123,14 @@ def load_y_tile(y_ref, rows, c, n_s: int, off: int, live=True):
 
 def expand_tile(
     y_ref, b_ref, h, rows, slot, r, r_mask, c, n_s: int, off: int, dtype, precision, row_ok,
-    yt=None, eye=None,
+    yt=None,
 ):  # fmt: skip
     """``y[rows, off + c] += h @ B[slot, c, r].T`` for one [block_m, block_n] tile.
 
     Columns past the slice (``c >= n_s``) are masked, so a tile wholly past it moves no
     bytes; ``row_ok`` (or None) masks the stores of rows. y's tile is the most bytes, so
     its load is issued first, in flight while B loads and the dot runs; ``yt``: that
-    tile, loaded earlier by the caller (`load_y_tile`). ``eye``: the [block_n, block_n]
-    identity in y's dtype, or None; with it y's tile enters the sum as ``yt @ eye``, a
-    load that feeds a dot, which Triton pipelines (`BlockSizes.y_dot`).
+    tile, loaded earlier by the caller (`load_y_tile`).
     """
     c_mask = c < n_s
     col_mask = jnp.broadcast_to(c_mask[None, :], (h.shape[0], c.shape[0]))
@@ -145,8 +143,7 @@ def expand_tile(
     delta = plgpu.dot(h, bt.astype(dtype), trans_b=True, precision=precision)  # f32
     if row_ok is not None:
         col_mask = col_mask & row_ok[:, None]
-    y_f32 = yt.astype(jnp.float32) if eye is None else plgpu.dot(yt, eye)  # exact: y x 1
-    plgpu.store(y_at, (y_f32 + delta).astype(y_ref.dtype), mask=col_mask)
+    plgpu.store(y_at, (yt.astype(jnp.float32) + delta).astype(y_ref.dtype), mask=col_mask)
 
 
 def _block_h(h_ref, ranks_ref, s: int, slot, rows, r, rank: int, compute_dtype):
@@ -213,18 +210,10 @@ def _expand_kernel(
             ht, r_mask = _block_h(h_ref, ranks_ref, s, slot, rows, r, rank, compute_dtype)
             row_ok = jnp.arange(bm, dtype=jnp.int32) < nrows
 
-            # y's tiles through the pipelined dot: only in the plain tile loop, only where
-            # y has the dot's dtype (then y x 1 in f32 is exact).
-            y_dot = bs.y_dot and tiles > 1 and not (bs.live_programs or ahead)
-            eye = None
-            if y_dot and y_ref.dtype == compute_dtype:
-                i = jnp.arange(bn, dtype=jnp.int32)
-                eye = (i[:, None] == i[None, :]).astype(compute_dtype)
-
             def tile(j, carry):
                 expand_tile(
                     y_ref, b_refs[s], ht, rows, slot, r, r_mask, cols(j), n_s, off,
-                    compute_dtype, precision, row_ok if mask_rows else None, eye=eye,
+                    compute_dtype, precision, row_ok if mask_rows else None,
                 )  # fmt: skip
                 return carry
 
@@ -320,11 +309,7 @@ def expand_tiles(bs: BlockSizes, lora_b, y) -> BlockSizes:
     widths = tuple(b.shape[1] for b in lora_b)
     bn = min(bs.block_n, max(16, 1 << (max(widths) - 1).bit_length()))
     itemsize = jnp.dtype(_expand_dtype(lora_b, y)).itemsize
-    # y_dot's pipeline also holds y's tiles: fitted to what the GPU lets a kernel opt in to.
-    budget = opt_in_smem_budget() if bs.y_dot else None
-    return fit_expand_tiles(
-        dataclasses.replace(bs, block_n=bn), lora_b[0].shape[2], itemsize, budget
-    )
+    return fit_expand_tiles(dataclasses.replace(bs, block_n=bn), lora_b[0].shape[2], itemsize)
 
 
 def expand(

@@ -92,7 +92,6 @@ class Case:
             f"{'-bgmv' if self.block_sizes and self.block_sizes.per_token else ''}"
             f"{'-groups' if self.block_sizes and self.block_sizes.block_groups else ''}"
             f"{'-prefetch' if self.block_sizes and self.block_sizes.prefetch else ''}"
-            f"{'-ydot' if self.block_sizes and self.block_sizes.y_dot else ''}"
         )
 
 
@@ -102,7 +101,6 @@ _SPLIT4 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=4)
 _TILES2 = BlockSizes(block_m=16, block_n=16, tiles_n=2, num_stages=2)
 _TILES2_PF = dataclasses.replace(_TILES2, prefetch=1)
 _TILES4_PF = dataclasses.replace(_TILES2, tiles_n=4, prefetch=2)  # two tiles ahead
-_TILES4_YDOT = dataclasses.replace(_TILES2, tiles_n=4, num_stages=3, y_dot=True)
 # Column tiles per program picked at run time from the live blocks: up to 4 (a few live
 # blocks x 3 tiles >= 4 x 2 programs), or 1 (no block count reaches 4 x 1000).
 _LIVE_MANY = BlockSizes(block_m=16, block_n=16, tiles_n=4, num_stages=2, live_programs=2)
@@ -181,11 +179,6 @@ CPU_CASES = [
     # last group runs past them (the tile ahead masked), true ranks, unmapped tokens
     Case(24, 64, 16, (48, 20, 20), jnp.bfloat16, "unsorted", block_sizes=_TILES2_PF),
     Case(18, 64, 32, (40, 70), jnp.float32, "sorted", ranked=True, block_sizes=_TILES4_PF),
-    # expand whose y tiles enter through a dot with the identity (y_dot): bf16 / fp16 take
-    # it, f32 the plain loop; slices past their tiles, true ranks, unmapped tokens
-    Case(24, 64, 16, (48, 20, 20), jnp.bfloat16, "unsorted", block_sizes=_TILES4_YDOT),
-    Case(18, 64, 32, (40, 70), jnp.float16, "sorted", ranked=True, block_sizes=_TILES4_YDOT),
-    Case(16, 40, 16, (72,), jnp.float32, "unsorted", block_sizes=_TILES4_YDOT),
 ]
 
 # Cases whose kernel path another case already takes (tiles, mapping kind, dtype): they

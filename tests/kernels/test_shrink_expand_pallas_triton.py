@@ -45,7 +45,6 @@ _BGMV_ONE = BlockSizes(per_token=True, block_r=64, block_k=256, block_n=128, til
 _GROUPS = BlockSizes(block_m=16, block_n=128, num_stages=2, block_groups=2)
 _PF128 = BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=2)
 _PF64 = BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=1)
-_YDOT128 = BlockSizes(block_m=64, block_n=64, num_stages=3, tiles_n=8, y_dot=True)
 _BIG_SMEM = 200 * 1024  # what an H100/H200 lets the shrink opt in to (pallas_triton.py)
 
 
@@ -113,9 +112,6 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             # prefill expands loading the next column tile's y ahead (prefetch)
             Case(4096, 4096, 128, (4096,), jnp.bfloat16, "unsorted", 8, block_sizes=_PF128),
             Case(1024, 2049, 64, (4096, 1024, 1024), jnp.float16, "sorted", 8, True, _PF64),
-            # prefill expands whose y tiles feed a dot with the identity (y_dot)
-            Case(4096, 4096, 128, (4096,), jnp.bfloat16, "unsorted", 8, block_sizes=_YDOT128),
-            Case(1024, 2049, 64, (4096, 1024, 1024), jnp.float16, "sorted", 8, True, _YDOT128),
         ],
         ids=str,
     )
@@ -183,11 +179,9 @@ def test_lowers_for_cuda(dtype, tiles):
     assert ("lora_expand_bgmv" in text) == per_token
 
 
-@pytest.mark.parametrize("ahead", ["prefetch", "y_dot"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_prefetching_expand_lowers_for_cuda(dtype, ahead):
-    """The expands that carry the next column tiles' y through their loop (in registers, or
-    through the pipelined dot with the identity) lower to Triton."""
+def test_prefetching_expand_lowers_for_cuda(dtype):
+    """The expand that carries the next column tile's y through its loop lowers to Triton."""
     if not hasattr(jax.jit(lambda v: v), "trace"):
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
     num_tokens, rank, max_loras = 300, 64, 4
@@ -197,8 +191,6 @@ def test_prefetching_expand_lowers_for_cuda(dtype, ahead):
     lora_b = (sds((max_loras, 300, rank), dtype), sds((max_loras, 50, rank), dtype))
     y = sds((num_tokens, 360), dtype)
     tiles = BlockSizes(block_m=32, block_n=64, num_stages=2, tiles_n=4, prefetch=2)
-    if ahead == "y_dot":
-        tiles = dataclasses.replace(tiles, prefetch=0, num_stages=3, y_dot=True)
 
     def step(y, h, lora_b, meta):
         return lora_expand(y, h, lora_b, offsets=(0, 310), **meta, block_sizes=tiles)
