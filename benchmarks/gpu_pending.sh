@@ -845,13 +845,16 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
       --adapters 8,64 --impls ours,ours_es,ours_ew,ours_eb --time-budget 115 --out "$OUT/ev29_e4k"
     step ev29_e1k 100 "${OPS[@]}" --ops expand --tokens 1024 --hiddens 4096 --ranks 16,128 \
       --adapters 8,64 --impls ours,ours_es,ours_ew,ours_eb --time-budget 85 --out "$OUT/ev29_e1k" ;;
-  ev29b)  # session 29, run 2: the hints at 16384 tokens and into 8192 columns
-    step ev29_16k 170 "${OPS[@]}" --ops shrink,expand --tokens 16384 --hiddens 4096 \
-      --ranks 64,128 --adapters 8 --impls ours,ours_es,ours_ew,ours_eb --time-budget 150 \
+  ev29b)  # session 29, run 2: the hints at 16384 tokens; the prefill shrink unpipelined (42-47)
+    step ev29_16k 150 "${OPS[@]}" --ops shrink,expand --tokens 16384 --hiddens 4096 \
+      --ranks 64,128 --adapters 8 --impls ours,ours_es,ours_ew,ours_eb --time-budget 130 \
       --out "$OUT/ev29_16k"
-    step ev29_w 130 "${OPS[@]}" --ops shrink,expand --tokens 1024,4096 --hiddens 8192 \
-      --ranks 64 --adapters 8 --impls ours,ours_es,ours_ew,ours_eb --time-budget 115 \
-      --out "$OUT/ev29_w" ;;
+    step ev29_s1_16 90 "${OPS[@]}" --sweep --sweep-set prefill --candidates 42,43,44,45 \
+      --ops shrink --tokens 4096 --hiddens 4096 --ranks 16 --adapters 1,8 --impls ours \
+      --time-budget 75 --out "$OUT/ev29_s1_16"
+    step ev29_s1_64 90 "${OPS[@]}" --sweep --sweep-set prefill --candidates 46,47 \
+      --ops shrink --tokens 4096 --hiddens 4096 --ranks 64,128 --adapters 8 --impls ours \
+      --time-budget 75 --out "$OUT/ev29_s1_64" ;;
   ragged28)  # session 28: the ragged_dot cells card27_r's budget left out, and H = 8192
     step ragged28_e 190 "${OPS[@]}" --ops expand --tokens 1,16,64,256,1024,4096,16384 \
       --hiddens 4096 --ranks 128 --adapters 1,8,64 --impls ours,ragged --no-check \

@@ -765,6 +765,14 @@ PREFILL_SWEEP = {
             block_m=32, block_r=64, block_k=64, num_stages=3, split_k=16, atomic_programs=1056
         ),
         dataclasses.replace(PREFILL_BIG, block_r=64, split_k=16, persistent=False),
+        # 42-47 (session 29): no software pipeline (num_stages 1: x's tiles through plain
+        # vector loads into registers, as XLA's fusions read), rank 16 then ranks 64 / 128
+        dataclasses.replace(PREFILL_R16, num_stages=1),
+        dataclasses.replace(PREFILL_R16, num_stages=1, block_k=256),
+        dataclasses.replace(PREFILL_R16, num_stages=1, block_k=256, atomic_programs=1056),
+        dataclasses.replace(PREFILL_R16, num_stages=1, block_m=64, num_warps=8),
+        dataclasses.replace(PREFILL_BIG, block_r=64, num_stages=1, persistent=False),
+        dataclasses.replace(PREFILL_BIG, block_r=64, block_k=128, num_stages=1, persistent=False),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
