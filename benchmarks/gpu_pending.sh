@@ -835,7 +835,7 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
     step sy28_r16 60 "${OPS[@]}" --sweep --sweep-set prefill --candidates 56 \
       --ops expand --tokens 1024,4096,16384 --hiddens 4096 --ranks 16 --adapters 8,64 \
       --impls ours --time-budget 50 --out "$OUT/sy28_r16" ;;
-  ev29)  # session 29: the Triton kernels' cache hints on the default tiles (ours_es: x / y
+  ev29)  # session 29 (commit 819b5fc; removed after runs 1-2): the Triton kernels' cache hints on the default tiles (ours_es: x / y
     # evict first; ours_ew: A / B / h evict last; ours_eb: both), the missed cells and kin
     JAX_DEFAULT_MATMUL_PRECISION=highest step ev29_tests 120 python3 -P -m pytest \
       tests/kernels/test_shrink_expand_pallas_triton.py -m gpu -k hints -q -p no:cacheprovider
@@ -845,7 +845,7 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
       --adapters 8,64 --impls ours,ours_es,ours_ew,ours_eb --time-budget 115 --out "$OUT/ev29_e4k"
     step ev29_e1k 100 "${OPS[@]}" --ops expand --tokens 1024 --hiddens 4096 --ranks 16,128 \
       --adapters 8,64 --impls ours,ours_es,ours_ew,ours_eb --time-budget 85 --out "$OUT/ev29_e1k" ;;
-  ev29b)  # session 29, run 2: the hints at 16384 tokens; the prefill shrink unpipelined (42-47)
+  ev29b)  # session 29, run 2 (commit 819b5fc for ev29_16k): the hints at 16384 tokens; the prefill shrink unpipelined (42-47)
     step ev29_16k 150 "${OPS[@]}" --ops shrink,expand --tokens 16384 --hiddens 4096 \
       --ranks 64,128 --adapters 8 --impls ours,ours_es,ours_ew,ours_eb --time-budget 130 \
       --out "$OUT/ev29_16k"

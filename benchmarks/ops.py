@@ -22,9 +22,8 @@ prompt tiles and tokens per slot known (session 18: the latter picks the per-tok
 kernels where tokens have adapters of their own); "ours_blind" the same with neither
 known (a mapping built on the device), "ours_pt" the per-token tiles forced, "ours_pf"
 (expand) the default tiles with ``prefetch`` (the next column tile's y loaded ahead),
-"ours_s25" (prefill expand) session 25's default tiles (before the ahead-loads);
-"ours_es" / "ours_ew" / "ours_eb" the default tiles with the Triton kernels' cache hints
-(streamed x / y evict first; weights evict last; both: `HINT_VARIANTS`).
+"ours_s25" (prefill expand) session 25's default tiles (before the ahead-loads).
+(Session 29's cache-hint variants "ours_es" / "ours_ew" / "ours_eb" are in commit 819b5fc.)
 
     python benchmarks/ops.py --out $OUT            # full grid, prints a table, writes ops.json
     python benchmarks/ops.py --sweep --out $OUT    # also try a few tile configs per case
@@ -666,14 +665,6 @@ SWEEP = {
 }
 
 
-# Session 29: the default tiles with the Triton kernels' cache hints (`BlockSizes`
-# evict_stream: x's / y's tiles evict first; keep_weights: A's, B's and h's evict last).
-HINT_VARIANTS = {
-    "ours_es": dict(evict_stream=True),
-    "ours_ew": dict(keep_weights=True),
-    "ours_eb": dict(evict_stream=True, keep_weights=True),
-}
-
 # A 64-token, 128-rank prefill shrink tile, 3 stages of 64-column k steps (72 KiB of
 # shared memory), 8 warps, atomic split-K: the base of the session-8 prefill candidates.
 PREFILL_BIG = BlockSizes(
@@ -1187,15 +1178,6 @@ def main(argv=None):
             variants.append(
                 ("ours_pf", ours(c, candidates["ours_pf"], prompt_tiles=tiles), w)
             )  # fmt: skip
-        for name, hints in HINT_VARIANTS.items():  # the default tiles with cache hints
-            if name in impls:
-                candidates[name] = dataclasses.replace(
-                    BlockSizes.get_default(
-                        c.op, num_tokens=c.tokens, hidden=c.hidden, rank=c.rank
-                    ),
-                    **hints,
-                )  # fmt: skip
-                variants.append((name, ours(c, candidates[name], prompt_tiles=tiles), w))
         if "ours_s25" in impls and c.op == "expand" and c.tokens > 256:
             candidates["ours_s25"] = session25_prefill_expand(c.tokens, c.rank)
             variants.append(

@@ -138,15 +138,6 @@ class BlockSizes:
     products with x (h) on the CUDA cores; no work list and no token blocks. ``block_m``
     is not used. For decode steps where most tokens have an adapter of their own.
     """
-    evict_stream: bool = False
-    """Shrink / expand (Triton block kernels): the operand read once, x's tiles (shrink)
-    or y's (expand, loads and stores), uses the evict-first cache policy, so that it does
-    not push out of L2 the adapter tiles that other token blocks re-read. A hint: the
-    result does not change."""
-    keep_weights: bool = False
-    """Shrink / expand (Triton block kernels): the adapter's tiles (A, B) and the expand's
-    h load with the evict-last cache policy (other token blocks and column tiles re-read
-    them). A hint: the result does not change."""
     split_n: int = 1
     """Fused shrink-expand: column groups per (work block, slice), at most.
 

@@ -91,12 +91,6 @@ def _dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def evict(on: bool, policy: str) -> dict:
-    """``plgpu.load`` / ``plgpu.store`` keywords for a cache hint (`BlockSizes.evict_stream`,
-    `BlockSizes.keep_weights`): ``policy`` where ``on``, none otherwise."""
-    return {"eviction_policy": policy} if on else {}
-
-
 def _block_rows(tab_ref, pid, block_m: int):
     """Slot, row count and the token positions [block_m] of work block ``pid`` (the last
     one repeated), all from the work list's column ``pid``: independent loads."""
@@ -120,66 +114,46 @@ def expand_refs(refs, has_ranks: bool, num_slices: int):
     return ranks_ref, h_ref, rest[:num_slices], rest[num_slices + 1]
 
 
-def load_y_tile(y_ref, rows, c, n_s: int, off: int, live=True, stream: bool = False):
+def load_y_tile(y_ref, rows, c, n_s: int, off: int, live=True):
     """y's [block_m, block_n] tile at ``rows`` x ``off + c``; columns past the slice
-    (``c >= n_s``), or every column where ``live`` is False, are masked (no bytes move).
-    ``stream``: evict-first (`BlockSizes.evict_stream`)."""
+    (``c >= n_s``), or every column where ``live`` is False, are masked (no bytes move)."""
     mask = jnp.broadcast_to(((c < n_s) & live)[None, :], (rows.shape[0], c.shape[0]))
-    return plgpu.load(
-        y_ref.at[rows[:, None], off + c[None, :]],
-        mask=mask,
-        other=0,
-        **evict(stream, "evict_first"),
-    )
+    return plgpu.load(y_ref.at[rows[:, None], off + c[None, :]], mask=mask, other=0)
 
 
 def expand_tile(
     y_ref, b_ref, h, rows, slot, r, r_mask, c, n_s: int, off: int, dtype, precision, row_ok,
-    yt=None, bs: BlockSizes | None = None,
+    yt=None,
 ):  # fmt: skip
     """``y[rows, off + c] += h @ B[slot, c, r].T`` for one [block_m, block_n] tile.
 
     Columns past the slice (``c >= n_s``) are masked, so a tile wholly past it moves no
     bytes; ``row_ok`` (or None) masks the stores of rows. y's tile is the most bytes, so
     its load is issued first, in flight while B loads and the dot runs; ``yt``: that
-    tile, loaded earlier by the caller (`load_y_tile`). ``bs``: its cache hints, if any.
+    tile, loaded earlier by the caller (`load_y_tile`).
     """
-    stream = bs is not None and bs.evict_stream
-    keep = bs is not None and bs.keep_weights
     c_mask = c < n_s
     col_mask = jnp.broadcast_to(c_mask[None, :], (h.shape[0], c.shape[0]))
     y_at = y_ref.at[rows[:, None], off + c[None, :]]
     if yt is None:
-        yt = plgpu.load(y_at, mask=col_mask, other=0, **evict(stream, "evict_first"))
+        yt = plgpu.load(y_at, mask=col_mask, other=0)
     bt = plgpu.load(
-        b_ref.at[slot, c[:, None], r[None, :]],
-        mask=c_mask[:, None] & r_mask[None, :],
-        other=0,
-        **evict(keep, "evict_last"),
+        b_ref.at[slot, c[:, None], r[None, :]], mask=c_mask[:, None] & r_mask[None, :], other=0
     )  # [bn, rank_p]
     delta = plgpu.dot(h, bt.astype(dtype), trans_b=True, precision=precision)  # f32
     if row_ok is not None:
         col_mask = col_mask & row_ok[:, None]
-    plgpu.store(
-        y_at,
-        (yt.astype(jnp.float32) + delta).astype(y_ref.dtype),
-        mask=col_mask,
-        **evict(stream, "evict_first"),
-    )
+    plgpu.store(y_at, (yt.astype(jnp.float32) + delta).astype(y_ref.dtype), mask=col_mask)
 
 
-def _block_h(
-    h_ref, ranks_ref, s: int, slot, rows, r, rank: int, compute_dtype, keep: bool = False
-):  # fmt: skip
+def _block_h(h_ref, ranks_ref, s: int, slot, rows, r, rank: int, compute_dtype):
     """A token block's h [block_m, rank_p] of slice ``s`` in the dot's dtype, 0 past the
-    slot's true rank, and that rank mask [rank_p]. ``keep``: evict-last (other column
-    tiles' programs re-read it)."""
+    slot's true rank, and that rank mask [rank_p]."""
     r_mask = r < _true_rank(ranks_ref, s, slot, rank)
     ht = plgpu.load(
         h_ref.at[s, rows[:, None], r[None, :]],
         mask=jnp.broadcast_to(r_mask[None, :], (rows.shape[0], r.shape[0])),
         other=0,
-        **evict(keep, "evict_last"),
     )
     return ht.astype(compute_dtype), r_mask
 
@@ -230,19 +204,16 @@ def _expand_kernel(
 
             # With the ahead-load, the first tiles' y loads are issued before h's.
             y_first = tuple(
-                load_y_tile(y_ref, rows, cols(i), n_s, off, i < tiles, bs.evict_stream)
-                for i in range(ahead)
+                load_y_tile(y_ref, rows, cols(i), n_s, off, i < tiles) for i in range(ahead)
             )
             # The tokens' h, loaded once for all of this program's column tiles.
-            ht, r_mask = _block_h(
-                h_ref, ranks_ref, s, slot, rows, r, rank, compute_dtype, bs.keep_weights
-            )
+            ht, r_mask = _block_h(h_ref, ranks_ref, s, slot, rows, r, rank, compute_dtype)
             row_ok = jnp.arange(bm, dtype=jnp.int32) < nrows
 
             def tile(j, carry):
                 expand_tile(
                     y_ref, b_refs[s], ht, rows, slot, r, r_mask, cols(j), n_s, off,
-                    compute_dtype, precision, row_ok if mask_rows else None, bs=bs,
+                    compute_dtype, precision, row_ok if mask_rows else None,
                 )  # fmt: skip
                 return carry
 
@@ -255,14 +226,10 @@ def _expand_kernel(
                 # loaded tiles are carried: Triton pipelines only the loads that feed a
                 # dot, and the gathered y rows' loads are what the prefill expand waits on.
                 def tile_ahead(j, ys):
-                    y_next = load_y_tile(
-                        y_ref, rows, cols(j + ahead), n_s, off, j + ahead < tiles,
-                        bs.evict_stream,
-                    )  # fmt: skip
+                    y_next = load_y_tile(y_ref, rows, cols(j + ahead), n_s, off, j + ahead < tiles)
                     expand_tile(
                         y_ref, b_refs[s], ht, rows, slot, r, r_mask, cols(j), n_s, off,
                         compute_dtype, precision, row_ok if mask_rows else None, yt=ys[0],
-                        bs=bs,
                     )  # fmt: skip
                     return (*ys[1:], y_next)
 
@@ -304,13 +271,11 @@ def _expand_blocks_kernel(
 
             def block(i, carry):
                 slot, nrows, rows = _block_rows(tab_ref, grp + i * groups, bm)
-                ht, r_mask = _block_h(
-                    h_ref, ranks_ref, s, slot, rows, r, rank, compute_dtype, bs.keep_weights
-                )
+                ht, r_mask = _block_h(h_ref, ranks_ref, s, slot, rows, r, rank, compute_dtype)
                 row_ok = jnp.arange(bm, dtype=jnp.int32) < nrows
                 expand_tile(
                     y_ref, b_refs[s], ht, rows, slot, r, r_mask, c, n_s, off, compute_dtype,
-                    precision, row_ok if mask_rows else None, bs=bs,
+                    precision, row_ok if mask_rows else None,
                 )  # fmt: skip
                 return carry
 

@@ -25,7 +25,6 @@ from lora_jax.kernels.shrink_expand.pallas_triton import (
     _block_rows,
     _dot_precision,
     _true_rank,
-    evict,
     opt_in_smem_budget,
 )
 
@@ -55,33 +54,24 @@ def fit_shrink_tiles(
     return dataclasses.replace(bs, num_stages=stages, block_k=bk)
 
 
-def _shrink_tile(
-    x_ref, a_ref, rows, slot, r, r_mask, k, hidden: int | None, dtype, precision,
-    bs: BlockSizes | None = None,
-):  # fmt: skip
+def _shrink_tile(x_ref, a_ref, rows, slot, r, r_mask, k, hidden: int | None, dtype, precision):
     """``x[rows, k] @ A[slot, r, k].T`` in f32 for one k step: x gathered by token row,
     columns past ``hidden`` (None: no step reaches past it, no mask) and rank rows
-    outside ``r_mask`` masked (no traffic). ``bs``: its cache hints, if any."""
-    x_hint = evict(bs is not None and bs.evict_stream, "evict_first")
-    a_hint = evict(bs is not None and bs.keep_weights, "evict_last")
+    outside ``r_mask`` masked (no traffic)."""
     x_at = x_ref.at[rows[:, None], k[None, :]]
     if hidden is None:
-        xt = plgpu.load(x_at, **x_hint)  # [bm, bk]
+        xt = plgpu.load(x_at)  # [bm, bk]
         a_mask = r_mask[:, None]
     else:
         k_mask = k < hidden
         xt = plgpu.load(
-            x_at,
-            mask=jnp.broadcast_to(k_mask[None, :], (rows.shape[0], k.shape[0])),
-            other=0,
-            **x_hint,
+            x_at, mask=jnp.broadcast_to(k_mask[None, :], (rows.shape[0], k.shape[0])), other=0
         )
         a_mask = r_mask[:, None] & k_mask[None, :]
     at = plgpu.load(
         a_ref.at[slot, r[:, None], k[None, :]],
         mask=jnp.broadcast_to(a_mask, (r.shape[0], k.shape[0])),
         other=0,
-        **a_hint,
     )  # [br, bk]
     return plgpu.dot(xt.astype(dtype), at.astype(dtype), trans_b=True, precision=precision)
 
@@ -137,7 +127,6 @@ def _shrink_kernel(
                     None if hidden % chunk == 0 else hidden,  # no split runs past it
                     compute_dtype,
                     precision,
-                    bs,
                 )
 
             r_store = jnp.broadcast_to((r < rank)[None, :], (bm, br))
@@ -211,9 +200,8 @@ def _shrink_atomic_kernel(
         def body(kk, acc):
             k = (first + kk) * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
             return acc + _shrink_tile(
-                x_ref, a_refs[s], rows, slot, r, r < r_lim, k, k_lim, compute_dtype, precision,
-                bs,
-            )  # fmt: skip
+                x_ref, a_refs[s], rows, slot, r, r < r_lim, k, k_lim, compute_dtype, precision
+            )
 
         @pl.when(rb * br < r_lim)  # a rank block wholly past the slot's rank: 0
         def _():

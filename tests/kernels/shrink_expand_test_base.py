@@ -92,7 +92,6 @@ class Case:
             f"{'-bgmv' if self.block_sizes and self.block_sizes.per_token else ''}"
             f"{'-groups' if self.block_sizes and self.block_sizes.block_groups else ''}"
             f"{'-prefetch' if self.block_sizes and self.block_sizes.prefetch else ''}"
-            f"{'-hints' if self.block_sizes and self.block_sizes.evict_stream else ''}"
         )
 
 
@@ -110,10 +109,6 @@ _LIVE_MID = dataclasses.replace(_LIVE_MANY, live_programs=20)
 # Expand programs per column tile walking the live blocks: 3 groups (some walk none), 1
 _GROUPS3 = BlockSizes(block_m=16, block_n=16, num_stages=2, block_groups=3)
 _GROUPS1 = dataclasses.replace(_GROUPS3, block_groups=1)
-# cache hints (evict-first streamed tiles, evict-last weights): the same results
-_HINTS = dict(evict_stream=True, keep_weights=True)
-_HINTS_PF = dataclasses.replace(_TILES4_PF, split_k=4, atomic_programs=8, **_HINTS)
-_HINTS_GROUPS = dataclasses.replace(_GROUPS3, **_HINTS)
 # Atomic split-K: few workers (each walks several items) and many (a split of up to 5)
 _ATOMIC8 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=4, atomic_programs=8)
 _ATOMIC64 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=8, atomic_programs=64)
@@ -184,10 +179,6 @@ CPU_CASES = [
     # last group runs past them (the tile ahead masked), true ranks, unmapped tokens
     Case(24, 64, 16, (48, 20, 20), jnp.bfloat16, "unsorted", block_sizes=_TILES2_PF),
     Case(18, 64, 32, (40, 70), jnp.float32, "sorted", ranked=True, block_sizes=_TILES4_PF),
-    # the cache hints on the atomic split + ahead-loading expand, the plain grid, groups
-    Case(20, 130, 16, (40, 20), jnp.bfloat16, "unsorted", ranked=True, block_sizes=_HINTS_PF),
-    Case(24, 64, 16, (48,), jnp.float16, "sorted", block_sizes=BlockSizes(**_HINTS)),
-    Case(24, 64, 16, (48, 20), jnp.float32, "unsorted", block_sizes=_HINTS_GROUPS),
 ]
 
 # Cases whose kernel path another case already takes (tiles, mapping kind, dtype): they

@@ -45,11 +45,6 @@ _BGMV_ONE = BlockSizes(per_token=True, block_r=64, block_k=256, block_n=128, til
 _GROUPS = BlockSizes(block_m=16, block_n=128, num_stages=2, block_groups=2)
 _PF128 = BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=2)
 _PF64 = BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=1)
-_PF128_HINTS = dataclasses.replace(_PF128, evict_stream=True, keep_weights=True)
-_LONG16_HINTS = BlockSizes(
-    block_m=32, block_r=16, block_k=128, num_stages=3, split_k=8, atomic_programs=528,
-    block_n=128, tiles_n=4, prefetch=1, evict_stream=True, keep_weights=True,
-)  # fmt: skip
 _BIG_SMEM = 200 * 1024  # what an H100/H200 lets the shrink opt in to (pallas_triton.py)
 
 
@@ -117,9 +112,6 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             # prefill expands loading the next column tile's y ahead (prefetch)
             Case(4096, 4096, 128, (4096,), jnp.bfloat16, "unsorted", 8, block_sizes=_PF128),
             Case(1024, 2049, 64, (4096, 1024, 1024), jnp.float16, "sorted", 8, True, _PF64),
-            # the cache hints (evict-first x / y, evict-last weights): the same results
-            Case(4096, 4096, 128, (4096,), jnp.bfloat16, "unsorted", 8, block_sizes=_PF128_HINTS),
-            Case(4096, 4096, 16, (4096,), jnp.bfloat16, "unsorted", 64, block_sizes=_LONG16_HINTS),
         ],
         ids=str,
     )
@@ -248,58 +240,6 @@ def test_split_k_adds_lower_relaxed(monkeypatch, relaxed):
         assert all("relaxed" in s.lower() for s in seen), seen
     else:
         assert seen == ["default"] * len(seen), seen
-
-
-@pytest.mark.parametrize("hints", [True, False], ids=["hints", "plain"])
-def test_cache_hints_lower(monkeypatch, hints):
-    """`BlockSizes.evict_stream` / `keep_weights` reach Triton's loads and stores: x's and
-    y's tiles (loads and stores) evict first, A's, B's and h's evict last; without
-    them every load and store keeps the default policy."""
-    if not hasattr(jax.jit(lambda v: v), "trace"):
-        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
-    from jax._src.pallas.triton import lowering as tl
-
-    seen = []
-    load, store = tl._load, tl._store
-
-    def spy_load(ptr, mask=None, other=None, **kw):
-        seen.append(("load", kw.get("eviction_policy"), kw.get("cache_modifier")))
-        return load(ptr, mask=mask, other=other, **kw)
-
-    def spy_store(ptr, value, mask=None, **kw):
-        seen.append(("store", kw.get("eviction_policy"), kw.get("cache_modifier")))
-        return store(ptr, value, mask=mask, **kw)
-
-    monkeypatch.setattr(tl, "_load", spy_load)
-    monkeypatch.setattr(tl, "_store", spy_store)
-    jax.clear_caches()
-    num_tokens, hidden, rank, max_loras = 64, 512, 16, 4
-    meta = make_metadata(np.arange(num_tokens) % max_loras, max_loras)
-    sds = jax.ShapeDtypeStruct
-    x, lora_a = (
-        sds((num_tokens, hidden), jnp.bfloat16),
-        sds((max_loras, rank, hidden), jnp.bfloat16),
-    )
-    lora_b, y = sds((max_loras, 256, rank), jnp.bfloat16), sds((num_tokens, 256), jnp.bfloat16)
-    tiles = dataclasses.replace(_PF64, split_k=4, atomic_programs=64)
-    if hints:
-        tiles = dataclasses.replace(tiles, evict_stream=True, keep_weights=True)
-
-    def step(x, lora_a, lora_b, y, meta):
-        h = lora_shrink(x, (lora_a,), **meta, block_sizes=tiles, mosaic=False)
-        return lora_expand(y, h, (lora_b,), offsets=(0,), **meta, block_sizes=tiles, mosaic=False)
-
-    with abstract_gpu_context():
-        jax.jit(step).trace(x, lora_a, lora_b, y, meta).lower(lowering_platforms=("cuda",))
-    jax.clear_caches()
-    policies = {(op, ev) for op, ev, _ in seen}
-    if hints:
-        # x / y evict first; A / B / h evict last
-        assert {("load", "evict_first"), ("load", "evict_last"), ("store", "evict_first")} <= (
-            policies
-        ), seen
-    else:
-        assert policies <= {("load", None), ("store", None)}, seen
 
 
 def test_work_list_covers_every_token_once():
