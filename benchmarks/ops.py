@@ -764,6 +764,15 @@ PREFILL_SWEEP = {
         dataclasses.replace(PREFILL_R16, num_stages=1, block_m=64, num_warps=8),
         dataclasses.replace(PREFILL_BIG, block_r=64, num_stages=1, persistent=False),
         dataclasses.replace(PREFILL_BIG, block_r=64, block_k=128, num_stages=1, persistent=False),
+        # 48-53 (session 30): no hidden split, so no atomics and no zeroed output (an XLA
+        # memset of [T, R] f32 before the kernel): every x row read by one program, deep
+        # pipelines of long k steps to keep x's bytes in flight. Rank 16, then rank 64.
+        BlockSizes(block_m=32, block_r=16, block_k=256, num_stages=4),
+        BlockSizes(block_m=16, block_r=16, block_k=256, num_stages=4),
+        BlockSizes(block_m=16, block_r=16, block_k=512, num_stages=3),
+        BlockSizes(block_m=32, block_r=16, block_k=128, num_stages=6),
+        BlockSizes(block_m=32, block_r=64, block_k=128, num_stages=4),
+        BlockSizes(block_m=64, block_r=64, block_k=128, num_stages=3, num_warps=8),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
