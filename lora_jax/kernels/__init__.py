@@ -1,4 +1,5 @@
-"""GPU kernels for lora_jax, installed as ``lora_jax.kernels``.
+"""GPU kernels for lora_jax: the ops of the top-level ``kernels/`` folder, installed as
+``lora_jax.kernels.shrink_expand``.
 
 Layers never import this package: they call ``lora_jax.ops``, which dispatches
 here on GPU and to the jnp references elsewhere.

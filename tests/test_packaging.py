@@ -1,0 +1,41 @@
+"""The repository's top-level kernels/ folder must not shadow PyPI's `kernels` package.
+
+transformers (>= 5) imports Hugging Face's `kernels` package when it is installed. Run
+from the repository root (`python -m pytest`, a notebook, `python -c`), the working
+directory comes first on sys.path; were kernels/ a regular package there, `import
+kernels` would load our folder and transformers (hence peft, hence the HF oracles) would
+fail to import. kernels/ is therefore a plain folder (no __init__.py), whose
+shrink_expand/ is installed as `lora_jax.kernels.shrink_expand`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_kernels_folder_is_not_a_regular_package():
+    assert (ROOT / "kernels" / "shrink_expand" / "__init__.py").exists()
+    assert not (ROOT / "kernels" / "__init__.py").exists(), (
+        "kernels/__init__.py makes the repository's kernels/ a regular package that "
+        "shadows PyPI's `kernels` (imported by transformers) when run from the root"
+    )
+
+
+def test_import_kernels_from_the_root_is_not_ours():
+    code = (
+        "import importlib.util as u, lora_jax.kernels as k\n"
+        "s = u.find_spec('kernels')\n"
+        "print(k.lora_shrink.__name__)\n"
+        "print(s.origin if s is not None else None)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    assert out[0] == "lora_shrink"
+    # None: no `kernels` installed, our folder is at most a namespace portion (no origin);
+    # else the installed package's __init__.py, never a file of this repository.
+    assert out[1] == "None" or not out[1].startswith(str(ROOT)), out[1]
