@@ -773,6 +773,10 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=32, block_r=16, block_k=128, num_stages=6),
         BlockSizes(block_m=32, block_r=64, block_k=128, num_stages=4),
         BlockSizes(block_m=64, block_r=64, block_k=128, num_stages=3, num_warps=8),
+        # 54-55 (session 30, after run 1: [53] beat the split-2 default at 16384 tokens,
+        # rank 64): the default's 64-column k steps with no split; [53] 4 stages deep
+        BlockSizes(block_m=64, block_r=64, block_k=64, num_stages=3, num_warps=8),
+        BlockSizes(block_m=64, block_r=64, block_k=128, num_stages=4, num_warps=8),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
