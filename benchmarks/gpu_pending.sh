@@ -872,7 +872,10 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
   nm30b)  # session 30, run 2: [53] (no split, 128-column k steps) at rank 64 from 8192 tokens, H 4096 / 8192
     step nm30b_r64 200 "${OPS[@]}" --sweep --sweep-set prefill --candidates 53,54,55 \
       --ops shrink --tokens 8192,16384 --hiddens 4096,8192 --ranks 64 --adapters 1,8,64 \
-      --impls ours --time-budget 185 --out "$OUT/nm30b_r64" ;;
+      --impls ours --time-budget 185 --out "$OUT/nm30b_r64"
+    step nm30b_r16 120 "${OPS[@]}" --sweep --sweep-set prefill --candidates 56,57,58 \
+      --ops shrink --tokens 4096 --hiddens 4096 --ranks 16 --adapters 1,8,64 \
+      --impls ours --time-budget 100 --out "$OUT/nm30b_r16" ;;
   kgpu30)  # session 30: the kernel GPU tests and the packaging tests (kernels/ lost its __init__.py)
     step kgpu30_pkg 60 python3 -m pytest tests/test_packaging.py -q -p no:cacheprovider
     JAX_DEFAULT_MATMUL_PRECISION=highest step kgpu30_tests 330 python3 -P -m pytest \

@@ -777,6 +777,11 @@ PREFILL_SWEEP = {
         # rank 64): the default's 64-column k steps with no split; [53] 4 stages deep
         BlockSizes(block_m=64, block_r=64, block_k=64, num_stages=3, num_warps=8),
         BlockSizes(block_m=64, block_r=64, block_k=128, num_stages=4, num_warps=8),
+        # 56-58 (session 30): the rank-16 default on 2 warps (smaller programs, more of
+        # them resident a SM), with twice the atomic items, and on 16-token blocks
+        dataclasses.replace(PREFILL_R16, num_warps=2),
+        dataclasses.replace(PREFILL_R16, num_warps=2, atomic_programs=1056),
+        dataclasses.replace(PREFILL_R16, block_m=16, num_warps=2, atomic_programs=1056),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
