@@ -29,12 +29,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ops as ops_bench  # noqa: E402
-from lora_jax.kernels import lora_expand as kernel_expand  # noqa: E402
-from lora_jax.kernels import lora_shrink as kernel_shrink  # noqa: E402
-from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes  # noqa: E402
 
 from lora_jax import mapping as mapping_lib  # noqa: E402
 from lora_jax import ops as lora_ops  # noqa: E402
+from lora_jax.kernels import lora_expand as kernel_expand  # noqa: E402
+from lora_jax.kernels import lora_shrink as kernel_shrink  # noqa: E402
+from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes  # noqa: E402
 
 # name -> (hidden, slice widths): Llama-3-8B at tp = 1
 PROJECTIONS = {

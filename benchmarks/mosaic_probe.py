@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ops as ops_bench  # noqa: E402  (the trace timer and the metadata helper)
+
 from lora_jax.kernels import lora_shrink, lora_shrink_reference  # noqa: E402
 from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink as mg  # noqa: E402
 from lora_jax.kernels.shrink_expand import work_list as wl  # noqa: E402

@@ -54,7 +54,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from lora_jax.kernels.shrink_expand.work_list import prompt_tiles, whole_tiles
 
 from lora_jax import mapping as mapping_lib
 from lora_jax.kernels import (
@@ -66,6 +65,7 @@ from lora_jax.kernels import (
     lora_shrink_expand,
     lora_shrink_reference,
 )
+from lora_jax.kernels.shrink_expand.work_list import prompt_tiles, whole_tiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

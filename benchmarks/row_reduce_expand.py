@@ -33,6 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
 from lora_jax.kernels.shrink_expand.mosaic_gpu_expand import walk_slice_runs
 from lora_jax.kernels.shrink_expand.mosaic_gpu_shrink import num_sms, run_in_place
 

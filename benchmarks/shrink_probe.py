@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ops as ops_bench  # noqa: E402  (cells, inputs, the oracle check and the trace timer)
+
 from lora_jax.kernels.shrink_expand import pallas_triton as ptx  # noqa: E402
 from lora_jax.kernels.shrink_expand import pallas_triton_shrink as pts  # noqa: E402
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes  # noqa: E402

@@ -69,6 +69,7 @@ def shrink_rect(x, a, *, tiles=None, interpret: bool = False):
     """``x @ a.T`` in f32 [T, R] over ``block_m`` x ``block_k`` rectangles of x, the hidden
     split's partials added atomically (relaxed) into a zeroed output."""
     from jax.experimental.pallas import triton as plt
+
     from lora_jax.kernels.shrink_expand.pallas_triton_shrink import _add_to
 
     tokens = x.shape[0]

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from lora_jax.kernels.shrink_expand.work_list import prompt_tiles, whole_tiles
 
 import lora_jax as lj
+from lora_jax.kernels.shrink_expand.work_list import prompt_tiles, whole_tiles
 from lora_jax.layers import base as lora_base
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
 from lora_jax.models.kv_cache import KVCache

@@ -271,6 +271,7 @@ def test_kernel_probe_checks_the_default_and_times_each_variant(
     import sys
 
     import shrink_probe
+
     from lora_jax.kernels.shrink_expand import pallas_triton, pallas_triton_shrink
 
     before = (pallas_triton.expand_tile, pallas_triton_shrink._add_to)
@@ -489,6 +490,7 @@ def test_row_reduce_expand_probe_lowers_for_cuda():
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
     pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     import row_reduce_expand as rr
+
     from lora_jax.kernels.shrink_expand.work_list import build_work_list
 
     t, r, slots = 512, 32, 8

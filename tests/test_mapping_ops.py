@@ -142,7 +142,6 @@ def test_decode_mapping_skips_the_prompt_tile_kernel(monkeypatch, is_prefill, wa
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
     from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink
     from lora_jax.kernels.shrink_expand.work_list import SEGMENTS_KEY
-
     from tests.kernels.shrink_expand_test_base import abstract_gpu_context
 
     monkeypatch.setattr(mosaic_gpu_shrink, "available", lambda: True)
@@ -206,7 +205,6 @@ def test_host_prompt_tiles_launch_only_kernels_with_work(monkeypatch, layout, ke
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
     from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink
     from lora_jax.kernels.shrink_expand.work_list import SEGMENTS_KEY
-
     from tests.kernels.shrink_expand_test_base import abstract_gpu_context
 
     monkeypatch.setattr(mosaic_gpu_shrink, "available", lambda: True)
@@ -237,7 +235,6 @@ def test_told_prompt_tiles_and_the_rows_rule():
     PROMPT_ROWS_MIN_TOKENS long, put every mapped token in a prompt tile (the host's
     finding on random slots, unmapped rows included)."""
     from lora_jax.kernels.shrink_expand import work_list
-
     from lora_jax.mapping import PROMPT_ROWS_MIN_TOKENS, PROMPT_TILE_TOKENS
 
     assert PROMPT_TILE_TOKENS == work_list.SEGMENT_BLOCK_M

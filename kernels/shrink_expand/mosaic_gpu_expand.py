@@ -30,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
 from lora_jax.kernels.shrink_expand.mosaic_gpu_shrink import (
     available,
     num_sms,

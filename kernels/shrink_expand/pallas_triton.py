@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 
 # The portable shared-memory budget of one program: under the 48 KiB that a kernel may use

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, next_pow2
 from lora_jax.kernels.shrink_expand.pallas_triton import _true_rank, expand_refs
 from lora_jax.kernels.shrink_expand.pallas_triton_shrink import _add_to, _shrink_refs

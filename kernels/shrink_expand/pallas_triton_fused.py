@@ -51,12 +51,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from lora_jax.kernels.shrink_expand.api import (
-    _check_a_slices,
-    _check_b_slices,
-    _check_float,
-    _check_meta,
-)
+
+from lora_jax.kernels.shrink_expand import checks
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, next_pow2
 from lora_jax.kernels.shrink_expand.pallas_triton import (
     SMEM_BUDGET,
@@ -281,11 +277,11 @@ def lora_shrink_expand(
     num_tokens, hidden = x.shape
     width = y.shape[1]
     for name, arr in (("x", x), ("y", y)):
-        _check_float(name, arr)
-    _check_a_slices("lora_shrink_expand", lora_a, hidden)
+        checks.check_float(name, arr)
+    checks.check_a_slices("lora_shrink_expand", lora_a, hidden)
     max_loras, rank = lora_a[0].shape[0], lora_a[0].shape[1]
-    _check_b_slices("lora_shrink_expand", lora_b, offsets, max_loras, rank, width)
-    _check_meta(
+    checks.check_b_slices("lora_shrink_expand", lora_b, offsets, max_loras, rank, width)
+    checks.check_meta(
         num_tokens,
         max_loras,
         token_lora_indices,

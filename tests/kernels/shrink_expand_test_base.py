@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from lora_jax.kernels import (
     BlockSizes,
     lora_expand,

@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from shrink_expand_test_base import abstract_gpu_context, make_metadata
+
 from lora_jax.kernels import lora_expand, lora_expand_reference
 from lora_jax.kernels.shrink_expand import mosaic_gpu_expand as me
 from lora_jax.kernels.shrink_expand import work_list
-from shrink_expand_test_base import abstract_gpu_context, make_metadata
-
 from lora_jax.mapping import make_lora_mapping
 
 

@@ -14,7 +14,7 @@ these cases:
 
 The library's split (`lora_shrink` / `lora_expand` with ``mosaic=True``: the Triton kernel
 on the other tokens, then the Mosaic kernel) runs the same way in interpret mode once
-`api.MOSAIC_INTERPRET` holds the interpreter's params.
+`routing.MOSAIC_INTERPRET` holds the interpreter's params.
 
 The GPU runs of the same kernels (compiled, default tiles) are in test_expand_mosaic_gpu.py
 and test_shrink_mosaic_gpu.py.
@@ -26,10 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from shrink_expand_test_base import make_metadata
+
 from lora_jax.kernels import lora_expand, lora_shrink
-from lora_jax.kernels.shrink_expand import api
 from lora_jax.kernels.shrink_expand import mosaic_gpu_expand as me
 from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink as ms
+from lora_jax.kernels.shrink_expand import routing
 from lora_jax.kernels.shrink_expand.reference import (
     lora_expand_reference,
     lora_shrink_reference,
@@ -41,7 +43,6 @@ from lora_jax.kernels.shrink_expand.work_list import (
     tile_items,
     whole_tiles,
 )
-from shrink_expand_test_base import make_metadata
 
 
 @pytest.fixture
@@ -180,7 +181,7 @@ def test_library_split_matches_reference_interpreted(interpreter, monkeypatch, h
     kernel (interpret mode) on the tokens outside the Mosaic kernels' pieces and tiles,
     the Mosaic kernels (the GPU interpreter) on theirs — the library's split on Hopper,
     end to end, against the oracles; with the host's hints where it knows them."""
-    monkeypatch.setattr(api, "MOSAIC_INTERPRET", interpreter)
+    monkeypatch.setattr(routing, "MOSAIC_INTERPRET", interpreter)
     jax.clear_caches()  # the module setting is read at trace time
     num_tokens, hidden, rank, widths = SEGMENT_MIN_TOKENS, 128, 32, (128, 128)
     rng = np.random.default_rng(7)

@@ -11,16 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from lora_jax.kernels import BlockSizes, lora_shrink_expand, lora_shrink_expand_reference
-from lora_jax.kernels.shrink_expand.block_sizes import next_pow2
-from lora_jax.kernels.shrink_expand.pallas_triton import SMEM_BUDGET
-from lora_jax.kernels.shrink_expand.pallas_triton_fused import fit_fused_tiles, fused_smem_bytes
 from shrink_expand_test_base import (
     TOLERANCES,
     Case,
     ShrinkExpandTestBase,
     make_metadata,
 )
+
+from lora_jax.kernels import BlockSizes, lora_shrink_expand, lora_shrink_expand_reference
+from lora_jax.kernels.shrink_expand.block_sizes import next_pow2
+from lora_jax.kernels.shrink_expand.pallas_triton import SMEM_BUDGET
+from lora_jax.kernels.shrink_expand.pallas_triton_fused import fit_fused_tiles, fused_smem_bytes
 
 # Several column tiles per program (split_n 2 over 3 tiles: the second group's
 # second tile lies past the slice) and a short k step (several k iterations).

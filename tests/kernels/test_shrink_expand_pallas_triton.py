@@ -10,6 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from shrink_expand_test_base import (
+    CPU_CASES,
+    Case,
+    ShrinkExpandTestBase,
+    abstract_gpu_context,
+    make_mapping,
+    make_metadata,
+)
+
 from lora_jax.kernels import (
     BlockSizes,
     lora_expand,
@@ -22,14 +31,6 @@ from lora_jax.kernels.shrink_expand.work_list import (
     build_work_list,
     build_work_lists,
     num_work_blocks,
-)
-from shrink_expand_test_base import (
-    CPU_CASES,
-    Case,
-    ShrinkExpandTestBase,
-    abstract_gpu_context,
-    make_mapping,
-    make_metadata,
 )
 
 _DECODE_ATOMIC = BlockSizes(
@@ -207,6 +208,7 @@ def test_split_k_adds_lower_relaxed(monkeypatch, relaxed):
     if not hasattr(jax.jit(lambda v: v), "trace"):
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
     from jax._src.pallas.triton import lowering as tl
+
     from lora_jax.kernels.shrink_expand import relaxed_atomic
 
     assert relaxed_atomic.available()

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from lora_jax.kernels import lora_shrink, lora_shrink_reference
-from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink, work_list
 from shrink_expand_test_base import abstract_gpu_context, make_metadata
 
+from lora_jax.kernels import lora_shrink, lora_shrink_reference
+from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink, work_list
 from lora_jax.mapping import make_lora_mapping
 
 

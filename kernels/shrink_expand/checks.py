@@ -1,0 +1,69 @@
+"""Argument checks shared by the public ops (api.py) and the fused op
+(pallas_triton_fused.py): each error names the argument, its shape or dtype, and what is
+allowed."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def check_float(name: str, arr) -> None:
+    if arr.dtype not in FLOATS:
+        raise ValueError(f"{name} has dtype {arr.dtype}; expected bfloat16, float16 or float32.")
+
+
+def check_meta(
+    num_tokens: int,
+    max_loras: int,
+    token_lora_indices,
+    sorted_token_ids,
+    slot_token_counts,
+    slot_token_starts,
+    slot_ranks,
+    num_slices: int,
+    rank: int,
+):
+    for name, arr, shape in (
+        ("token_lora_indices", token_lora_indices, (num_tokens,)),
+        ("sorted_token_ids", sorted_token_ids, (num_tokens,)),
+        ("slot_token_counts", slot_token_counts, (max_loras,)),
+        ("slot_token_starts", slot_token_starts, (max_loras,)),
+    ):
+        if tuple(arr.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(arr.shape)}; expected {shape}.")
+    if slot_ranks is not None and tuple(slot_ranks.shape) != (num_slices, max_loras):
+        raise ValueError(
+            f"slot_ranks has shape {tuple(slot_ranks.shape)}; expected "
+            f"(num_slices, max_loras) = {(num_slices, max_loras)} with values <= {rank}."
+        )
+
+
+def check_a_slices(op: str, lora_a: tuple, hidden: int) -> None:
+    """Every A slice: float, [max_loras, R, H], one shape for all slices."""
+    for s, a in enumerate(lora_a):
+        check_float(f"lora_a[{s}]", a)
+        if a.ndim != 3 or a.shape != lora_a[0].shape or a.shape[2] != hidden:
+            raise ValueError(
+                f"{op}: lora_a[{s}] has shape {a.shape}; every slice must be "
+                f"[max_loras, R, H={hidden}] with one shape {lora_a[0].shape}."
+            )
+
+
+def check_b_slices(
+    op: str, lora_b: tuple, offsets: tuple, max_loras: int, rank: int, width: int
+) -> None:
+    """Every B slice: float, [max_loras, n_s, R], its columns inside y's width."""
+    for s, (b, off) in enumerate(zip(lora_b, offsets)):
+        check_float(f"lora_b[{s}]", b)
+        if b.ndim != 3 or b.shape[0] != max_loras or b.shape[2] != rank:
+            raise ValueError(
+                f"{op}: lora_b[{s}] has shape {b.shape}; expected "
+                f"[max_loras={max_loras}, n_s, R={rank}]."
+            )
+        if off < 0 or off + b.shape[1] > width:
+            raise ValueError(
+                f"{op}: slice {s} covers columns [{off}, {off + b.shape[1]}) "
+                f"outside y's {width} columns."
+            )
