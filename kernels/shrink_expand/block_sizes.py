@@ -48,6 +48,9 @@ PREFETCH_MIN_TOKENS = 2048
 (``prefetch``) at rank 128, and at ranks 16 and 64 up to SHORT_PREFILL_MAX_TOKENS (session
 26, H200: 7-12 % faster over 8 adapters at 4096 tokens, up to 12 % at rank 128 and 16384;
 at 1024 tokens over 64 adapters it lost 16-27 %, at rank 64 from 8192 tokens 2-7 %)."""
+UNSPLIT_R64_MIN_TOKENS = 8192
+"""From this many tokens the rank-64 long-prompt shrink does not split the hidden
+reduction (`long_prefill_shrink`): 128 and more 64-token blocks fill an H200's SMs."""
 WIDE_PREFILL_MAX_SPLIT_K = 16
 """Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
 the hidden size keeps 8 k steps of 64 per split (H >= 8192)."""
@@ -353,6 +356,19 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
         # programs that return at once on the static grid: session 11, T = 16384,
         # R = 128, split cap 8: 5136 programs, 14 / 16 of them idle, ~4 us.
         blocks = -(-num_tokens // 64) * (rank_p // 64)
+        if rank_p == 64 and num_tokens >= UNSPLIT_R64_MIN_TOKENS:
+            # Enough 64-token blocks to fill the GPU unsplit: no split, 128-column k
+            # steps (session 30, H = 4096 / 8192, n = 1 / 8 / 64, 6 cells each, against
+            # the split 4 / 2 above: T = 8192 5-10 % faster with 4 stages, T = 16384
+            # 3-9 % with 3, two programs a SM; 3 stages at 8192 and 4 at 16384 lost).
+            return BlockSizes(
+                block_m=64,
+                block_r=64,
+                block_k=128,
+                num_warps=8,
+                num_stages=4 if num_tokens < 16384 else 3,
+                split_k=1,
+            )
         split = min(max_split, 1 << max(0, (ATOMIC_PROGRAMS // blocks).bit_length() - 1))
         if split == 1:  # plain stores: no zeroed output either
             return BlockSizes(

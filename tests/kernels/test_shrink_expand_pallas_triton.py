@@ -98,9 +98,11 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(256, 4096, 128, (4096,), jnp.bfloat16, "distinct", 256),
             # long prompts (block_sizes.long_prefill_shrink): rank 16's 128-column k
             # steps; ranks 64 and 128 (T = 4096 above) 64 x 64 tiles of 8 warps on the
-            # static grid (48 KiB, over the portable budget)
+            # static grid (48 KiB, over the portable budget); rank 64 from 8192 tokens
+            # unsplit, 128-column k steps 4 deep (8192) or 3 (16384; ragged H, true ranks)
             Case(4096, 4096, 16, (4096,), jnp.bfloat16, "unsorted", max_loras=64),
             Case(8192, 4096, 64, (1024,), jnp.bfloat16, "one", max_loras=2),
+            Case(16384, 2049, 64, (512,), jnp.float16, "unsorted", 8, True),
             # per-token (BGMV) programs: atomic k ranges; wide tiles with true ranks; one
             # k range over a ragged hidden size
             Case(64, 4096, 16, (4096,), jnp.bfloat16, "distinct", 64, block_sizes=_BGMV),
@@ -355,8 +357,13 @@ def test_prefill_shrink_default_fills_the_gpu(num_tokens, rank, budget):
     if num_tokens >= B.LONG_PREFILL_TOKENS:
         target = B.LONG_PREFILL_TARGET_PROGRAMS
     assert split == 1 or programs <= 2 * target  # no needless splits
-    # split until the GPU is busy (a 128 x 128 tile of 8 warps fills an SM about alone)
-    assert split == 8 or programs >= target // 2 or bs.block_m * bs.block_r >= 128 * 128
+    # split until the GPU is busy (a 128 x 128 tile of 8 warps fills an SM about alone;
+    # unsplit 64 x 64 tiles of 8 warps with deep 128-column k steps from 128 programs, one
+    # an SM or more: session 30)
+    unsplit_ok = split == 1 and bs.num_warps == 8 and programs >= 128
+    assert (
+        split == 8 or programs >= target // 2 or bs.block_m * bs.block_r >= 128 * 128 or unsplit_ok
+    )
     assert num_tokens < 8192 or split <= 2
     assert split <= 4096 // (bs.block_k * 8)  # every split keeps >= 8 k steps
     assert small.split_k == 1 or small.atomic_programs
@@ -384,7 +391,14 @@ def test_split_partials_are_added_atomically_where_measured_faster():
         long = get(B.LONG_PREFILL_TOKENS)
         assert long.atomic_programs == B.ATOMIC_PROGRAMS and long.block_m == 64
         # the cap is the split a fully mapped step picks: no programs idle on the grid
-        assert get(16384).split_k == 2 and get(16384).atomic_programs == B.ATOMIC_PROGRAMS
+        assert get(4096).split_k == 8 and get(4096).atomic_programs == B.ATOMIC_PROGRAMS
+        # session 30: from 8192 tokens rank 64 is not split (128-column k steps, 4 stages
+        # at 8192 where one program a SM runs, 3 from 16384 where two do)
+        for t, stages in ((B.UNSPLIT_R64_MIN_TOKENS, 4), (16384, 3), (65536, 3)):
+            bs = get(t)
+            assert (bs.split_k, bs.atomic_programs, bs.block_k) == (1, 0, 128), (t, bs)
+            assert bs.num_stages == stages and (bs.block_m, bs.block_r) == (64, 64)
+        assert get(B.UNSPLIT_R64_MIN_TOKENS - 1).split_k > 1
         wide = BlockSizes.get_default("shrink", num_tokens=16384, hidden=4096, rank=128)
         assert wide.split_k == 1 and wide.atomic_programs == 0  # plain stores, no zeroing
 
