@@ -782,6 +782,20 @@ PREFILL_SWEEP = {
         dataclasses.replace(PREFILL_R16, num_warps=2),
         dataclasses.replace(PREFILL_R16, num_warps=2, atomic_programs=1056),
         dataclasses.replace(PREFILL_R16, block_m=16, num_warps=2, atomic_programs=1056),
+        # 59-62 (session 30, after run 3): the 128-column k steps that won from 8192 tokens
+        # at rank 64, at 4096 tokens with a split of 2 or 4 (4 or 3 stages)
+        dataclasses.replace(
+            PREFILL_BIG, block_r=64, block_k=128, num_stages=4, split_k=2, persistent=False
+        ),
+        dataclasses.replace(
+            PREFILL_BIG, block_r=64, block_k=128, num_stages=3, split_k=4, persistent=False
+        ),
+        dataclasses.replace(
+            PREFILL_BIG, block_r=64, block_k=128, num_stages=4, split_k=4, persistent=False
+        ),
+        dataclasses.replace(
+            PREFILL_BIG, block_r=64, block_k=128, num_stages=3, split_k=2, persistent=False
+        ),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
