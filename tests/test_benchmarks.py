@@ -540,3 +540,24 @@ def test_host_overhead_runs_and_checks_generator_against_generate(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["layers"], r["model"]) for r in rows] == [(2, "base"), (2, "lora")]
     assert rows[1]["variables"] > rows[0]["variables"]
+
+
+def test_rank64_long_prompt_defaults_are_the_measured_candidates(monkeypatch):
+    """The rank-64 long-prompt shrink defaults (session 30) are exactly the tile sets that
+    benchmarks/RESULTS.md measured as ops.py's PREFILL_SWEEP candidates: [59] at 4096
+    tokens, [55] at 8192, [53] at 16384 (on a GPU that lets a kernel opt in to 200 KiB)."""
+    import ops
+
+    from lora_jax.kernels import BlockSizes
+    from lora_jax.kernels.shrink_expand import pallas_triton
+
+    monkeypatch.setenv("LORA_JAX_TRITON_SMEM_BUDGET", str(200 * 1024))
+    pallas_triton.opt_in_smem_budget.cache_clear()
+    try:
+        for tokens, cand in ((4096, 59), (8192, 55), (16384, 53)):
+            for hidden in (4096, 8192):
+                got = BlockSizes.get_default("shrink", num_tokens=tokens, hidden=hidden, rank=64)
+                assert got == ops.PREFILL_SWEEP["shrink"][cand], (tokens, hidden, got)
+    finally:
+        monkeypatch.delenv("LORA_JAX_TRITON_SMEM_BUDGET")
+        pallas_triton.opt_in_smem_budget.cache_clear()

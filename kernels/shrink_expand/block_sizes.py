@@ -48,9 +48,13 @@ PREFETCH_MIN_TOKENS = 2048
 (``prefetch``) at rank 128, and at ranks 16 and 64 up to SHORT_PREFILL_MAX_TOKENS (session
 26, H200: 7-12 % faster over 8 adapters at 4096 tokens, up to 12 % at rank 128 and 16384;
 at 1024 tokens over 64 adapters it lost 16-27 %, at rank 64 from 8192 tokens 2-7 %)."""
-UNSPLIT_R64_MIN_TOKENS = 8192
-"""From this many tokens the rank-64 long-prompt shrink does not split the hidden
-reduction (`long_prefill_shrink`): 128 and more 64-token blocks fill an H200's SMs."""
+DEEP_K_R64_MIN_TOKENS = 4096
+"""From this many tokens the rank-64 long-prompt shrink takes 128-column k steps and splits
+the hidden reduction only up to ``DEEP_K_R64_PROGRAMS`` items (`deep_k_rank64_shrink`;
+measured from 4096 tokens, session 30)."""
+DEEP_K_R64_PROGRAMS = 128
+"""(64-token block, k range) items the rank-64 deep-k shrink aims for: about one an SM of
+an H200 (132 SMs): 2 k ranges at 4096 tokens, none from 8192."""
 WIDE_PREFILL_MAX_SPLIT_K = 16
 """Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
 the hidden size keeps 8 k steps of 64 per split (H >= 8192)."""
@@ -356,19 +360,8 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
         # programs that return at once on the static grid: session 11, T = 16384,
         # R = 128, split cap 8: 5136 programs, 14 / 16 of them idle, ~4 us.
         blocks = -(-num_tokens // 64) * (rank_p // 64)
-        if rank_p == 64 and num_tokens >= UNSPLIT_R64_MIN_TOKENS:
-            # Enough 64-token blocks to fill the GPU unsplit: no split, 128-column k
-            # steps (session 30, H = 4096 / 8192, n = 1 / 8 / 64, 6 cells each, against
-            # the split 4 / 2 above: T = 8192 5-10 % faster with 4 stages, T = 16384
-            # 3-9 % with 3, two programs a SM; 3 stages at 8192 and 4 at 16384 lost).
-            return BlockSizes(
-                block_m=64,
-                block_r=64,
-                block_k=128,
-                num_warps=8,
-                num_stages=4 if num_tokens < 16384 else 3,
-                split_k=1,
-            )
+        if rank_p == 64 and num_tokens >= DEEP_K_R64_MIN_TOKENS:
+            return deep_k_rank64_shrink(blocks)
         split = min(max_split, 1 << max(0, (ATOMIC_PROGRAMS // blocks).bit_length() - 1))
         if split == 1:  # plain stores: no zeroed output either
             return BlockSizes(
@@ -385,6 +378,37 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
             persistent=False,
         )
     return None
+
+
+def deep_k_rank64_shrink(blocks: int) -> BlockSizes:
+    """The rank-64 long-prompt tiles from ``DEEP_K_R64_MIN_TOKENS`` tokens: 64 x 64 output
+    tiles of 8 warps over 128-column k steps, the hidden split only as far as
+    ``DEEP_K_R64_PROGRAMS`` (block, k range) items (``blocks`` 64-token blocks), 4 stages
+    while that leaves one program an SM, 3 where two share one (128 KiB a program no
+    longer fits twice).
+
+    H200, session 30 (benchmarks/RESULTS.md), shuffled tokens, n = 8 / 64, against the
+    64-column k steps split up to ATOMIC_PROGRAMS items: T = 4096 (split 2) 15.3 / 22.1
+    -> 13.7 / 19.7 us; T = 8192 (unsplit) 24.2 / 31.3 -> 21.9 / 28.2; T = 16384 41.0 /
+    48.3 -> 38.2 / 44.3; H = 8192 as much. The long k steps carry the gain: the old k
+    steps unsplit lost everywhere, and 3 stages at 8192 tokens / 4 at 16384 lost."""
+    split = max(1, DEEP_K_R64_PROGRAMS // blocks)
+    split = 1 << (split.bit_length() - 1)  # a power of two
+    stages = 4 if blocks * split < 2 * DEEP_K_R64_PROGRAMS else 3
+    if split == 1:  # plain stores: no zeroed output either
+        return BlockSizes(
+            block_m=64, block_r=64, block_k=128, num_warps=8, num_stages=stages, split_k=1
+        )
+    return BlockSizes(
+        block_m=64,
+        block_r=64,
+        block_k=128,
+        num_warps=8,
+        num_stages=stages,
+        split_k=split,
+        atomic_programs=ATOMIC_PROGRAMS,
+        persistent=False,
+    )
 
 
 PER_TOKEN_SMALL_TOKENS = 16

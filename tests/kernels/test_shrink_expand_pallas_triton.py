@@ -358,12 +358,10 @@ def test_prefill_shrink_default_fills_the_gpu(num_tokens, rank, budget):
         target = B.LONG_PREFILL_TARGET_PROGRAMS
     assert split == 1 or programs <= 2 * target  # no needless splits
     # split until the GPU is busy (a 128 x 128 tile of 8 warps fills an SM about alone;
-    # unsplit 64 x 64 tiles of 8 warps with deep 128-column k steps from 128 programs, one
-    # an SM or more: session 30)
-    unsplit_ok = split == 1 and bs.num_warps == 8 and programs >= 128
-    assert (
-        split == 8 or programs >= target // 2 or bs.block_m * bs.block_r >= 128 * 128 or unsplit_ok
-    )
+    # rank 64's 64 x 64 tiles of 8 warps with deep 128-column k steps from 128 items, one
+    # an SM: session 30)
+    deep_k = bs.block_k == 128 and bs.num_warps == 8 and programs >= B.DEEP_K_R64_PROGRAMS
+    assert split == 8 or programs >= target // 2 or bs.block_m * bs.block_r >= 128 * 128 or deep_k
     assert num_tokens < 8192 or split <= 2
     assert split <= 4096 // (bs.block_k * 8)  # every split keeps >= 8 k steps
     assert small.split_k == 1 or small.atomic_programs
@@ -391,14 +389,16 @@ def test_split_partials_are_added_atomically_where_measured_faster():
         long = get(B.LONG_PREFILL_TOKENS)
         assert long.atomic_programs == B.ATOMIC_PROGRAMS and long.block_m == 64
         # the cap is the split a fully mapped step picks: no programs idle on the grid
-        assert get(4096).split_k == 8 and get(4096).atomic_programs == B.ATOMIC_PROGRAMS
-        # session 30: from 8192 tokens rank 64 is not split (128-column k steps, 4 stages
-        # at 8192 where one program a SM runs, 3 from 16384 where two do)
-        for t, stages in ((B.UNSPLIT_R64_MIN_TOKENS, 4), (16384, 3), (65536, 3)):
+        assert get(2048).split_k == 8 and get(2048).atomic_programs == B.ATOMIC_PROGRAMS
+        # session 30: rank 64 from 4096 tokens takes 128-column k steps, split to about
+        # 128 items (2 at 4096 tokens, none from 8192), 4 stages deep while one program
+        # runs an SM, 3 where two do
+        for t, split, stages in ((4096, 2, 4), (8192, 1, 4), (16384, 1, 3), (65536, 1, 3)):
             bs = get(t)
-            assert (bs.split_k, bs.atomic_programs, bs.block_k) == (1, 0, 128), (t, bs)
-            assert bs.num_stages == stages and (bs.block_m, bs.block_r) == (64, 64)
-        assert get(B.UNSPLIT_R64_MIN_TOKENS - 1).split_k > 1
+            assert (bs.split_k, bs.block_k, bs.num_stages) == (split, 128, stages), (t, bs)
+            assert (bs.block_m, bs.block_r, bs.num_warps) == (64, 64, 8)
+            assert bool(bs.atomic_programs) == (split > 1) and not bs.persistent or split == 1
+        assert get(B.DEEP_K_R64_MIN_TOKENS - 1).block_k == 64
         wide = BlockSizes.get_default("shrink", num_tokens=16384, hidden=4096, rank=128)
         assert wide.split_k == 1 and wide.atomic_programs == 0  # plain stores, no zeroing
 
