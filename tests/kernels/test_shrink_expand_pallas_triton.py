@@ -26,6 +26,7 @@ from lora_jax.kernels import (
     lora_shrink,
     lora_shrink_reference,
 )
+from lora_jax.kernels.shrink_expand.block_sizes import long_prefill_shrink
 from lora_jax.kernels.shrink_expand.work_list import (
     WORK_LIST_BLOCK_MS,
     build_work_list,
@@ -534,18 +535,17 @@ def test_opt_in_smem_budget_by_compute_capability(monkeypatch, cc, want):
         pallas_triton.opt_in_smem_budget.cache_clear()
 
 
-@pytest.mark.parametrize("rank", [16, 64, 128])
-def test_long_prefill_shrink_tiles(rank):
-    """The long-prompt tiles (sessions 8-9): chosen only where the GPU allows their shared
+@pytest.mark.parametrize("rank,t_long", [(16, 2048), (64, 4096), (64, 16384), (128, 2048)], ids=str)
+def test_long_prefill_shrink_tiles(rank, t_long):
+    """The long-prompt tiles (sessions 8-9; rank 64's deep k steps, split 2 at 4096 tokens
+    and unsplit from 8192, session 30): chosen only where the GPU allows their shared
     memory, and right (interpret mode, ragged hidden size, ranks needing padding)."""
-    from lora_jax.kernels.shrink_expand import block_sizes as B
     from lora_jax.kernels.shrink_expand.pallas_triton_shrink import shrink_smem_bytes
 
-    t_long = 16384 if rank == 64 else B.LONG_PREFILL_TOKENS
     with shrink_smem(45 * 1024):
-        small = B.long_prefill_shrink(t_long, 4096, max(16, rank))
+        small = long_prefill_shrink(t_long, 4096, max(16, rank))
     with shrink_smem(_BIG_SMEM):
-        tiles = B.long_prefill_shrink(t_long, 4096, max(16, rank))
+        tiles = long_prefill_shrink(t_long, 4096, max(16, rank))
         assert BlockSizes.get_default("shrink", num_tokens=t_long, hidden=4096, rank=rank) == tiles
         assert shrink_smem_bytes(tiles, 2) <= _BIG_SMEM
         assert (small is None) == (shrink_smem_bytes(tiles, 2) > 45 * 1024)
