@@ -99,9 +99,11 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(256, 4096, 128, (4096,), jnp.bfloat16, "distinct", 256),
             # long prompts (block_sizes.long_prefill_shrink): rank 16's 128-column k
             # steps; ranks 64 and 128 (T = 4096 above) 64 x 64 tiles of 8 warps on the
-            # static grid (48 KiB, over the portable budget); rank 64 from 8192 tokens
-            # unsplit, 128-column k steps 4 deep (8192) or 3 (16384; ragged H, true ranks)
+            # static grid (48 KiB, over the portable budget); rank 64 from 4096 tokens in
+            # 128-column k steps, split 2 ways 4 deep (4096), unsplit 4 deep (8192) or 3
+            # (16384; ragged H, true ranks)
             Case(4096, 4096, 16, (4096,), jnp.bfloat16, "unsorted", max_loras=64),
+            Case(4096, 4096, 64, (4096,), jnp.bfloat16, "unsorted", max_loras=8),
             Case(8192, 4096, 64, (1024,), jnp.bfloat16, "one", max_loras=2),
             Case(16384, 2049, 64, (512,), jnp.float16, "unsorted", 8, True),
             # per-token (BGMV) programs: atomic k ranges; wide tiles with true ranks; one
