@@ -29,7 +29,8 @@ from lora_jax.kernels.shrink_expand import (
     pallas_triton_shrink,
     routing,
 )
-from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, use_per_token
+from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
+from lora_jax.kernels.shrink_expand.tuning import use_per_token
 from lora_jax.kernels.shrink_expand.work_list import PROMPT_TILES, get_work_list
 
 

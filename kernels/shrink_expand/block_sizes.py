@@ -1,63 +1,13 @@
-"""Tile sizes for the shrink/expand kernels and the H200 table that picks them.
+"""Tile sizes for the shrink/expand kernels: the `BlockSizes` dataclass. The H200 table
+that picks them by op and static shape is tuning.py (`BlockSizes.get_default`).
 
-Triton dots need every dimension >= 16 and power-of-two tiles, so every field
-here is a power of two >= 16. The token count ``T`` is static, so the choice
-between the decode regime (few tokens per adapter: small token blocks, the
-rank split over many programs for parallelism) and the prefill regime (long
-runs per adapter: large token blocks, x read once) is made at trace time.
+Triton dots need every dimension >= 16 and power-of-two tiles, so every tile field
+here is a power of two >= 16.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-DECODE_MAX_TOKENS = 256
-"""Static token counts up to this use the decode tiles (small token blocks, split-K)."""
-TARGET_PROGRAMS = 264
-"""Shrink aims for this many live programs: 2 per SM of an H200 (132 SMs)."""
-LONG_PREFILL_TOKENS = 2048
-LONG_PREFILL_TARGET_PROGRAMS = 528
-"""From LONG_PREFILL_TOKENS tokens the prefill shrink aims for 4 programs per SM (the
-session-5 trace-timed sweep: T = 4096 split 4 ways beat 2 by 12-20 % at R <= 64)."""
-ATOMIC_PROGRAMS = 528
-"""Atomic split-K shrinks aim for this many (block, k range) items: 4 per SM of an H200
-(the session-6 sweep: 528 beat 264 by up to 18 % at T = 64, n = 64)."""
-SHORT_PREFILL_MAX_TOKENS = 4096
-"""Up to this many tokens the rank-16 prefill expand uses 16-token blocks (measured up to
-4096 on an H200; 16384 keeps the 32-token blocks)."""
-PREFILL_MAX_SPLIT_K = 8
-"""Most hidden splits above the decode regime (the H200 sweep went up to 8)."""
-EXPAND_LIVE_PROGRAMS = 264
-"""Decode expands (ranks >= 64, 64-256 tokens) walk as many column tiles a program as keep
-about this many programs working: 2 per SM of an H200."""
-WIDE_DECODE_EXPAND_COLUMNS = 16384
-"""From this many output columns (128 column tiles of 128) a rank-16/32 decode expand of
-up to ``WIDE_DECODE_EXPAND_MAX_TOKENS`` tokens walks the live token blocks in
-``DECODE_EXPAND_GROUPS`` groups a column tile (``block_groups``). H200, session 25
-(benchmarks/RESULTS.md; Llama-3-8B gate_up, 28672 columns, after XLA's matmul): 64 tokens
-over 8 adapters 12.3 -> 6.9 us over the matmul, over 64 adapters equal (the block kernel;
-with the host's hint the per-token kernel runs there); narrower outputs (4096-6144
-columns, 32-48 tiles) lost with it at 64 adapters."""
-WIDE_DECODE_EXPAND_MAX_TOKENS = 64
-"""256 tokens over 8 adapters gained too (14.0 -> 10.1 us), but 256 over 64 was not
-measured with it, and the 32-layer model's step there ran 3 % slower than in session 24
-with it (one run each): kept to the measured regime."""
-DECODE_EXPAND_GROUPS = 4
-PREFETCH_MIN_TOKENS = 2048
-"""Prefill expands of more tokens than this load each column tile's y a tile ahead
-(``prefetch``) at rank 128, and at ranks 16 and 64 up to SHORT_PREFILL_MAX_TOKENS (session
-26, H200: 7-12 % faster over 8 adapters at 4096 tokens, up to 12 % at rank 128 and 16384;
-at 1024 tokens over 64 adapters it lost 16-27 %, at rank 64 from 8192 tokens 2-7 %)."""
-DEEP_K_R64_MIN_TOKENS = 4096
-"""From this many tokens the rank-64 long-prompt shrink takes 128-column k steps and splits
-the hidden reduction only up to ``DEEP_K_R64_PROGRAMS`` items (`deep_k_rank64_shrink`;
-measured from 4096 tokens, session 30)."""
-DEEP_K_R64_PROGRAMS = 128
-"""(64-token block, k range) items the rank-64 deep-k shrink aims for: about one an SM of
-an H200 (132 SMs): 2 k ranges at 4096 tokens, none from 8192."""
-WIDE_PREFILL_MAX_SPLIT_K = 16
-"""Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
-the hidden size keeps 8 k steps of 64 per split (H >= 8192)."""
 
 
 def next_pow2(n: int) -> int:
@@ -198,283 +148,23 @@ class BlockSizes:
         num_slices: int = 1,
         per_token: bool = False,
     ) -> BlockSizes:
-        """Tuned defaults for H200 (see benchmarks/RESULTS.md), by op and static shape.
+        """Tuned defaults for H200 (see benchmarks/RESULTS.md), by op and static shape:
+        `tuning.default_block_sizes`, whose rules carry their measurements.
 
         ``op`` is "shrink", "expand" or "fused" (`lora_shrink_expand`; there
         ``out_features`` is the widest slice and ``num_slices`` the slice count).
         For the expand, ``hidden`` is y's width (all slices).
         ``per_token``: the per-token (BGMV) tiles of a shrink or expand, for steps whose
-        tokens mostly have an adapter of their own (`per_token_default`).
+        tokens mostly have an adapter of their own (`tuning.per_token_default`).
         """
-        rank_p = max(16, next_pow2(rank))
-        if per_token and op in ("shrink", "expand"):
-            return per_token_default(op, hidden, rank_p)
-        if op == "shrink":
-            if num_tokens <= DECODE_MAX_TOKENS:
-                # Decode: a few token blocks, A dominates the bytes. Split the hidden
-                # reduction over programs, the split picked when the kernel runs from
-                # the step's live blocks (atomic adds, no partial-sum kernel): up to one
-                # 128-column step per item. H200 trace-timed sweep (RESULTS.md, session
-                # 6): T = 64, n = 8 at R = 64 7.8 -> 5.5 us; persistent programs from 16
-                # tokens, the (block, split) grid below (T = 1: 2.6-3.5 -> 2.5-3.2 us).
-                # Rank 16 from 16 tokens: 2 warps and twice the items (session 8: T = 64,
-                # n = 64 7.8 -> 6.8 us, the other cells equal).
-                narrow = rank_p <= 16 and num_tokens >= 16
-                return cls(
-                    block_m=16,
-                    block_r=min(rank_p, 64),
-                    block_k=128,
-                    num_warps=2 if narrow else 4,
-                    num_stages=2,
-                    split_k=max(1, hidden // 128),
-                    atomic_programs=2 * ATOMIC_PROGRAMS if narrow else ATOMIC_PROGRAMS,
-                    persistent=num_tokens >= 16,
-                )
-            # Prefill: x dominates; wide rank blocks read each x tile from HBM once
-            # (a second rank block finds it in L2). Up to a few thousand tokens the
-            # token blocks alone leave SMs idle (T = 1024: ~40 programs on 132 SMs), so
-            # split the hidden reduction until about TARGET_PROGRAMS carry work
-            # (H200 sweep, benchmarks/RESULTS.md: T = 1024 36-52 -> 24-39 us).
-            if num_tokens >= LONG_PREFILL_TOKENS:
-                long = long_prefill_shrink(num_tokens, hidden, rank_p)
-                if long is not None:
-                    return long
-            block_r = min(rank_p, 64)
-            if num_tokens >= 8192 and rank_p >= 128:
-                # Long prompts, wide ranks: 64-row blocks halve the re-reads of A.
-                return cls(block_m=64, block_r=block_r, block_k=64, num_warps=4, num_stages=2)
-            live = -(-num_tokens // 32) * (rank_p // block_r)
-            target = (
-                LONG_PREFILL_TARGET_PROGRAMS
-                if num_tokens >= LONG_PREFILL_TOKENS
-                else TARGET_PROGRAMS
-            )
-            want = max(1, target // live)
-            # >= 8 k steps per split; up to 16 splits at H >= 8192 (session 14: T = 1024,
-            # H = 8192, R = 64, n = 8 15.8 -> 14.5 us, n = 64 equal)
-            max_split = min(WIDE_PREFILL_MAX_SPLIT_K, max(1, hidden // 512))
-            split_k = min(1 << (want.bit_length() - 1), max_split)
-            # The split's partials are added atomically, the split picked at run time up
-            # to max_split (sessions 6 and 9: T = 1024 3 % faster; T = 2048, R = 64
-            # 16.8 / 22.3 -> 13.3 / 19.4 us at n = 1 / 64, no partial-sum kernel; T = 1024,
-            # R = 128 14.6 -> 13.1 us with the cap at 8; T = 4096 equal).
-            return cls(
-                block_m=32,
-                block_r=block_r,
-                block_k=64,
-                num_warps=4,
-                num_stages=3,
-                split_k=max_split if split_k > 1 else 1,
-                atomic_programs=ATOMIC_PROGRAMS if split_k > 1 else 0,
-            )
-        if op == "expand":
-            # H200 trace-timed sweeps (benchmarks/RESULTS.md, session 5). Several column
-            # tiles per program (tiles_n) load the tokens' f32 h once instead of per
-            # tile: at R >= 64 that was as many bytes as the tile's y and B.
-            if num_tokens <= DECODE_MAX_TOKENS:
-                if rank_p >= 64 and num_tokens >= 64:
-                    # Up to 4 column tiles a program (T = 64/256, n = 64: 14 -> 12 us), as
-                    # many as keep EXPAND_LIVE_PROGRAMS busy with the step's live blocks.
-                    return cls(
-                        block_m=16,
-                        block_n=128,
-                        num_stages=2,
-                        tiles_n=4,
-                        live_programs=EXPAND_LIVE_PROGRAMS,
-                    )
-                wide = hidden >= WIDE_DECODE_EXPAND_COLUMNS
-                if rank_p <= 32 and wide and num_tokens <= WIDE_DECODE_EXPAND_MAX_TOKENS:
-                    return cls(
-                        block_m=16, block_n=128, num_stages=2, block_groups=DECODE_EXPAND_GROUPS
-                    )
-                return cls(block_m=16, block_n=128, num_warps=4, num_stages=1)
-            long = num_tokens > PREFETCH_MIN_TOKENS
-            if rank_p >= 128:  # the tiles fit shared memory at 64 x 64; T = 16384: 233 -> 129 us
-                # Up to 2048 tokens, 4 column tiles per program rather than 8 (twice the
-                # programs; session 10, n = 1 / 64: T = 1024 19.0 / 32.6 -> 14.5 / 28.1 us,
-                # T = 2048 23.9 / 34.9 -> 16.2 / 31.7 us). Past that, y loaded a tile
-                # ahead, and from 16384 tokens 16 tiles a program (session 26, n = 8 / 64:
-                # T = 4096 30.6 / 39.8 -> 27.7 / 38.9 us, T = 8192 60.6 / 67.5 -> 56.0 /
-                # 63.0, T = 16384 118.5 / 127.0 -> 106.8 / 112.0; n = 1 runs the Mosaic
-                # kernel, unchanged).
-                ahead = long and rank_p == 128  # measured at 128 (256 fits smaller tiles)
-                tiles_n = 4 if not long else 16 if ahead and num_tokens >= 16384 else 8
-                return cls(
-                    block_m=64, block_n=64, num_stages=2, tiles_n=tiles_n, prefetch=int(ahead)
-                )
-            if rank_p == 64 and long and num_tokens <= SHORT_PREFILL_MAX_TOKENS and hidden < 8192:
-                # 64 x 64 tiles, 8 a program, y loaded a tile ahead (session 26, T = 4096,
-                # H = 4096, n = 8 / 64: 26.1 / 30.5 -> 23.6 / 30.3 us). Not at 8192 and
-                # 16384 tokens (2 % and 7 % slower) nor into 8192 columns (2.6 % slower);
-                # on the 32 x 128 tiles below the ahead-load lost 12-15 %.
-                return cls(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=1)
-            if rank_p <= 16 and num_tokens <= SHORT_PREFILL_MAX_TOKENS:
-                # Rank 16 up to 4096 tokens: 16-token blocks, 2 column tiles per program
-                # (session 14, n = 1 / 8 / 64: T = 1024 8.9 / 10.0 / 11.3 -> 7.7 / 7.8 /
-                # 9.2 us, T = 2048 14.8 / 14.8 / 15.6 -> 12.0 / 12.2 / 12.8, T = 4096
-                # 1-3 % faster), tiles of 64 columns up to 2048 tokens (n = 8 / 64: T =
-                # 1024 7.7 / 8.9 -> 7.6 / 8.6 us, T = 2048 12.2 / 12.7 -> 11.7 / 12.1). At
-                # n = 64 each adapter has ~T / 64 tokens, and 32-token blocks ran half
-                # empty at 1024 tokens; h is 64 bytes a row at rank 16, so fewer column
-                # tiles per program cost little.
-                # Past 2048 tokens 4 tiles a program, y loaded a tile ahead (session 26,
-                # T = 4096, n = 8 / 64: 21.7 / 23.9 -> 20.0 / 21.8 us).
-                if long:
-                    return cls(block_m=16, block_n=128, num_stages=2, tiles_n=4, prefetch=1)
-                return cls(block_m=16, block_n=64, num_stages=2, tiles_n=2)
-            return cls(block_m=32, block_n=128, num_stages=2, tiles_n=4)
-        if op == "fused":
-            return fused_default(num_tokens, hidden, rank_p, out_features, num_slices)
-        raise ValueError(
-            f"BlockSizes.get_default: op={op!r}; expected 'shrink', 'expand' or 'fused'."
+        from lora_jax.kernels.shrink_expand.tuning import default_block_sizes
+
+        return default_block_sizes(
+            op,
+            num_tokens=num_tokens,
+            hidden=hidden,
+            rank=rank,
+            out_features=out_features,
+            num_slices=num_slices,
+            per_token=per_token,
         )
-
-
-def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes | None:
-    """Long-prompt shrink tiles from the session-8 and -9 H200 sweeps
-    (benchmarks/RESULTS.md), or None for the general prefill rule. Those of ranks 64 and
-    128 need 48 KiB of shared memory, used only where the GPU lets the kernel opt in."""
-    from lora_jax.kernels.shrink_expand.pallas_triton import opt_in_smem_budget
-
-    max_split = max(1, min(PREFILL_MAX_SPLIT_K, hidden // 512))  # >= 8 k steps per split
-    if rank_p <= 16:
-        # x-bound: 128-column k steps, 3 stages (36 KiB), the split added atomically.
-        # T = 4096 / 16384: 14.1 / 40.0 -> 12.5 / 36.7 us (n = 1), 15.6 / 41.3 -> 14.6 / 38.6
-        # (n = 64).
-        return BlockSizes(
-            block_m=32,
-            block_r=16,
-            block_k=128,
-            num_stages=3,
-            split_k=max_split,
-            atomic_programs=ATOMIC_PROGRAMS,
-        )
-    if rank_p in (64, 128) and opt_in_smem_budget() >= 3 * 128 * 64 * 2:
-        # 64 x 64 output tiles, 8 warps, 3 stages (48 KiB), the split added atomically,
-        # on the static (block, split) grid. Session 9 (n = 1 / 64): R = 128, T = 2048
-        # 18.6 / 30.1 -> 16.0 / 27.7 us and T = 4096 21.6 / 36.0 -> 21.3 / 34.3 (vs
-        # session 8's 128 x 128 tiles); R = 64 and T = 16384 within 2 % of the tiles
-        # they replace (session 8: T = 16384, R = 64 47.8 -> 43.7 us at n = 1).
-        # The split's cap: what a step with every token mapped picks at run time (the
-        # kernel's pick is ATOMIC_PROGRAMS // live blocks). A larger cap only adds
-        # programs that return at once on the static grid: session 11, T = 16384,
-        # R = 128, split cap 8: 5136 programs, 14 / 16 of them idle, ~4 us.
-        blocks = -(-num_tokens // 64) * (rank_p // 64)
-        if rank_p == 64 and num_tokens >= DEEP_K_R64_MIN_TOKENS:
-            return deep_k_rank64_shrink(blocks)
-        split = min(max_split, 1 << max(0, (ATOMIC_PROGRAMS // blocks).bit_length() - 1))
-        if split == 1:  # plain stores: no zeroed output either
-            return BlockSizes(
-                block_m=64, block_r=64, block_k=64, num_warps=8, num_stages=3, split_k=1
-            )
-        return BlockSizes(
-            block_m=64,
-            block_r=64,
-            block_k=64,
-            num_warps=8,
-            num_stages=3,
-            split_k=split,
-            atomic_programs=ATOMIC_PROGRAMS,
-            persistent=False,
-        )
-    return None
-
-
-def deep_k_rank64_shrink(blocks: int) -> BlockSizes:
-    """The rank-64 long-prompt tiles from ``DEEP_K_R64_MIN_TOKENS`` tokens: 64 x 64 output
-    tiles of 8 warps over 128-column k steps, the hidden split only as far as
-    ``DEEP_K_R64_PROGRAMS`` (block, k range) items (``blocks`` 64-token blocks), 4 stages
-    while that leaves one program an SM, 3 where two share one (128 KiB a program no
-    longer fits twice).
-
-    H200, session 30 (benchmarks/RESULTS.md), shuffled tokens, n = 8 / 64, against the
-    64-column k steps split up to ATOMIC_PROGRAMS items: T = 4096 (split 2) 15.3 / 22.1
-    -> 13.7 / 19.7 us; T = 8192 (unsplit) 24.2 / 31.3 -> 21.9 / 28.2; T = 16384 41.0 /
-    48.3 -> 38.2 / 44.3; H = 8192 as much. The long k steps carry the gain: the old k
-    steps unsplit lost everywhere, and 3 stages at 8192 tokens / 4 at 16384 lost."""
-    split = max(1, DEEP_K_R64_PROGRAMS // blocks)
-    split = 1 << (split.bit_length() - 1)  # a power of two
-    stages = 4 if blocks * split < 2 * DEEP_K_R64_PROGRAMS else 3
-    if split == 1:  # plain stores: no zeroed output either
-        return BlockSizes(
-            block_m=64, block_r=64, block_k=128, num_warps=8, num_stages=stages, split_k=1
-        )
-    return BlockSizes(
-        block_m=64,
-        block_r=64,
-        block_k=128,
-        num_warps=8,
-        num_stages=stages,
-        split_k=split,
-        atomic_programs=ATOMIC_PROGRAMS,
-        persistent=False,
-    )
-
-
-PER_TOKEN_SMALL_TOKENS = 16
-"""Up to this many tokens, two tokens a slot also run the per-token kernels at every rank."""
-
-
-def use_per_token(tokens_per_slot: int | None, rank: int, num_tokens: int) -> bool:
-    """Whether a step whose host found ``tokens_per_slot`` (`LoRAMapping.tokens_per_slot`:
-    1 a slot per mapped token, 2 at most two a slot on average, 0 more, None not known)
-    runs the per-token kernels. H200, session 18 (benchmarks/RESULTS.md, shrink / expand
-    µs, per-token vs segment): a token a slot wins at every rank and size measured (T = 1,
-    R = 64: 1.6 / 1.5 vs 2.2 / 2.1; T = 64, R = 64: 10.9 / 11.0 vs 11.2 / 12.7); two a slot
-    at rank 16 (T = 128: 5.6 / 5.6 vs 5.9 / 7.3) and at 16 tokens (R = 128: 4.9 / 5.2 vs
-    5.8 / 6.7), not at rank 64 from 64 tokens (8.4 / 8.6 vs 7.3 / 8.4)."""
-    if tokens_per_slot == 1:
-        return True
-    small = max(16, next_pow2(rank)) <= 16 or num_tokens <= PER_TOKEN_SMALL_TOKENS
-    return tokens_per_slot == 2 and small
-
-
-PER_TOKEN_K = 128
-"""Hidden columns per per-token shrink program: one k step each, so every program has its
-whole tile of A in flight at once."""
-
-
-def per_token_default(op: str, hidden: int, rank_p: int) -> BlockSizes:
-    """Per-token (BGMV) tiles. H200, session 18 (benchmarks/RESULTS.md), T = 64 with 64
-    adapters (a token each), µs against the segment default: shrink [64-row rank blocks,
-    128-column k ranges, 4 warps] R = 16 / 64 / 128 4.2 / 11.0 / 18.8 vs 5.9 / 11.3 / 19.5;
-    expand [128 columns at rank 16, 64 above] 4.4 / 11.0 / 19.4 vs 7.0 / 12.8 / 21.0."""
-    if op == "shrink":
-        return BlockSizes(
-            per_token=True,
-            block_r=min(rank_p, 64),
-            block_k=PER_TOKEN_K,
-            split_k=max(1, hidden // PER_TOKEN_K),
-            num_stages=1,
-        )
-    return BlockSizes(per_token=True, block_n=128 if rank_p <= 32 else 64, num_stages=1)
-
-
-FUSED_TARGET_PROGRAMS = 132
-"""Fused decode aims for about one live program per SM of an H200 (not yet measured)."""
-
-
-def fused_default(
-    num_tokens: int, hidden: int, rank_p: int, out_features: int, num_slices: int
-) -> BlockSizes:
-    """Fused shrink-expand tiles (untuned guesses; the ops benchmark ``--fused`` sweeps split_n).
-
-    Every program streams x [16, H] and one slot's A [R, H] before its expand
-    tiles, so the k loop is wide (few iterations, 2 stages) with block_k shrinking
-    as the rank grows to keep shared memory under budget. ``split_n`` spreads a
-    slice's column tiles over groups until about FUSED_TARGET_PROGRAMS programs
-    carry work, assuming max(T / 16, min(T, 8)) live token blocks as shrink does.
-    """
-    del hidden
-    block_k = 256 if rank_p <= 32 else 128 if rank_p <= 64 else 64
-    block_n = 128
-    if num_tokens > DECODE_MAX_TOKENS:
-        # Not the fused kernel's regime (the shrink is recomputed per column group).
-        return BlockSizes(block_m=32, block_k=64, block_n=block_n, num_stages=2, split_n=4)
-    live = max(-(-num_tokens // 16), min(num_tokens, 8)) * max(1, num_slices)
-    tiles = max(1, -(-max(out_features, 1) // block_n))
-    want = max(1, FUSED_TARGET_PROGRAMS // live)
-    split_n = min(1 << (want.bit_length() - 1), next_pow2(tiles))  # power of two <= want
-    return BlockSizes(
-        block_m=16, block_k=block_k, block_n=block_n, num_warps=4, num_stages=2, split_n=split_n
-    )

@@ -25,7 +25,7 @@ since the groups of one block run together). That is cheap at decode, where A
 is a few hundred KiB per slot, and it is what buys one launch with no h round
 trip through HBM; it is wasteful for prefill (long runs per slot, many column
 tiles), so use the two-kernel path (`lora_shrink` + `lora_expand`) there.
-``split_n`` trades that recomputation against parallelism (block_sizes.py).
+``split_n`` trades that recomputation against parallelism (tuning.py).
 
 Measured (H200, benchmarks/RESULTS.md "ops", session 3): 26-116 µs per call against
 14-24 µs for the shrink + expand pair at T <= 256 — each program's k loop over the

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 WORK_LIST_BLOCK_MS = (16, 32, 64, 128)
-"""The token-block sizes the default tiles use (block_sizes.py): decode 16, prefill 32-128."""
+"""The token-block sizes the default tiles use (tuning.py): decode 16, prefill 32-128."""
 SEGMENT_BLOCK_M = 128
 """Rows of x per tile of the segment (Mosaic GPU) shrink past ``SEGMENT_MAX_TOKENS``
 tokens: aligned tiles of this many (`segment_block_m`)."""
@@ -64,7 +64,7 @@ SEGMENT_REST_BLOCK_MS = (32, 64)
 """Token blocks of the prefill Triton shrink, which takes the tokens outside pieces."""
 TILES_REST_BLOCK_MS = (16, 32, 64)
 """Token blocks of the prefill Triton expand, which takes the tokens outside whole tiles
-(`tile_items`; block_sizes.py: 16 at rank 16, 32 up to rank 64, 64 at rank 128)."""
+(`tile_items`; tuning.py: 16 at rank 16, 32 up to rank 64, 64 at rank 128)."""
 SEGMENTS_KEY = 0
 """The key of the segment schedule in `build_work_lists`'s dict (no block_m is 0; an int,
 so that the dict's keys sort as a pytree)."""

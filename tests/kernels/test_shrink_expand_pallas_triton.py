@@ -26,7 +26,7 @@ from lora_jax.kernels import (
     lora_shrink,
     lora_shrink_reference,
 )
-from lora_jax.kernels.shrink_expand.block_sizes import long_prefill_shrink
+from lora_jax.kernels.shrink_expand.tuning import long_prefill_shrink
 from lora_jax.kernels.shrink_expand.work_list import (
     WORK_LIST_BLOCK_MS,
     build_work_list,
@@ -97,7 +97,7 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             # from the live blocks: 1 with 8 adapters at 64 tokens, 4 with 64 at 256
             Case(64, 4096, 64, (4096, 1024), jnp.bfloat16, "unsorted", 8),
             Case(256, 4096, 128, (4096,), jnp.bfloat16, "distinct", 256),
-            # long prompts (block_sizes.long_prefill_shrink): rank 16's 128-column k
+            # long prompts (tuning.long_prefill_shrink): rank 16's 128-column k
             # steps; ranks 64 and 128 (T = 4096 above) 64 x 64 tiles of 8 warps on the
             # static grid (48 KiB, over the portable budget); rank 64 from 4096 tokens in
             # 128-column k steps, split 2 ways 4 deep (4096), unsplit 4 deep (8192) or 3
@@ -345,7 +345,7 @@ def test_prefill_shrink_default_fills_the_gpu(num_tokens, rank, budget):
     TARGET_PROGRAMS (never past it by more than 2x), and never splits a long prompt.
     An atomic split is picked at run time from the live blocks (here all full: one
     adapter), capped by split_k."""
-    from lora_jax.kernels.shrink_expand import block_sizes as B
+    from lora_jax.kernels.shrink_expand import tuning as B
 
     with shrink_smem(budget):
         bs = BlockSizes.get_default("shrink", num_tokens=num_tokens, hidden=4096, rank=rank)
@@ -374,7 +374,7 @@ def test_split_partials_are_added_atomically_where_measured_faster():
     """Decode (persistent programs from 16 tokens, the static grid below) and every split
     prefill add their split's partials atomically (session 9: at 2048 tokens the
     partial-sum kernel cost 3 us); a shrink with no split needs neither."""
-    from lora_jax.kernels.shrink_expand import block_sizes as B
+    from lora_jax.kernels.shrink_expand import tuning as B
 
     def get(t, h=4096):
         return BlockSizes.get_default("shrink", num_tokens=t, hidden=h, rank=64)
@@ -411,7 +411,7 @@ def test_session14_defaults_rank16_expand_and_wide_split():
     column tiles (64 columns up to 2048 tokens); longer prompts and higher ranks keep
     their tiles. Below LONG_PREFILL_TOKENS a hidden of 8192 may split 16 ways, each split
     still >= 8 k steps; 4096 stays at 8."""
-    from lora_jax.kernels.shrink_expand import block_sizes as B
+    from lora_jax.kernels.shrink_expand import tuning as B
 
     def expand(t, r=16):
         return BlockSizes.get_default("expand", num_tokens=t, hidden=4096, rank=r)
@@ -434,7 +434,7 @@ def test_session26_prefill_expands_load_y_ahead():
     tile ahead at rank 128 (16 tiles a program from 16384 tokens), and at ranks 16 and 64
     up to SHORT_PREFILL_MAX_TOKENS (rank 64: 64 x 64 tiles, under 8192 columns); shorter
     ones, longer rank-16/64 ones, rank 32 and rank 256 keep their tiles."""
-    from lora_jax.kernels.shrink_expand import block_sizes as B
+    from lora_jax.kernels.shrink_expand import tuning as B
 
     def expand(t, r, width=4096):
         return BlockSizes.get_default("expand", num_tokens=t, hidden=width, rank=r)
@@ -463,7 +463,7 @@ def test_session25_wide_decode_expand_walks_live_blocks():
     """Rank-16/32 decode expands of up to 64 tokens into y of at least
     WIDE_DECODE_EXPAND_COLUMNS columns (a Llama gate_up) walk the live blocks in groups;
     narrower ones, higher ranks, more tokens and the per-token tiles do not."""
-    from lora_jax.kernels.shrink_expand import block_sizes as B
+    from lora_jax.kernels.shrink_expand import tuning as B
 
     def expand(t, width, r, per_token=False):
         return BlockSizes.get_default(
@@ -482,7 +482,7 @@ def test_session16_decode_expand_picks_its_tiles_when_it_runs():
     as many as the live blocks allow (`live_programs`); rank 16 and 16 tokens keep one
     tile a program, prefill a static count; and the pick is the largest power of two that
     leaves `live_programs` programs."""
-    from lora_jax.kernels.shrink_expand import block_sizes as B
+    from lora_jax.kernels.shrink_expand import tuning as B
     from lora_jax.kernels.shrink_expand.pallas_triton import _tiles_per_program
 
     def expand(t, r):
