@@ -232,21 +232,24 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
         if rank_p == 64 and num_tokens >= DEEP_K_R64_MIN_TOKENS:
             return deep_k_rank64_shrink(blocks)
         split = min(max_split, 1 << max(0, (ATOMIC_PROGRAMS // blocks).bit_length() - 1))
-        if split == 1:  # plain stores: no zeroed output either
-            return BlockSizes(
-                block_m=64, block_r=64, block_k=64, num_warps=8, num_stages=3, split_k=1
-            )
-        return BlockSizes(
-            block_m=64,
-            block_r=64,
-            block_k=64,
-            num_warps=8,
-            num_stages=3,
-            split_k=split,
-            atomic_programs=ATOMIC_PROGRAMS,
-            persistent=False,
-        )
+        return square64_tiles(block_k=64, num_stages=3, split=split)
     return None
+
+
+def square64_tiles(*, block_k: int, num_stages: int, split: int) -> BlockSizes:
+    """64 x 64 output tiles of 8 warps, the long-prompt shrink's: a ``split`` > 1 adds its
+    partial sums atomically on the static (block, split) grid, the split picked at run
+    time up to it; a split of 1 stores plainly (no zeroed output either)."""
+    atomic = dict(atomic_programs=ATOMIC_PROGRAMS, persistent=False) if split > 1 else {}
+    return BlockSizes(
+        block_m=64,
+        block_r=64,
+        block_k=block_k,
+        num_warps=8,
+        num_stages=num_stages,
+        split_k=split,
+        **atomic,
+    )
 
 
 def deep_k_rank64_shrink(blocks: int) -> BlockSizes:
@@ -264,20 +267,7 @@ def deep_k_rank64_shrink(blocks: int) -> BlockSizes:
     split = max(1, DEEP_K_R64_PROGRAMS // blocks)
     split = 1 << (split.bit_length() - 1)  # a power of two
     stages = 4 if blocks * split < 2 * DEEP_K_R64_PROGRAMS else 3
-    if split == 1:  # plain stores: no zeroed output either
-        return BlockSizes(
-            block_m=64, block_r=64, block_k=128, num_warps=8, num_stages=stages, split_k=1
-        )
-    return BlockSizes(
-        block_m=64,
-        block_r=64,
-        block_k=128,
-        num_warps=8,
-        num_stages=stages,
-        split_k=split,
-        atomic_programs=ATOMIC_PROGRAMS,
-        persistent=False,
-    )
+    return square64_tiles(block_k=128, num_stages=stages, split=split)
 
 
 PER_TOKEN_SMALL_TOKENS = 16
