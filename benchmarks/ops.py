@@ -22,7 +22,9 @@ prompt tiles and tokens per slot known (session 18: the latter picks the per-tok
 kernels where tokens have adapters of their own); "ours_blind" the same with neither
 known (a mapping built on the device), "ours_pt" the per-token tiles forced, "ours_pf"
 (expand) the default tiles with ``prefetch`` (the next column tile's y loaded ahead),
-"ours_s25" (prefill expand) session 25's default tiles (before the ahead-loads).
+"ours_s25" (prefill expand) session 25's default tiles (before the ahead-loads), "ours_ri"
+(shrink) the default tiles with ``rank_inner`` (a token block's rank blocks launched side
+by side).
 (Session 29's cache-hint variants "ours_es" / "ours_ew" / "ours_eb" are in commit 819b5fc.)
 
     python benchmarks/ops.py --out $OUT            # full grid, prints a table, writes ops.json
@@ -796,6 +798,28 @@ PREFILL_SWEEP = {
         dataclasses.replace(
             PREFILL_BIG, block_r=64, block_k=128, num_stages=3, split_k=2, persistent=False
         ),
+        # 63-66 (session 31): rank 128's two 64-row rank blocks launched side by side
+        # (rank_inner), so the second reads x from L2: [53], [55], [62], [59] so launched
+        BlockSizes(block_m=64, block_r=64, block_k=128, num_stages=3, num_warps=8, rank_inner=True),
+        BlockSizes(block_m=64, block_r=64, block_k=128, num_stages=4, num_warps=8, rank_inner=True),
+        dataclasses.replace(
+            PREFILL_BIG,
+            block_r=64,
+            block_k=128,
+            num_stages=3,
+            split_k=2,
+            persistent=False,
+            rank_inner=True,
+        ),
+        dataclasses.replace(
+            PREFILL_BIG,
+            block_r=64,
+            block_k=128,
+            num_stages=4,
+            split_k=2,
+            persistent=False,
+            rank_inner=True,
+        ),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
@@ -1210,6 +1234,12 @@ def main(argv=None):
             variants.append(
                 ("ours_pf", ours(c, candidates["ours_pf"], prompt_tiles=tiles), w)
             )  # fmt: skip
+        if "ours_ri" in impls and c.op == "shrink":  # the default, rank blocks side by side
+            candidates["ours_ri"] = dataclasses.replace(
+                BlockSizes.get_default(c.op, num_tokens=c.tokens, hidden=c.hidden, rank=c.rank),
+                rank_inner=True,
+            )
+            variants.append(("ours_ri", ours(c, candidates["ours_ri"], prompt_tiles=tiles), w))
         if "ours_s25" in impls and c.op == "expand" and c.tokens > 256:
             candidates["ours_s25"] = session25_prefill_expand(c.tokens, c.rank)
             variants.append(

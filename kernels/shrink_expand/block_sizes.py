@@ -57,6 +57,13 @@ class BlockSizes:
     """Shrink with ``atomic_programs``: about that many programs walk the (block, k range)
     items in turn; if False, the grid is (block, slice, ``split_k`` x rank block) and
     programs past the live blocks or the picked split return at once."""
+    rank_inner: bool = False
+    """Shrink with more than one rank block (``block_r`` < the padded rank): a token
+    block's rank-block programs are neighbours in launch order (grid axis 0 walks (block,
+    rank block) pairs), so they run at the same time and all but the first read the
+    block's x from L2. False: the rank block is the last grid axis, so every block's
+    first rank block launches before any second one, and where x outgrows L2 (16384
+    tokens at H = 4096: 134 MB against 60 MB) the second reads x from HBM again."""
     tiles_n: int = 1
     """Expand: ``block_n`` column tiles one program walks, in a loop.
 

@@ -83,6 +83,24 @@ def _shrink_refs(refs, has_ranks: bool, num_slices: int):
     return ranks_ref, refs[0], refs[1 : 1 + num_slices], refs[1 + num_slices :]
 
 
+def _grid_ids(n_rb: int, rank_inner: bool):
+    """(block or worker, slice, k split, rank block) of this program. The grid is (block,
+    slice, k split x rank block), or with ``rank_inner`` (block x rank block, slice, k
+    split): a block's rank blocks launch side by side (`BlockSizes.rank_inner`). The
+    persistent grid has no k-split axis (its axis 2 has size 1 with ``rank_inner``)."""
+    p0, sid, p2 = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if rank_inner:
+        return p0 // n_rb, sid, p2, p0 % n_rb
+    return p0, sid, p2 // n_rb, p2 % n_rb
+
+
+def _grid(rows: int, num_slices: int, split: int, n_rb: int, rank_inner: bool):
+    """The launch grid that `_grid_ids` reads: ``rows`` blocks (or workers)."""
+    if rank_inner:
+        return (rows * n_rb, num_slices, split)
+    return (rows, num_slices, split * n_rb)
+
+
 def _shrink_kernel(
     tab_ref,  # [4 + block_m, NB] int32 (work_list.py)
     *refs,
@@ -95,10 +113,9 @@ def _shrink_kernel(
     bs: BlockSizes,
 ):
     ranks_ref, x_ref, a_refs, (o_ref,) = _shrink_refs(refs, has_ranks, num_slices)  # [KS, S, T, R]
-    pid, sid, p2 = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm, bk, br = bs.block_m, bs.block_k, bs.block_r
     n_rb = max(16, 1 << (rank - 1).bit_length()) // br
-    ks, rb = p2 // n_rb, p2 % n_rb
+    pid, sid, ks, rb = _grid_ids(n_rb, bs.rank_inner)
     # Program ks reduces hidden columns [ks * chunk, (ks + 1) * chunk).
     chunk = -(-hidden // (bs.split_k * bk)) * bk
     num_k = chunk // bk
@@ -180,10 +197,11 @@ def _shrink_atomic_kernel(
     """
     # The zeroed input that the output [S, T, R] aliases comes before it.
     ranks_ref, x_ref, a_refs, (_, o_ref) = _shrink_refs(refs, has_ranks, num_slices)
-    pid, sid, p2 = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bm, bk, br = bs.block_m, bs.block_k, bs.block_r
     n_rb = max(16, 1 << (rank - 1).bit_length()) // br
-    rb = p2 if persistent else p2 % n_rb  # persistent grid: (worker, slice, rank block)
+    # persistent grid: (worker, slice, rank block); static: (block, slice, k split x rank
+    # block); with rank_inner the rank block moves into axis 0 of either
+    pid, sid, ks, rb = _grid_ids(n_rb, bs.rank_inner)
     steps = -(-hidden // bk)
     k_lim = None if hidden % bk == 0 else hidden  # no k step runs past hidden: no mask
     precision = _dot_precision(compute_dtype)
@@ -227,7 +245,6 @@ def _shrink_atomic_kernel(
                 jax.lax.fori_loop(0, n_mine, item, 0)
 
     else:
-        ks = p2 // n_rb
         for s in range(num_slices):
 
             @pl.when((sid == s) & (pid < n_live) & (ks < split))
@@ -272,9 +289,9 @@ def shrink(x, lora_a, tab, slot_ranks, *, scale: float, bs: BlockSizes, interpre
         )
         zeros = jnp.zeros((num_slices, num_tokens, rank), jnp.float32)
         if bs.persistent:
-            grid = (workers, num_slices, n_rb)
+            grid = _grid(workers, num_slices, 1, n_rb, bs.rank_inner)
         else:
-            grid = (tab.shape[1], num_slices, bs.split_k * n_rb)
+            grid = _grid(tab.shape[1], num_slices, bs.split_k, n_rb, bs.rank_inner)
         return pl.pallas_call(
             kernel,
             out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
@@ -286,7 +303,7 @@ def shrink(x, lora_a, tab, slot_ranks, *, scale: float, bs: BlockSizes, interpre
         )(*inputs, zeros)
     split_k = bs.split_k
     kernel = functools.partial(_shrink_kernel, **params)
-    grid = (tab.shape[1], num_slices, split_k * (rank_p // br))
+    grid = _grid(tab.shape[1], num_slices, split_k, rank_p // br, bs.rank_inner)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split_k, num_slices, num_tokens, rank), jnp.float32),

@@ -93,6 +93,7 @@ class Case:
             f"{'-bgmv' if self.block_sizes and self.block_sizes.per_token else ''}"
             f"{'-groups' if self.block_sizes and self.block_sizes.block_groups else ''}"
             f"{'-prefetch' if self.block_sizes and self.block_sizes.prefetch else ''}"
+            f"{'-rank_inner' if self.block_sizes and self.block_sizes.rank_inner else ''}"
         )
 
 
@@ -116,6 +117,11 @@ _ATOMIC64 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=8, atomic_pro
 _ATOMIC_GRID = BlockSizes(
     block_m=16, block_k=32, block_r=16, split_k=4, atomic_programs=16, persistent=False
 )
+# A block's rank-block programs side by side in launch order (rank 32 in 16-row rank
+# blocks): the partial-sum split, the static atomic grid, persistent atomic workers
+_SPLIT3_RI = dataclasses.replace(_SPLIT3, rank_inner=True)
+_ATOMIC_GRID_RI = dataclasses.replace(_ATOMIC_GRID, rank_inner=True)
+_ATOMIC8_RI = dataclasses.replace(_ATOMIC8, rank_inner=True)
 # Per-token (BGMV) programs: 5 k steps of 32 split 3 ways (uneven, the last past H),
 # rank 32 in two 16-row blocks, 2 column tiles a program; and one k range of 64 columns.
 _BGMV3 = BlockSizes(per_token=True, block_k=32, block_r=16, split_k=3, block_n=16, tiles_n=2)
@@ -180,6 +186,10 @@ CPU_CASES = [
     # last group runs past them (the tile ahead masked), true ranks, unmapped tokens
     Case(24, 64, 16, (48, 20, 20), jnp.bfloat16, "unsorted", block_sizes=_TILES2_PF),
     Case(18, 64, 32, (40, 70), jnp.float32, "sorted", ranked=True, block_sizes=_TILES4_PF),
+    # shrink with a block's rank blocks launched side by side (rank_inner)
+    Case(9, 130, 32, (16, 16), jnp.float32, "unsorted", ranked=True, block_sizes=_SPLIT3_RI),
+    Case(40, 64, 32, (24, 8), jnp.bfloat16, "sorted", 8, block_sizes=_ATOMIC_GRID_RI),
+    Case(20, 130, 32, (16,), jnp.float16, "unsorted", ranked=True, block_sizes=_ATOMIC8_RI),
 ]
 
 # Cases whose kernel path another case already takes (tiles, mapping kind, dtype): they

@@ -47,6 +47,10 @@ _BGMV_ONE = BlockSizes(per_token=True, block_r=64, block_k=256, block_n=128, til
 _GROUPS = BlockSizes(block_m=16, block_n=128, num_stages=2, block_groups=2)
 _PF128 = BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=2)
 _PF64 = BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=1)
+_RI128 = BlockSizes(block_m=64, block_r=64, block_k=128, num_warps=8, num_stages=3, rank_inner=True)
+_RI128_SPLIT = dataclasses.replace(
+    _RI128, split_k=2, atomic_programs=528, persistent=False, num_stages=4
+)
 _BIG_SMEM = 200 * 1024  # what an H100/H200 lets the shrink opt in to (pallas_triton.py)
 
 
@@ -106,6 +110,10 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(4096, 4096, 64, (4096,), jnp.bfloat16, "unsorted", max_loras=8),
             Case(8192, 4096, 64, (1024,), jnp.bfloat16, "one", max_loras=2),
             Case(16384, 2049, 64, (512,), jnp.float16, "unsorted", 8, True),
+            # rank 128's two rank blocks launched side by side (rank_inner): unsplit deep-k
+            # tiles, and the static atomic grid split 2 ways (ragged H, true ranks)
+            Case(4096, 4096, 128, (4096,), jnp.bfloat16, "unsorted", 8, block_sizes=_RI128),
+            Case(2048, 2049, 128, (512,), jnp.float16, "unsorted", 8, True, _RI128_SPLIT),
             # per-token (BGMV) programs: atomic k ranges; wide tiles with true ranks; one
             # k range over a ragged hidden size
             Case(64, 4096, 16, (4096,), jnp.bfloat16, "distinct", 64, block_sizes=_BGMV),
