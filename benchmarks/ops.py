@@ -820,6 +820,10 @@ PREFILL_SWEEP = {
             persistent=False,
             rank_inner=True,
         ),
+        # 67-68 (session 31): the session-9 tiles launched side by side: split up to 8
+        # atomically ([34]'s), and unsplit ([54]'s; rank 128's default from 8192 tokens)
+        dataclasses.replace(PREFILL_BIG, block_r=64, persistent=False, rank_inner=True),
+        BlockSizes(block_m=64, block_r=64, block_k=64, num_stages=3, num_warps=8, rank_inner=True),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),

@@ -545,7 +545,8 @@ def test_host_overhead_runs_and_checks_generator_against_generate(tmp_path):
 def test_rank64_long_prompt_defaults_are_the_measured_candidates(monkeypatch):
     """The rank-64 long-prompt shrink defaults (session 30) are exactly the tile sets that
     benchmarks/RESULTS.md measured as ops.py's PREFILL_SWEEP candidates: [59] at 4096
-    tokens, [55] at 8192, [53] at 16384 (on a GPU that lets a kernel opt in to 200 KiB)."""
+    tokens, [55] at 8192, [53] at 16384 (on a GPU that lets a kernel opt in to 200 KiB);
+    so are rank 128's at 4096 and 16384 tokens (session 31)."""
     import ops
 
     from lora_jax.kernels import BlockSizes
@@ -558,6 +559,10 @@ def test_rank64_long_prompt_defaults_are_the_measured_candidates(monkeypatch):
             for hidden in (4096, 8192):
                 got = BlockSizes.get_default("shrink", num_tokens=tokens, hidden=hidden, rank=64)
                 assert got == ops.PREFILL_SWEEP["shrink"][cand], (tokens, hidden, got)
+        # rank 128 (session 31): [64] at 4096 tokens, [68] at 16384 (rank blocks side by side)
+        for tokens, cand in ((4096, 64), (16384, 68)):
+            got = BlockSizes.get_default("shrink", num_tokens=tokens, hidden=4096, rank=128)
+            assert got == ops.PREFILL_SWEEP["shrink"][cand], (tokens, got)
     finally:
         monkeypatch.delenv("LORA_JAX_TRITON_SMEM_BUDGET")
         pallas_triton.opt_in_smem_budget.cache_clear()

@@ -10,6 +10,8 @@ time. Figures are H200 trace-timed microseconds unless said otherwise.
 
 from __future__ import annotations
 
+import dataclasses
+
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, next_pow2
 
 DECODE_MAX_TOKENS = 256
@@ -231,9 +233,31 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
         blocks = -(-num_tokens // 64) * (rank_p // 64)
         if rank_p == 64 and num_tokens >= DEEP_K_R64_MIN_TOKENS:
             return deep_k_rank64_shrink(blocks)
+        if rank_p == 128:
+            return rank128_long_shrink(blocks, max_split)
         split = min(max_split, 1 << max(0, (ATOMIC_PROGRAMS // blocks).bit_length() - 1))
         return square64_tiles(block_k=64, num_stages=3, split=split)
     return None
+
+
+def rank128_long_shrink(blocks: int, max_split: int) -> BlockSizes:
+    """Rank 128's long-prompt tiles: two 64-row rank blocks a token block, launched side by
+    side (``rank_inner``) so that the second reads the block's x from L2. While the
+    (token block, rank block) programs fit about one wave of one an SM (``blocks`` <=
+    ``DEEP_K_R64_PROGRAMS``: up to 4096 tokens), rank 64's deep-k tiles; past that the
+    64-column k steps, 3 stages (48 KiB: 4 programs an SM), split as far as
+    ATOMIC_PROGRAMS items.
+
+    H200, session 31 (benchmarks/RESULTS.md), shuffled tokens, n = 8 / 64, against the
+    session-9 tiles launched rank block last: T = 16384 56.6 / 68.5 -> 50.2 / 58.0 us
+    (the same tiles, side by side); T = 4096 19.0 / 31.6 -> 18.0 / 27.9 (deep k steps,
+    unsplit, 4 stages). The deep-k tiles at 16384 tokens: 54.1 / 67.2 (3 stages)."""
+    if blocks <= DEEP_K_R64_PROGRAMS:
+        return dataclasses.replace(deep_k_rank64_shrink(blocks), rank_inner=True)
+    split = min(max_split, 1 << max(0, (ATOMIC_PROGRAMS // blocks).bit_length() - 1))
+    return dataclasses.replace(
+        square64_tiles(block_k=64, num_stages=3, split=split), rank_inner=True
+    )
 
 
 def square64_tiles(*, block_k: int, num_stages: int, split: int) -> BlockSizes:

@@ -114,6 +114,10 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             # tiles, and the static atomic grid split 2 ways (ragged H, true ranks)
             Case(4096, 4096, 128, (4096,), jnp.bfloat16, "unsorted", 8, block_sizes=_RI128),
             Case(2048, 2049, 128, (512,), jnp.float16, "unsorted", 8, True, _RI128_SPLIT),
+            # rank 128's long-prompt defaults (session 31): deep k steps split 2 (2048
+            # tokens); 64-column k steps split 2 (8192; ragged H, true ranks)
+            Case(2048, 4096, 128, (4096,), jnp.bfloat16, "unsorted", max_loras=64),
+            Case(8192, 2049, 128, (512,), jnp.float16, "unsorted", 8, True),
             # per-token (BGMV) programs: atomic k ranges; wide tiles with true ranks; one
             # k range over a ragged hidden size
             Case(64, 4096, 16, (4096,), jnp.bfloat16, "distinct", 64, block_sizes=_BGMV),
@@ -414,6 +418,27 @@ def test_split_partials_are_added_atomically_where_measured_faster():
         assert wide.split_k == 1 and wide.atomic_programs == 0  # plain stores, no zeroing
 
 
+def test_session31_rank128_long_prompts_launch_rank_blocks_side_by_side():
+    """Rank 128 from LONG_PREFILL_TOKENS tokens: its two 64-row rank blocks launch side by
+    side; rank 64's deep k steps while the (token block, rank block) programs make about
+    one wave (split 2 at 2048 tokens, unsplit at 4096), then 64-column k steps split to
+    about ATOMIC_PROGRAMS items. Decode and the other ranks keep the rank block last."""
+    from lora_jax.kernels.shrink_expand import tuning as B
+
+    def get(t, rank=128):
+        return BlockSizes.get_default("shrink", num_tokens=t, hidden=4096, rank=rank)
+
+    with shrink_smem(_BIG_SMEM):
+        for t, split, bk, stages in ((2048, 2, 128, 4), (4096, 1, 128, 4), (8192, 2, 64, 3)):
+            bs = get(t)
+            assert bs.rank_inner and (bs.block_m, bs.block_r, bs.num_warps) == (64, 64, 8)
+            assert (bs.split_k, bs.block_k, bs.num_stages) == (split, bk, stages), (t, bs)
+            assert bool(bs.atomic_programs) == (split > 1)
+        assert get(16384).rank_inner and get(16384).split_k == 1 and get(16384).block_k == 64
+        assert not any(get(t).rank_inner for t in (1, 64, 256, B.LONG_PREFILL_TOKENS - 1))
+        assert not any(get(4096, rank).rank_inner for rank in (16, 64))
+
+
 def test_session14_defaults_rank16_expand_and_wide_split():
     """Rank <= 16 prefill expands up to SHORT_PREFILL_MAX_TOKENS use 16-token blocks with 2
     column tiles (64 columns up to 2048 tokens); longer prompts and higher ranks keep
@@ -545,10 +570,15 @@ def test_opt_in_smem_budget_by_compute_capability(monkeypatch, cc, want):
         pallas_triton.opt_in_smem_budget.cache_clear()
 
 
-@pytest.mark.parametrize("rank,t_long", [(16, 2048), (64, 4096), (64, 16384), (128, 2048)], ids=str)
+@pytest.mark.parametrize(
+    "rank,t_long",
+    [(16, 2048), (64, 4096), (64, 16384), (128, 2048), (128, 4096), (128, 8192)],
+    ids=str,
+)
 def test_long_prefill_shrink_tiles(rank, t_long):
     """The long-prompt tiles (sessions 8-9; rank 64's deep k steps, split 2 at 4096 tokens
-    and unsplit from 8192, session 30): chosen only where the GPU allows their shared
+    and unsplit from 8192, session 30; rank 128's rank blocks side by side, on deep k
+    steps up to 4096 tokens, session 31): chosen only where the GPU allows their shared
     memory, and right (interpret mode, ragged hidden size, ranks needing padding)."""
     from lora_jax.kernels.shrink_expand.pallas_triton_shrink import shrink_smem_bytes
 
