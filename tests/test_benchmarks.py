@@ -559,8 +559,9 @@ def test_rank64_long_prompt_defaults_are_the_measured_candidates(monkeypatch):
             for hidden in (4096, 8192):
                 got = BlockSizes.get_default("shrink", num_tokens=tokens, hidden=hidden, rank=64)
                 assert got == ops.PREFILL_SWEEP["shrink"][cand], (tokens, hidden, got)
-        # rank 128 (session 31): [64] at 4096 tokens, [68] at 16384 (rank blocks side by side)
-        for tokens, cand in ((4096, 64), (16384, 68)):
+        # rank 128 (session 31): [64] at 4096 tokens, [63] at 8192, [68] at 16384 (rank
+        # blocks side by side)
+        for tokens, cand in ((4096, 64), (8192, 63), (16384, 68)):
             got = BlockSizes.get_default("shrink", num_tokens=tokens, hidden=4096, rank=128)
             assert got == ops.PREFILL_SWEEP["shrink"][cand], (tokens, got)
     finally:

@@ -243,16 +243,17 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
 def rank128_long_shrink(blocks: int, max_split: int) -> BlockSizes:
     """Rank 128's long-prompt tiles: two 64-row rank blocks a token block, launched side by
     side (``rank_inner``) so that the second reads the block's x from L2. While the
-    (token block, rank block) programs fit about one wave of one an SM (``blocks`` <=
-    ``DEEP_K_R64_PROGRAMS``: up to 4096 tokens), rank 64's deep-k tiles; past that the
-    64-column k steps, 3 stages (48 KiB: 4 programs an SM), split as far as
-    ATOMIC_PROGRAMS items.
+    (token block, rank block) programs fit one wave (``blocks`` <= 2 x
+    ``DEEP_K_R64_PROGRAMS``, two an SM at 3 stages: up to 8192 tokens), rank 64's deep-k
+    tiles; past that the 64-column k steps, 3 stages (48 KiB: 4 programs an SM), split as
+    far as ATOMIC_PROGRAMS items.
 
     H200, session 31 (benchmarks/RESULTS.md), shuffled tokens, n = 8 / 64, against the
     session-9 tiles launched rank block last: T = 16384 56.6 / 68.5 -> 50.2 / 58.0 us
-    (the same tiles, side by side); T = 4096 19.0 / 31.6 -> 18.0 / 27.9 (deep k steps,
-    unsplit, 4 stages). The deep-k tiles at 16384 tokens: 54.1 / 67.2 (3 stages)."""
-    if blocks <= DEEP_K_R64_PROGRAMS:
+    (the same tiles, side by side); T = 4096 19.1 / 31.5 -> 18.1 / 28.2 (deep k steps,
+    unsplit, 4 stages); T = 2048 14.2 / 26.2 -> 12.0 / 27.0 (split 2); T = 8192, n = 8
+    32.5 -> 27.8 (unsplit, 3 stages). The deep-k tiles at 16384 tokens: 54.1 / 67.2."""
+    if blocks <= 2 * DEEP_K_R64_PROGRAMS:
         return dataclasses.replace(deep_k_rank64_shrink(blocks), rank_inner=True)
     split = min(max_split, 1 << max(0, (ATOMIC_PROGRAMS // blocks).bit_length() - 1))
     return dataclasses.replace(

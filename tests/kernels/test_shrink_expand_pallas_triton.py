@@ -115,7 +115,7 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(4096, 4096, 128, (4096,), jnp.bfloat16, "unsorted", 8, block_sizes=_RI128),
             Case(2048, 2049, 128, (512,), jnp.float16, "unsorted", 8, True, _RI128_SPLIT),
             # rank 128's long-prompt defaults (session 31): deep k steps split 2 (2048
-            # tokens); 64-column k steps split 2 (8192; ragged H, true ranks)
+            # tokens), unsplit 3 stages deep (8192; ragged H, true ranks)
             Case(2048, 4096, 128, (4096,), jnp.bfloat16, "unsorted", max_loras=64),
             Case(8192, 2049, 128, (512,), jnp.float16, "unsorted", 8, True),
             # per-token (BGMV) programs: atomic k ranges; wide tiles with true ranks; one
@@ -421,15 +421,15 @@ def test_split_partials_are_added_atomically_where_measured_faster():
 def test_session31_rank128_long_prompts_launch_rank_blocks_side_by_side():
     """Rank 128 from LONG_PREFILL_TOKENS tokens: its two 64-row rank blocks launch side by
     side; rank 64's deep k steps while the (token block, rank block) programs make about
-    one wave (split 2 at 2048 tokens, unsplit at 4096), then 64-column k steps split to
-    about ATOMIC_PROGRAMS items. Decode and the other ranks keep the rank block last."""
+    one wave (split 2 at 2048 tokens, unsplit at 4096 and 8192), then 64-column k steps
+    split to about ATOMIC_PROGRAMS items. Decode and the other ranks keep the rank block last."""
     from lora_jax.kernels.shrink_expand import tuning as B
 
     def get(t, rank=128):
         return BlockSizes.get_default("shrink", num_tokens=t, hidden=4096, rank=rank)
 
     with shrink_smem(_BIG_SMEM):
-        for t, split, bk, stages in ((2048, 2, 128, 4), (4096, 1, 128, 4), (8192, 2, 64, 3)):
+        for t, split, bk, stages in ((2048, 2, 128, 4), (4096, 1, 128, 4), (8192, 1, 128, 3)):
             bs = get(t)
             assert bs.rank_inner and (bs.block_m, bs.block_r, bs.num_warps) == (64, 64, 8)
             assert (bs.split_k, bs.block_k, bs.num_stages) == (split, bk, stages), (t, bs)
