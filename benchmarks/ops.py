@@ -824,6 +824,24 @@ PREFILL_SWEEP = {
         # atomically ([34]'s), and unsplit ([54]'s; rank 128's default from 8192 tokens)
         dataclasses.replace(PREFILL_BIG, block_r=64, persistent=False, rank_inner=True),
         BlockSizes(block_m=64, block_r=64, block_k=64, num_stages=3, num_warps=8, rank_inner=True),
+        # 69-71 (session 31): 1024 tokens at H = 8192 (the general rule's 32 x 64 tiles in
+        # 64-column k steps, 52 % of the roofline at n = 8): 128-column k steps split up to
+        # 8 or 16 ways on 64- and 32-token blocks
+        dataclasses.replace(
+            PREFILL_BIG, block_r=64, block_k=128, num_stages=4, split_k=8, persistent=False
+        ),
+        dataclasses.replace(
+            PREFILL_BIG, block_r=64, block_k=128, num_stages=3, split_k=16, persistent=False
+        ),
+        BlockSizes(
+            block_m=32,
+            block_r=64,
+            block_k=128,
+            num_stages=3,
+            split_k=8,
+            atomic_programs=528,
+            persistent=False,
+        ),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
