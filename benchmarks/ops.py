@@ -842,6 +842,25 @@ PREFILL_SWEEP = {
             atomic_programs=528,
             persistent=False,
         ),
+        # 72-75 (session 31, not yet run): 128-token blocks (half the L2 re-reads of A per
+        # token, which over 8 adapters at 4096 tokens and rank 128 are as many bytes as x's
+        # two reads), rank blocks side by side: 128 x 64 in 128-column k steps unsplit, 3
+        # stages (144 KiB) or split 2; in 64-column k steps 4 stages (96 KiB); 128 x 128
+        # split 2 (one rank block, x read once)
+        BlockSizes(
+            block_m=128, block_r=64, block_k=128, num_stages=3, num_warps=8, rank_inner=True
+        ),
+        dataclasses.replace(
+            PREFILL_BIG,
+            block_m=128,
+            block_r=64,
+            block_k=128,
+            split_k=2,
+            persistent=False,
+            rank_inner=True,
+        ),
+        BlockSizes(block_m=128, block_r=64, block_k=64, num_stages=4, num_warps=8, rank_inner=True),
+        dataclasses.replace(PREFILL_BIG, block_m=128, split_k=2, persistent=False),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
