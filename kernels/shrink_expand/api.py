@@ -30,7 +30,7 @@ from lora_jax.kernels.shrink_expand import (
     routing,
 )
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
-from lora_jax.kernels.shrink_expand.tuning import use_per_token
+from lora_jax.kernels.shrink_expand.tuning_per_token import use_per_token
 from lora_jax.kernels.shrink_expand.work_list import PROMPT_TILES, get_work_list
 
 

@@ -162,7 +162,7 @@ class BlockSizes:
         ``out_features`` is the widest slice and ``num_slices`` the slice count).
         For the expand, ``hidden`` is y's width (all slices).
         ``per_token``: the per-token (BGMV) tiles of a shrink or expand, for steps whose
-        tokens mostly have an adapter of their own (`tuning.per_token_default`).
+        tokens mostly have an adapter of their own (`tuning_per_token.per_token_default`).
         """
         from lora_jax.kernels.shrink_expand.tuning import default_block_sizes
 
