@@ -218,6 +218,37 @@ def test_prefetching_expand_lowers_for_cuda(dtype):
     assert "lora_expand" in text.as_text()
 
 
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        _RI128,
+        _RI128_SPLIT,
+        dataclasses.replace(_DECODE_ATOMIC, rank_inner=True),
+        dataclasses.replace(_DECODE_GRID, rank_inner=True),
+    ],
+    ids=["unsplit", "grid_split", "persistent", "grid"],
+)
+def test_rank_inner_shrink_lowers_for_cuda(tiles):
+    """Each shrink grid with a block's rank blocks side by side (`BlockSizes.rank_inner`)
+    lowers to Triton at rank 128 (two rank blocks of 64), ragged hidden size, true ranks."""
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    num_tokens, hidden, rank, max_loras = 300, 2049, 128, 4
+    meta = make_metadata(np.arange(num_tokens) % max_loras, max_loras)
+    sds = jax.ShapeDtypeStruct
+    x = sds((num_tokens, hidden), jnp.bfloat16)
+    lora_a = (sds((max_loras, rank, hidden), jnp.bfloat16),) * 2
+    ranks = jnp.full((2, max_loras), 100, jnp.int32)
+
+    def step(x, lora_a, meta):
+        return lora_shrink(x, lora_a, **meta, slot_ranks=ranks, block_sizes=tiles)
+
+    with shrink_smem(_BIG_SMEM), abstract_gpu_context():
+        text = jax.jit(step).trace(x, lora_a, meta).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("lora_shrink_atomic" in text) == (tiles.atomic_programs > 0)
+    assert "lora_shrink" in text
+
+
 @pytest.mark.parametrize("relaxed", [True, False], ids=["relaxed", "acq_rel"])
 def test_split_k_adds_lower_relaxed(monkeypatch, relaxed):
     """The atomic split's adds lower to relaxed atomics (Pallas's own add is
