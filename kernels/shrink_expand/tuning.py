@@ -246,20 +246,47 @@ def rank128_long_shrink(blocks: int, max_split: int) -> BlockSizes:
     side (``rank_inner``) so that the second reads the block's x from L2. While the
     (token block, rank block) programs fit one wave (``blocks`` <= 2 x
     ``DEEP_K_R64_PROGRAMS``, two an SM at 3 stages: up to 8192 tokens), rank 64's deep-k
-    tiles; past that the 64-column k steps, 3 stages (48 KiB: 4 programs an SM), split as
-    far as ATOMIC_PROGRAMS items.
+    tiles; from ``WHOLE_RANK_MIN_BLOCKS`` (16384 tokens) the whole rank in one 128 x 128
+    tile (`whole_rank128_shrink`); between, the 64-column k steps, 3 stages (48 KiB: 4
+    programs an SM), split as far as ATOMIC_PROGRAMS items.
 
     H200, session 31 (benchmarks/RESULTS.md), shuffled tokens, n = 8 / 64, against the
     session-9 tiles launched rank block last: T = 16384 56.6 / 68.5 -> 50.2 / 58.0 us
     (the same tiles, side by side); T = 4096 19.1 / 31.5 -> 18.1 / 28.2 (deep k steps,
     unsplit, 4 stages); T = 2048 14.2 / 26.2 -> 12.0 / 27.0 (split 2); T = 8192, n = 8
     32.5 -> 27.8 (unsplit, 3 stages). The deep-k tiles at 16384 tokens: 54.1 / 67.2."""
+    from lora_jax.kernels.shrink_expand.pallas_triton import opt_in_smem_budget
+
+    whole = blocks >= WHOLE_RANK_MIN_BLOCKS and opt_in_smem_budget() >= WHOLE_RANK_SMEM
+    if whole:
+        return whole_rank128_shrink()
     if blocks <= 2 * DEEP_K_R64_PROGRAMS:
         return dataclasses.replace(deep_k_rank64_shrink(blocks), rank_inner=True)
     split = min(max_split, 1 << max(0, (ATOMIC_PROGRAMS // blocks).bit_length() - 1))
     return dataclasses.replace(
         square64_tiles(block_k=64, num_stages=3, split=split), rank_inner=True
     )
+
+
+WHOLE_RANK_MIN_BLOCKS = 512
+"""(64-token block, 64-row rank block) programs of rank 128's split-free 64 x 64 tiles
+from which the shrink takes the whole rank in 128 x 128 tiles instead (16384 tokens:
+128 such tiles, one an SM of an H200)."""
+WHOLE_RANK_SMEM = 4 * 2 * 128 * 64 * 2
+"""Shared memory of `whole_rank128_shrink`'s 4 stages of x's and A's 128 x 64 tiles."""
+
+
+def whole_rank128_shrink() -> BlockSizes:
+    """The rank-128 shrink from 16384 tokens: 128 x 128 output tiles of 8 warps, 4 stages of
+    64-column k steps (128 KiB), unsplit. A program reads its 128 tokens' x once and its
+    adapter's A once, where the side-by-side 64 x 64 tiles read x twice (the second from
+    L2) and A once per 64 tokens: at 16384 tokens over 8 adapters those L2 reads were
+    about 512 MB a call, twice the HBM bytes.
+
+    H200, session 32 (benchmarks/RESULTS.md), shuffled tokens, T = 16384, H = 4096, n = 8
+    / 64: 51.1 / 58.6 -> 43.5 / 55.7 us (81 / 88 % of the roofline). At 4096 tokens (32
+    such tiles, split 2 or 4 to fill the GPU) they lost (n = 64: 28.0 -> 30.5 / 34.5)."""
+    return BlockSizes(block_m=128, block_r=128, block_k=64, num_warps=8, num_stages=4)
 
 
 def square64_tiles(*, block_k: int, num_stages: int, split: int) -> BlockSizes:

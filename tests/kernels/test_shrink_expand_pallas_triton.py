@@ -118,6 +118,9 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             # tokens), unsplit 3 stages deep (8192; ragged H, true ranks)
             Case(2048, 4096, 128, (4096,), jnp.bfloat16, "unsorted", max_loras=64),
             Case(8192, 2049, 128, (512,), jnp.float16, "unsorted", 8, True),
+            # from 16384 tokens the whole rank in one 128 x 128 tile (session 32)
+            Case(16384, 4096, 128, (4096,), jnp.bfloat16, "unsorted", max_loras=8),
+            Case(16384, 2049, 128, (512,), jnp.float16, "unsorted", 64, True),
             # per-token (BGMV) programs: atomic k ranges; wide tiles with true ranks; one
             # k range over a ragged hidden size
             Case(64, 4096, 16, (4096,), jnp.bfloat16, "distinct", 64, block_sizes=_BGMV),
@@ -465,9 +468,36 @@ def test_session31_rank128_long_prompts_launch_rank_blocks_side_by_side():
             assert bs.rank_inner and (bs.block_m, bs.block_r, bs.num_warps) == (64, 64, 8)
             assert (bs.split_k, bs.block_k, bs.num_stages) == (split, bk, stages), (t, bs)
             assert bool(bs.atomic_programs) == (split > 1)
-        assert get(16384).rank_inner and get(16384).split_k == 1 and get(16384).block_k == 64
+        assert get(12288).rank_inner and get(12288).block_k == 64 and get(12288).block_m == 64
         assert not any(get(t).rank_inner for t in (1, 64, 256, B.LONG_PREFILL_TOKENS - 1))
         assert not any(get(4096, rank).rank_inner for rank in (16, 64))
+
+
+def test_session32_rank128_from_16384_tokens_takes_the_whole_rank_a_tile():
+    """Rank 128 from 16384 tokens (`tuning.WHOLE_RANK_MIN_BLOCKS`): one 128 x 128 tile a
+    128-token block (x and A read once a block), 4 stages of 64-column k steps, unsplit;
+    where the GPU does not allow its 128 KiB of shared memory, the side-by-side 64 x 64
+    tiles as before. Rank 64 keeps its tiles."""
+    from lora_jax.kernels.shrink_expand import tuning as B
+    from lora_jax.kernels.shrink_expand.pallas_triton_shrink import shrink_smem_bytes
+
+    def get(t, rank=128, hidden=4096):
+        return BlockSizes.get_default("shrink", num_tokens=t, hidden=hidden, rank=rank)
+
+    with shrink_smem(_BIG_SMEM):
+        for t in (16384 - 63, 16384, 65536):
+            for hidden in (4096, 8192):
+                bs = get(t, hidden=hidden)
+                assert bs == B.whole_rank128_shrink(), (t, hidden, bs)
+        bs = B.whole_rank128_shrink()
+        assert (bs.block_m, bs.block_r, bs.block_k, bs.num_warps) == (128, 128, 64, 8)
+        assert (bs.split_k, bs.atomic_programs, bs.num_stages) == (1, 0, 4)
+        assert shrink_smem_bytes(bs, 2) == B.WHOLE_RANK_SMEM <= _BIG_SMEM
+        assert get(16384 - 64).block_m == 64  # 255 blocks of 64: the side-by-side tiles
+        assert get(16384, rank=64).block_m == 64
+    with shrink_smem(B.WHOLE_RANK_SMEM - 1):
+        small = get(16384)
+        assert small.rank_inner and (small.block_m, small.block_r) == (64, 64)
 
 
 def test_session14_defaults_rank16_expand_and_wide_split():
@@ -603,7 +633,7 @@ def test_opt_in_smem_budget_by_compute_capability(monkeypatch, cc, want):
 
 @pytest.mark.parametrize(
     "rank,t_long",
-    [(16, 2048), (64, 4096), (64, 16384), (128, 2048), (128, 4096), (128, 8192)],
+    [(16, 2048), (64, 4096), (64, 16384), (128, 2048), (128, 4096), (128, 8192), (128, 16384)],
     ids=str,
 )
 def test_long_prefill_shrink_tiles(rank, t_long):
