@@ -873,19 +873,13 @@ PREFILL_SWEEP = {
         # 76-78 (session 32): 128 x 128 output tiles (x read once a 128-token block, A once
         # a block: a quarter of the 64 x 64 tiles' L2 reads of A), 4 stages of 64-column k
         # steps (128 KiB) unsplit or split up to 2 / 4 on the static grid
-        dataclasses.replace(
-            PREFILL_BIG, block_m=128, num_stages=4, split_k=1, atomic_programs=0
-        ),
+        dataclasses.replace(PREFILL_BIG, block_m=128, num_stages=4, split_k=1, atomic_programs=0),
         dataclasses.replace(PREFILL_BIG, block_m=128, num_stages=4, split_k=2, persistent=False),
         dataclasses.replace(PREFILL_BIG, block_m=128, num_stages=4, split_k=4, persistent=False),
         # 79-80 (session 32, after run 1: [76] won at 16384 tokens): 128-column k steps 3
         # stages deep (192 KiB), 64-column k steps 5 deep (160 KiB), unsplit
-        dataclasses.replace(
-            PREFILL_BIG, block_m=128, block_k=128, split_k=1, atomic_programs=0
-        ),
-        dataclasses.replace(
-            PREFILL_BIG, block_m=128, num_stages=5, split_k=1, atomic_programs=0
-        ),
+        dataclasses.replace(PREFILL_BIG, block_m=128, block_k=128, split_k=1, atomic_programs=0),
+        dataclasses.replace(PREFILL_BIG, block_m=128, num_stages=5, split_k=1, atomic_programs=0),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
