@@ -560,8 +560,8 @@ def test_rank64_long_prompt_defaults_are_the_measured_candidates(monkeypatch):
                 got = BlockSizes.get_default("shrink", num_tokens=tokens, hidden=hidden, rank=64)
                 assert got == ops.PREFILL_SWEEP["shrink"][cand], (tokens, hidden, got)
         # rank 128: [64] at 4096 tokens, [63] at 8192 (session 31: rank blocks side by
-        # side), [76] at 16384 (session 32: the whole rank in 128 x 128 tiles)
-        for tokens, cand in ((4096, 64), (8192, 63), (16384, 76)):
+        # side), [80] at 16384 (session 32: the whole rank in 128 x 128 tiles)
+        for tokens, cand in ((4096, 64), (8192, 63), (16384, 80)):
             got = BlockSizes.get_default("shrink", num_tokens=tokens, hidden=4096, rank=128)
             assert got == ops.PREFILL_SWEEP["shrink"][cand], (tokens, got)
     finally:

@@ -28,6 +28,7 @@ from lora_jax.kernels.shrink_expand import (
     pallas_triton_bgmv,
     pallas_triton_shrink,
     routing,
+    tuning,
 )
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 from lora_jax.kernels.shrink_expand.tuning_per_token import use_per_token
@@ -121,7 +122,8 @@ def lora_shrink(
         len(lora_a),
         rank,
     )
-    if block_sizes is None:
+    defaulted = block_sizes is None
+    if defaulted:
         block_sizes = BlockSizes.get_default(
             "shrink",
             num_tokens=num_tokens,
@@ -141,6 +143,8 @@ def lora_shrink(
             interpret=interpret,
         )  # fmt: skip
     tiles = routing.segment_tiles(mosaic, x, lora_a, interpret, prompt_tiles)
+    if tiles is not None and defaulted:
+        block_sizes = tuning.segment_rest_shrink(block_sizes, num_tokens, hidden, rank)
     if tiles is None:
         tab = get_work_list(
             work_lists,

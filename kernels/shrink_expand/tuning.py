@@ -14,6 +14,7 @@ import dataclasses
 
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, next_pow2
 from lora_jax.kernels.shrink_expand.tuning_per_token import per_token_default
+from lora_jax.kernels.shrink_expand.work_list import SEGMENT_REST_BLOCK_MS
 
 DECODE_MAX_TOKENS = 256
 """Static token counts up to this use the decode tiles (small token blocks, split-K)."""
@@ -241,7 +242,7 @@ def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes
     return None
 
 
-def rank128_long_shrink(blocks: int, max_split: int) -> BlockSizes:
+def rank128_long_shrink(blocks: int, max_split: int, *, whole: bool = True) -> BlockSizes:
     """Rank 128's long-prompt tiles: two 64-row rank blocks a token block, launched side by
     side (``rank_inner``) so that the second reads the block's x from L2. While the
     (token block, rank block) programs fit one wave (``blocks`` <= 2 x
@@ -254,11 +255,12 @@ def rank128_long_shrink(blocks: int, max_split: int) -> BlockSizes:
     session-9 tiles launched rank block last: T = 16384 56.6 / 68.5 -> 50.2 / 58.0 us
     (the same tiles, side by side); T = 4096 19.1 / 31.5 -> 18.1 / 28.2 (deep k steps,
     unsplit, 4 stages); T = 2048 14.2 / 26.2 -> 12.0 / 27.0 (split 2); T = 8192, n = 8
-    32.5 -> 27.8 (unsplit, 3 stages). The deep-k tiles at 16384 tokens: 54.1 / 67.2."""
+    32.5 -> 27.8 (unsplit, 3 stages). The deep-k tiles at 16384 tokens: 54.1 / 67.2.
+    ``whole=False``: never the 128 x 128 tiles (`segment_rest_shrink`)."""
     from lora_jax.kernels.shrink_expand.pallas_triton import opt_in_smem_budget
 
-    whole = blocks >= WHOLE_RANK_MIN_BLOCKS and opt_in_smem_budget() >= WHOLE_RANK_SMEM
-    if whole:
+    whole = whole and blocks >= WHOLE_RANK_MIN_BLOCKS
+    if whole and opt_in_smem_budget() >= WHOLE_RANK_SMEM:
         return whole_rank128_shrink()
     if blocks <= 2 * DEEP_K_R64_PROGRAMS:
         return dataclasses.replace(deep_k_rank64_shrink(blocks), rank_inner=True)
@@ -272,21 +274,39 @@ WHOLE_RANK_MIN_BLOCKS = 512
 """(64-token block, 64-row rank block) programs of rank 128's split-free 64 x 64 tiles
 from which the shrink takes the whole rank in 128 x 128 tiles instead (16384 tokens:
 128 such tiles, one an SM of an H200)."""
-WHOLE_RANK_SMEM = 4 * 2 * 128 * 64 * 2
-"""Shared memory of `whole_rank128_shrink`'s 4 stages of x's and A's 128 x 64 tiles."""
+WHOLE_RANK_SMEM = 5 * 2 * 128 * 64 * 2
+"""Shared memory of `whole_rank128_shrink`'s 5 stages of x's and A's 128 x 64 tiles."""
 
 
 def whole_rank128_shrink() -> BlockSizes:
-    """The rank-128 shrink from 16384 tokens: 128 x 128 output tiles of 8 warps, 4 stages of
-    64-column k steps (128 KiB), unsplit. A program reads its 128 tokens' x once and its
+    """The rank-128 shrink from 16384 tokens: 128 x 128 output tiles of 8 warps, 5 stages of
+    64-column k steps (160 KiB), unsplit. A program reads its 128 tokens' x once and its
     adapter's A once, where the side-by-side 64 x 64 tiles read x twice (the second from
     L2) and A once per 64 tokens: at 16384 tokens over 8 adapters those L2 reads were
     about 512 MB a call, twice the HBM bytes.
 
-    H200, session 32 (benchmarks/RESULTS.md), shuffled tokens, T = 16384, H = 4096, n = 8
-    / 64: 51.1 / 58.6 -> 43.5 / 55.7 us (81 / 88 % of the roofline). At 4096 tokens (32
-    such tiles, split 2 or 4 to fill the GPU) they lost (n = 64: 28.0 -> 30.5 / 34.5)."""
-    return BlockSizes(block_m=128, block_r=128, block_k=64, num_warps=8, num_stages=4)
+    H200, session 32 (benchmarks/RESULTS.md), shuffled tokens, H = 4096, against the
+    side-by-side tiles: T = 16384, n = 8 / 64: 51.1 / 58.6 -> 43.5 / 55.7 us with 4
+    stages (81 / 88 % of the roofline), 5 stages 2-4 % faster at n = 8 in three runs
+    (42.1 / 41.9 vs 43.3 / 43.7; T = 32768 81.1 vs 84.5 against 102.5), equal at n = 64.
+    At 8192 tokens (64 such tiles; split 2 to fill the GPU) n = 64 lost (37.2 -> 40.2),
+    at 4096 (split 2 or 4) too (28.0 -> 30.5 / 34.5)."""
+    return BlockSizes(block_m=128, block_r=128, block_k=64, num_warps=8, num_stages=5)
+
+
+def segment_rest_shrink(bs: BlockSizes, num_tokens: int, hidden: int, rank: int) -> BlockSizes:
+    """The default Triton tiles ``bs`` for the tokens that the Mosaic GPU segment shrink
+    leaves to Triton (api.py): the step's ready-made segment schedule lists those tokens
+    in blocks of `SEGMENT_REST_BLOCK_MS` rows only, so the whole-rank 128-token tiles
+    give way to the side-by-side 64 x 64 ones (session 32: with them, 16384 tokens of one
+    adapter rebuilt the schedule in the call, 43.2 -> 80.5 us)."""
+    if bs.block_m in SEGMENT_REST_BLOCK_MS:
+        return bs
+    rank_p = max(16, next_pow2(rank))
+    max_split = max(1, min(PREFILL_MAX_SPLIT_K, hidden // 512))
+    rest = rank128_long_shrink(-(-num_tokens // 64) * (rank_p // 64), max_split, whole=False)
+    assert rest.block_m in SEGMENT_REST_BLOCK_MS, rest
+    return rest
 
 
 def square64_tiles(*, block_k: int, num_stages: int, split: int) -> BlockSizes:

@@ -325,6 +325,58 @@ def test_default_picks_the_segment_shrink_where_measured(monkeypatch, num_tokens
     assert ("mosaic_gpu" in text) == want
 
 
+def test_rest_tokens_keep_the_ready_made_schedule(monkeypatch):
+    """Beside the Mosaic kernel (a faked Hopper GPU), the default Triton tiles for the
+    other tokens have block rows that the step's ready-made schedule lists
+    (`SEGMENT_REST_BLOCK_MS`), so the call builds no schedule of its own; at 16384 tokens,
+    rank 128 the Triton-only default is a 128-row tile (session 32: one adapter's 16384
+    tokens rebuilt the schedule in the call, 43.2 -> 80.5 us)."""
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    from lora_jax.kernels import BlockSizes
+    from lora_jax.kernels.shrink_expand import pallas_triton, pallas_triton_shrink, routing
+
+    num_tokens, hidden, rank = 16384, 512, 128
+    monkeypatch.setattr(mosaic_gpu_shrink, "available", lambda: True)
+    monkeypatch.setenv("LORA_JAX_TRITON_SMEM_BUDGET", str(200 * 1024))
+    pallas_triton.opt_in_smem_budget.cache_clear()
+    seen, built = [], []
+    triton_shrink, build = pallas_triton_shrink.shrink, routing.build_segments
+
+    def spy_shrink(*args, bs, **kw):
+        seen.append(bs)
+        return triton_shrink(*args, bs=bs, **kw)
+
+    def spy_build(*args, **kw):
+        built.append(kw)
+        return build(*args, **kw)
+
+    monkeypatch.setattr(pallas_triton_shrink, "shrink", spy_shrink)
+    monkeypatch.setattr(routing, "build_segments", spy_build)
+    try:
+        whole = BlockSizes.get_default("shrink", num_tokens=num_tokens, hidden=hidden, rank=rank)
+        assert whole.block_m not in work_list.SEGMENT_REST_BLOCK_MS  # the Triton-only tiles
+        idx = np.repeat(np.arange(4), num_tokens // 8)[: num_tokens // 2]
+        idx = np.concatenate([idx, np.arange(num_tokens // 2) % 3])  # prompts, then mixed
+        mapping = make_lora_mapping(jnp.asarray(idx, jnp.int32), 4)
+        assert work_list.SEGMENTS_KEY in mapping.work_lists
+        sds = jax.ShapeDtypeStruct
+        x = sds((num_tokens, hidden), jnp.bfloat16)
+        a = sds((4, rank, hidden), jnp.bfloat16)
+
+        def f(x, a):
+            return lora_shrink(x, (a,), **mapping.shrink_kwargs())
+
+        with abstract_gpu_context():
+            text = jax.jit(f).trace(x, a).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        pallas_triton.opt_in_smem_budget.cache_clear()
+    assert "mosaic_gpu" in text and "triton" in text
+    assert len(seen) == 1 and seen[0].block_m in work_list.SEGMENT_REST_BLOCK_MS, seen
+    assert seen[0].block_r == 64 and seen[0].rank_inner  # the side-by-side rank blocks
+    assert not built  # the mapping's own schedule served the call
+
+
 @pytest.mark.parametrize("rank", [32, 64, 96, 128])
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_default_tiles_fill_shared_memory_but_not_past_it(rank, block_m):
