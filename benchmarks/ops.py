@@ -1277,7 +1277,7 @@ def main(argv=None):
             ]
         if "ours_split" in impls:  # the expand's Mosaic + Triton split, the host silent
             variants.append(("ours_split", ours(c, None, mosaic=True), w))
-        if "ours_triton" in impls:  # the expand without its Mosaic GPU kernel
+        if "ours_triton" in impls:  # the op without its Mosaic GPU kernel
             variants.append(("ours_triton", ours(c, None, prompt_tiles=tiles, mosaic=False), w))
         if "ours_pt" in impls:  # the per-token (BGMV) default tiles
             candidates["ours_pt"] = BlockSizes.get_default(
