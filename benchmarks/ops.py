@@ -880,6 +880,12 @@ PREFILL_SWEEP = {
         # stages deep (192 KiB), 64-column k steps 5 deep (160 KiB), unsplit
         dataclasses.replace(PREFILL_BIG, block_m=128, block_k=128, split_k=1, atomic_programs=0),
         dataclasses.replace(PREFILL_BIG, block_m=128, num_stages=5, split_k=1, atomic_programs=0),
+        # 81-83 (session 32): rank 128 at 4096 tokens (56 % over 8 adapters): the whole rank
+        # on 64-token blocks (x read once, A once a block: 96 MB of L2 reads against the
+        # side-by-side tiles' 128 MB), split 2 or 4 on the static grid, deep pipelines
+        dataclasses.replace(PREFILL_BIG, block_k=128, num_stages=4, split_k=2, persistent=False),
+        dataclasses.replace(PREFILL_BIG, num_stages=5, split_k=2, persistent=False),
+        dataclasses.replace(PREFILL_BIG, num_stages=5, split_k=4, persistent=False),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
