@@ -886,6 +886,12 @@ PREFILL_SWEEP = {
         dataclasses.replace(PREFILL_BIG, block_k=128, num_stages=4, split_k=2, persistent=False),
         dataclasses.replace(PREFILL_BIG, num_stages=5, split_k=2, persistent=False),
         dataclasses.replace(PREFILL_BIG, num_stages=5, split_k=4, persistent=False),
+        # 84-85 (session 32, after run 6: [81] won over 8 adapters, lost over 64): [81]
+        # split only while the live blocks are <= 88 (about one item an SM), and unsplit
+        dataclasses.replace(
+            PREFILL_BIG, block_k=128, num_stages=4, split_k=2, atomic_programs=176, persistent=False
+        ),
+        dataclasses.replace(PREFILL_BIG, block_k=128, num_stages=4, split_k=1, atomic_programs=0),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),

@@ -546,7 +546,7 @@ def test_rank64_long_prompt_defaults_are_the_measured_candidates(monkeypatch):
     """The rank-64 long-prompt shrink defaults (session 30) are exactly the tile sets that
     benchmarks/RESULTS.md measured as ops.py's PREFILL_SWEEP candidates: [59] at 4096
     tokens, [55] at 8192, [53] at 16384 (on a GPU that lets a kernel opt in to 200 KiB);
-    so are rank 128's at 4096 and 8192 tokens (session 31) and 16384 (session 32)."""
+    so are rank 128's at 8192 tokens (session 31), 4096 and 16384 (session 32)."""
     import ops
 
     from lora_jax.kernels import BlockSizes
@@ -559,9 +559,10 @@ def test_rank64_long_prompt_defaults_are_the_measured_candidates(monkeypatch):
             for hidden in (4096, 8192):
                 got = BlockSizes.get_default("shrink", num_tokens=tokens, hidden=hidden, rank=64)
                 assert got == ops.PREFILL_SWEEP["shrink"][cand], (tokens, hidden, got)
-        # rank 128: [64] at 4096 tokens, [63] at 8192 (session 31: rank blocks side by
-        # side), [80] at 16384 (session 32: the whole rank in 128 x 128 tiles)
-        for tokens, cand in ((4096, 64), (8192, 63), (16384, 80)):
+        # rank 128: [84] at 4096 tokens (session 32: the whole rank on 64-token blocks),
+        # [63] at 8192 (session 31: rank blocks side by side), [80] at 16384 (session 32:
+        # the whole rank in 128 x 128 tiles)
+        for tokens, cand in ((4096, 84), (8192, 63), (16384, 80)):
             got = BlockSizes.get_default("shrink", num_tokens=tokens, hidden=4096, rank=128)
             assert got == ops.PREFILL_SWEEP["shrink"][cand], (tokens, got)
     finally:

@@ -8,7 +8,8 @@ One folder per op, Tokamax style: ``reference.py`` is the jnp oracle,
 (Hopper TMA + WGMMA) shrink for prompts' tiles of x, ``mosaic_gpu_expand.py`` the Mosaic
 GPU expand for tiles of y wholly of one slot, ``block_sizes.py`` the tile
 config, ``tuning.py`` its H200 tuning table (``tuning_per_token.py`` the per-token
-kernels' tiles and when a step runs them), ``work_list.py`` the (slot, token block)
+kernels' tiles and when a step runs them, ``tuning_long_shrink.py`` the long-prompt
+shrink's), ``work_list.py`` the (slot, token block)
 schedule shared by backends, ``api.py`` the jitted public functions, ``checks.py`` their
 argument checks, and ``routing.py`` which tokens go to the Mosaic GPU kernels.
 ``pallas_triton_fused.py`` holds the fused decode op `lora_shrink_expand`

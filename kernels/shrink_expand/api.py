@@ -28,7 +28,7 @@ from lora_jax.kernels.shrink_expand import (
     pallas_triton_bgmv,
     pallas_triton_shrink,
     routing,
-    tuning,
+    tuning_long_shrink,
 )
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
 from lora_jax.kernels.shrink_expand.tuning_per_token import use_per_token
@@ -144,7 +144,7 @@ def lora_shrink(
         )  # fmt: skip
     tiles = routing.segment_tiles(mosaic, x, lora_a, interpret, prompt_tiles)
     if tiles is not None and defaulted:
-        block_sizes = tuning.segment_rest_shrink(block_sizes, num_tokens, hidden, rank)
+        block_sizes = tuning_long_shrink.segment_rest_shrink(block_sizes, num_tokens, hidden, rank)
     if tiles is None:
         tab = get_work_list(
             work_lists,

@@ -1,6 +1,7 @@
 """The H200 tuning table: default shrink / expand tiles by op and static shape
 (`BlockSizes.get_default` calls `default_block_sizes`), with the measurements behind each
-rule (benchmarks/RESULTS.md, by session).
+rule (benchmarks/RESULTS.md, by session); the long-prompt shrink's in tuning_long_shrink.py,
+the per-token kernels' in tuning_per_token.py.
 
 The token count ``T`` is static, so the choice between the decode regime (few tokens per
 adapter: small token blocks, the rank split over many programs for parallelism) and the
@@ -10,11 +11,8 @@ time. Figures are H200 trace-timed microseconds unless said otherwise.
 
 from __future__ import annotations
 
-import dataclasses
-
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, next_pow2
 from lora_jax.kernels.shrink_expand.tuning_per_token import per_token_default
-from lora_jax.kernels.shrink_expand.work_list import SEGMENT_REST_BLOCK_MS
 
 DECODE_MAX_TOKENS = 256
 """Static token counts up to this use the decode tiles (small token blocks, split-K)."""
@@ -53,13 +51,6 @@ PREFETCH_MIN_TOKENS = 2048
 (``prefetch``) at rank 128, and at ranks 16 and 64 up to SHORT_PREFILL_MAX_TOKENS (session
 26, H200: 7-12 % faster over 8 adapters at 4096 tokens, up to 12 % at rank 128 and 16384;
 at 1024 tokens over 64 adapters it lost 16-27 %, at rank 64 from 8192 tokens 2-7 %)."""
-DEEP_K_R64_MIN_TOKENS = 4096
-"""From this many tokens the rank-64 long-prompt shrink takes 128-column k steps and splits
-the hidden reduction only up to ``DEEP_K_R64_PROGRAMS`` items (`deep_k_rank64_shrink`;
-measured from 4096 tokens, session 30)."""
-DEEP_K_R64_PROGRAMS = 128
-"""(64-token block, k range) items the rank-64 deep-k shrink aims for: about one an SM of
-an H200 (132 SMs): 2 k ranges at 4096 tokens, none from 8192."""
 WIDE_PREFILL_MAX_SPLIT_K = 16
 """Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
 the hidden size keeps 8 k steps of 64 per split (H >= 8192)."""
@@ -113,6 +104,8 @@ def default_block_sizes(
         # split the hidden reduction until about TARGET_PROGRAMS carry work
         # (H200 sweep, benchmarks/RESULTS.md: T = 1024 36-52 -> 24-39 us).
         if num_tokens >= LONG_PREFILL_TOKENS:
+            from lora_jax.kernels.shrink_expand.tuning_long_shrink import long_prefill_shrink
+
             long = long_prefill_shrink(num_tokens, hidden, rank_p)
             if long is not None:
                 return long
@@ -201,146 +194,6 @@ def default_block_sizes(
     if op == "fused":
         return fused_default(num_tokens, hidden, rank_p, out_features, num_slices)
     raise ValueError(f"BlockSizes.get_default: op={op!r}; expected 'shrink', 'expand' or 'fused'.")
-
-
-def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes | None:
-    """Long-prompt shrink tiles from the session-8 and -9 H200 sweeps
-    (benchmarks/RESULTS.md), or None for the general prefill rule. Those of ranks 64 and
-    128 need 48 KiB of shared memory, used only where the GPU lets the kernel opt in."""
-    from lora_jax.kernels.shrink_expand.pallas_triton import opt_in_smem_budget
-
-    max_split = max(1, min(PREFILL_MAX_SPLIT_K, hidden // 512))  # >= 8 k steps per split
-    if rank_p <= 16:
-        # x-bound: 128-column k steps, 3 stages (36 KiB), the split added atomically.
-        # T = 4096 / 16384: 14.1 / 40.0 -> 12.5 / 36.7 us (n = 1), 15.6 / 41.3 -> 14.6 / 38.6
-        # (n = 64).
-        return BlockSizes(
-            block_m=32,
-            block_r=16,
-            block_k=128,
-            num_stages=3,
-            split_k=max_split,
-            atomic_programs=ATOMIC_PROGRAMS,
-        )
-    if rank_p in (64, 128) and opt_in_smem_budget() >= 3 * 128 * 64 * 2:
-        # 64 x 64 output tiles, 8 warps, 3 stages (48 KiB), the split added atomically,
-        # on the static (block, split) grid. Session 9 (n = 1 / 64): R = 128, T = 2048
-        # 18.6 / 30.1 -> 16.0 / 27.7 us and T = 4096 21.6 / 36.0 -> 21.3 / 34.3 (vs
-        # session 8's 128 x 128 tiles); R = 64 and T = 16384 within 2 % of the tiles
-        # they replace (session 8: T = 16384, R = 64 47.8 -> 43.7 us at n = 1).
-        # The split's cap: what a step with every token mapped picks at run time (the
-        # kernel's pick is ATOMIC_PROGRAMS // live blocks). A larger cap only adds
-        # programs that return at once on the static grid: session 11, T = 16384,
-        # R = 128, split cap 8: 5136 programs, 14 / 16 of them idle, ~4 us.
-        blocks = -(-num_tokens // 64) * (rank_p // 64)
-        if rank_p == 64 and num_tokens >= DEEP_K_R64_MIN_TOKENS:
-            return deep_k_rank64_shrink(blocks)
-        if rank_p == 128:
-            return rank128_long_shrink(blocks, max_split)
-        split = min(max_split, 1 << max(0, (ATOMIC_PROGRAMS // blocks).bit_length() - 1))
-        return square64_tiles(block_k=64, num_stages=3, split=split)
-    return None
-
-
-def rank128_long_shrink(blocks: int, max_split: int, *, whole: bool = True) -> BlockSizes:
-    """Rank 128's long-prompt tiles: two 64-row rank blocks a token block, launched side by
-    side (``rank_inner``) so that the second reads the block's x from L2. While the
-    (token block, rank block) programs fit one wave (``blocks`` <= 2 x
-    ``DEEP_K_R64_PROGRAMS``, two an SM at 3 stages: up to 8192 tokens), rank 64's deep-k
-    tiles; from ``WHOLE_RANK_MIN_BLOCKS`` (16384 tokens) the whole rank in one 128 x 128
-    tile (`whole_rank128_shrink`); between, the 64-column k steps, 3 stages (48 KiB: 4
-    programs an SM), split as far as ATOMIC_PROGRAMS items.
-
-    H200, session 31 (benchmarks/RESULTS.md), shuffled tokens, n = 8 / 64, against the
-    session-9 tiles launched rank block last: T = 16384 56.6 / 68.5 -> 50.2 / 58.0 us
-    (the same tiles, side by side); T = 4096 19.1 / 31.5 -> 18.1 / 28.2 (deep k steps,
-    unsplit, 4 stages); T = 2048 14.2 / 26.2 -> 12.0 / 27.0 (split 2); T = 8192, n = 8
-    32.5 -> 27.8 (unsplit, 3 stages). The deep-k tiles at 16384 tokens: 54.1 / 67.2.
-    ``whole=False``: never the 128 x 128 tiles (`segment_rest_shrink`)."""
-    from lora_jax.kernels.shrink_expand.pallas_triton import opt_in_smem_budget
-
-    whole = whole and blocks >= WHOLE_RANK_MIN_BLOCKS
-    if whole and opt_in_smem_budget() >= WHOLE_RANK_SMEM:
-        return whole_rank128_shrink()
-    if blocks <= 2 * DEEP_K_R64_PROGRAMS:
-        return dataclasses.replace(deep_k_rank64_shrink(blocks), rank_inner=True)
-    split = min(max_split, 1 << max(0, (ATOMIC_PROGRAMS // blocks).bit_length() - 1))
-    return dataclasses.replace(
-        square64_tiles(block_k=64, num_stages=3, split=split), rank_inner=True
-    )
-
-
-WHOLE_RANK_MIN_BLOCKS = 512
-"""(64-token block, 64-row rank block) programs of rank 128's split-free 64 x 64 tiles
-from which the shrink takes the whole rank in 128 x 128 tiles instead (16384 tokens:
-128 such tiles, one an SM of an H200)."""
-WHOLE_RANK_SMEM = 5 * 2 * 128 * 64 * 2
-"""Shared memory of `whole_rank128_shrink`'s 5 stages of x's and A's 128 x 64 tiles."""
-
-
-def whole_rank128_shrink() -> BlockSizes:
-    """The rank-128 shrink from 16384 tokens: 128 x 128 output tiles of 8 warps, 5 stages of
-    64-column k steps (160 KiB), unsplit. A program reads its 128 tokens' x once and its
-    adapter's A once, where the side-by-side 64 x 64 tiles read x twice (the second from
-    L2) and A once per 64 tokens: at 16384 tokens over 8 adapters those L2 reads were
-    about 512 MB a call, twice the HBM bytes.
-
-    H200, session 32 (benchmarks/RESULTS.md), shuffled tokens, H = 4096, against the
-    side-by-side tiles: T = 16384, n = 8 / 64: 51.1 / 58.6 -> 43.5 / 55.7 us with 4
-    stages (81 / 88 % of the roofline), 5 stages 2-4 % faster at n = 8 in three runs
-    (42.1 / 41.9 vs 43.3 / 43.7; T = 32768 81.1 vs 84.5 against 102.5), equal at n = 64.
-    At 8192 tokens (64 such tiles; split 2 to fill the GPU) n = 64 lost (37.2 -> 40.2),
-    at 4096 (split 2 or 4) too (28.0 -> 30.5 / 34.5)."""
-    return BlockSizes(block_m=128, block_r=128, block_k=64, num_warps=8, num_stages=5)
-
-
-def segment_rest_shrink(bs: BlockSizes, num_tokens: int, hidden: int, rank: int) -> BlockSizes:
-    """The default Triton tiles ``bs`` for the tokens that the Mosaic GPU segment shrink
-    leaves to Triton (api.py): the step's ready-made segment schedule lists those tokens
-    in blocks of `SEGMENT_REST_BLOCK_MS` rows only, so the whole-rank 128-token tiles
-    give way to the side-by-side 64 x 64 ones (session 32: with them, 16384 tokens of one
-    adapter rebuilt the schedule in the call, 43.2 -> 80.5 us)."""
-    if bs.block_m in SEGMENT_REST_BLOCK_MS:
-        return bs
-    rank_p = max(16, next_pow2(rank))
-    max_split = max(1, min(PREFILL_MAX_SPLIT_K, hidden // 512))
-    rest = rank128_long_shrink(-(-num_tokens // 64) * (rank_p // 64), max_split, whole=False)
-    assert rest.block_m in SEGMENT_REST_BLOCK_MS, rest
-    return rest
-
-
-def square64_tiles(*, block_k: int, num_stages: int, split: int) -> BlockSizes:
-    """64 x 64 output tiles of 8 warps, the long-prompt shrink's: a ``split`` > 1 adds its
-    partial sums atomically on the static (block, split) grid, the split picked at run
-    time up to it; a split of 1 stores plainly (no zeroed output either)."""
-    atomic = dict(atomic_programs=ATOMIC_PROGRAMS, persistent=False) if split > 1 else {}
-    return BlockSizes(
-        block_m=64,
-        block_r=64,
-        block_k=block_k,
-        num_warps=8,
-        num_stages=num_stages,
-        split_k=split,
-        **atomic,
-    )
-
-
-def deep_k_rank64_shrink(blocks: int) -> BlockSizes:
-    """The rank-64 long-prompt tiles from ``DEEP_K_R64_MIN_TOKENS`` tokens: 64 x 64 output
-    tiles of 8 warps over 128-column k steps, the hidden split only as far as
-    ``DEEP_K_R64_PROGRAMS`` (block, k range) items (``blocks`` 64-token blocks), 4 stages
-    while that leaves one program an SM, 3 where two share one (128 KiB a program no
-    longer fits twice).
-
-    H200, session 30 (benchmarks/RESULTS.md), shuffled tokens, n = 8 / 64, against the
-    64-column k steps split up to ATOMIC_PROGRAMS items: T = 4096 (split 2) 15.3 / 22.1
-    -> 13.7 / 19.7 us; T = 8192 (unsplit) 24.2 / 31.3 -> 21.9 / 28.2; T = 16384 41.0 /
-    48.3 -> 38.2 / 44.3; H = 8192 as much. The long k steps carry the gain: the old k
-    steps unsplit lost everywhere, and 3 stages at 8192 tokens / 4 at 16384 lost."""
-    split = max(1, DEEP_K_R64_PROGRAMS // blocks)
-    split = 1 << (split.bit_length() - 1)  # a power of two
-    stages = 4 if blocks * split < 2 * DEEP_K_R64_PROGRAMS else 3
-    return square64_tiles(block_k=128, num_stages=stages, split=split)
 
 
 FUSED_TARGET_PROGRAMS = 132

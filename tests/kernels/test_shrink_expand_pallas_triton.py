@@ -26,7 +26,7 @@ from lora_jax.kernels import (
     lora_shrink,
     lora_shrink_reference,
 )
-from lora_jax.kernels.shrink_expand.tuning import long_prefill_shrink
+from lora_jax.kernels.shrink_expand.tuning_long_shrink import long_prefill_shrink
 from lora_jax.kernels.shrink_expand.work_list import (
     WORK_LIST_BLOCK_MS,
     build_work_list,
@@ -118,7 +118,11 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             # tokens), unsplit 3 stages deep (8192; ragged H, true ranks)
             Case(2048, 4096, 128, (4096,), jnp.bfloat16, "unsorted", max_loras=64),
             Case(8192, 2049, 128, (512,), jnp.float16, "unsorted", 8, True),
-            # from 16384 tokens the whole rank in one 128 x 128 tile (session 32)
+            # the whole rank on 64-token blocks at 2049-4096 tokens, split 2 while the live
+            # blocks allow (8 adapters) or not (64), and from 16384 tokens in one 128 x 128
+            # tile (session 32)
+            Case(4096, 4096, 128, (4096,), jnp.bfloat16, "unsorted", max_loras=8),
+            Case(3000, 2049, 128, (512,), jnp.float16, "unsorted", 64, True),
             Case(16384, 4096, 128, (4096,), jnp.bfloat16, "unsorted", max_loras=8),
             Case(16384, 2049, 128, (512,), jnp.float16, "unsorted", 64, True),
             # per-token (BGMV) programs: atomic k ranges; wide tiles with true ranks; one
@@ -392,6 +396,7 @@ def test_prefill_shrink_default_fills_the_gpu(num_tokens, rank, budget):
     An atomic split is picked at run time from the live blocks (here all full: one
     adapter), capped by split_k."""
     from lora_jax.kernels.shrink_expand import tuning as B
+    from lora_jax.kernels.shrink_expand import tuning_long_shrink as L
 
     with shrink_smem(budget):
         bs = BlockSizes.get_default("shrink", num_tokens=num_tokens, hidden=4096, rank=rank)
@@ -409,7 +414,7 @@ def test_prefill_shrink_default_fills_the_gpu(num_tokens, rank, budget):
     # split until the GPU is busy (a 128 x 128 tile of 8 warps fills an SM about alone;
     # rank 64's 64 x 64 tiles of 8 warps with deep 128-column k steps from 128 items, one
     # an SM: session 30)
-    deep_k = bs.block_k == 128 and bs.num_warps == 8 and programs >= B.DEEP_K_R64_PROGRAMS
+    deep_k = bs.block_k == 128 and bs.num_warps == 8 and programs >= L.DEEP_K_R64_PROGRAMS
     assert split == 8 or programs >= target // 2 or bs.block_m * bs.block_r >= 128 * 128 or deep_k
     assert num_tokens < 8192 or split <= 2
     assert split <= 4096 // (bs.block_k * 8)  # every split keeps >= 8 k steps
@@ -421,6 +426,7 @@ def test_split_partials_are_added_atomically_where_measured_faster():
     prefill add their split's partials atomically (session 9: at 2048 tokens the
     partial-sum kernel cost 3 us); a shrink with no split needs neither."""
     from lora_jax.kernels.shrink_expand import tuning as B
+    from lora_jax.kernels.shrink_expand import tuning_long_shrink as L
 
     def get(t, h=4096):
         return BlockSizes.get_default("shrink", num_tokens=t, hidden=h, rank=64)
@@ -447,7 +453,7 @@ def test_split_partials_are_added_atomically_where_measured_faster():
             assert (bs.split_k, bs.block_k, bs.num_stages) == (split, 128, stages), (t, bs)
             assert (bs.block_m, bs.block_r, bs.num_warps) == (64, 64, 8)
             assert bool(bs.atomic_programs) == (split > 1) and not bs.persistent or split == 1
-        assert get(B.DEEP_K_R64_MIN_TOKENS - 1).block_k == 64
+        assert get(L.DEEP_K_R64_MIN_TOKENS - 1).block_k == 64
         wide = BlockSizes.get_default("shrink", num_tokens=16384, hidden=4096, rank=128)
         assert wide.split_k == 1 and wide.atomic_programs == 0  # plain stores, no zeroing
 
@@ -455,15 +461,16 @@ def test_split_partials_are_added_atomically_where_measured_faster():
 def test_session31_rank128_long_prompts_launch_rank_blocks_side_by_side():
     """Rank 128 from LONG_PREFILL_TOKENS tokens: its two 64-row rank blocks launch side by
     side; rank 64's deep k steps while the (token block, rank block) programs make about
-    one wave (split 2 at 2048 tokens, unsplit at 4096 and 8192), then 64-column k steps
-    split to about ATOMIC_PROGRAMS items. Decode and the other ranks keep the rank block last."""
+    one wave (split 2 at 2048 tokens, unsplit at 4097-8192; 2049-4096: session 32), then
+    64-column k steps split to about ATOMIC_PROGRAMS items. Decode and the other ranks
+    keep the rank block last."""
     from lora_jax.kernels.shrink_expand import tuning as B
 
     def get(t, rank=128):
         return BlockSizes.get_default("shrink", num_tokens=t, hidden=4096, rank=rank)
 
     with shrink_smem(_BIG_SMEM):
-        for t, split, bk, stages in ((2048, 2, 128, 4), (4096, 1, 128, 4), (8192, 1, 128, 3)):
+        for t, split, bk, stages in ((2048, 2, 128, 4), (4097, 1, 128, 4), (8192, 1, 128, 3)):
             bs = get(t)
             assert bs.rank_inner and (bs.block_m, bs.block_r, bs.num_warps) == (64, 64, 8)
             assert (bs.split_k, bs.block_k, bs.num_stages) == (split, bk, stages), (t, bs)
@@ -474,11 +481,11 @@ def test_session31_rank128_long_prompts_launch_rank_blocks_side_by_side():
 
 
 def test_session32_rank128_from_16384_tokens_takes_the_whole_rank_a_tile():
-    """Rank 128 from 16384 tokens (`tuning.WHOLE_RANK_MIN_BLOCKS`): one 128 x 128 tile a
+    """Rank 128 from 16384 tokens (`WHOLE_RANK_MIN_BLOCKS`): one 128 x 128 tile a
     128-token block (x and A read once a block), 5 stages of 64-column k steps, unsplit;
     where the GPU does not allow its 160 KiB of shared memory, the side-by-side 64 x 64
     tiles as before. Rank 64 keeps its tiles."""
-    from lora_jax.kernels.shrink_expand import tuning as B
+    from lora_jax.kernels.shrink_expand import tuning_long_shrink as B
     from lora_jax.kernels.shrink_expand.pallas_triton_shrink import shrink_smem_bytes
 
     def get(t, rank=128, hidden=4096):
@@ -497,6 +504,37 @@ def test_session32_rank128_from_16384_tokens_takes_the_whole_rank_a_tile():
         assert get(16384, rank=64).block_m == 64
     with shrink_smem(B.WHOLE_RANK_SMEM - 1):
         small = get(16384)
+        assert small.rank_inner and (small.block_m, small.block_r) == (64, 64)
+
+
+def test_session32_rank128_at_2049_to_4096_tokens_takes_the_whole_rank_on_64_rows():
+    """Rank 128 at 2049-4096 tokens (`WHOLE_ROWS_BLOCKS`): the whole rank on 64-token blocks
+    (64 x 128 tiles: x read once a block), 4 stages of 128-column k steps, split 2 on the
+    static grid while the live blocks make at most `WHOLE_ROWS_PROGRAMS` items (the kernel
+    picks it: 8 adapters' ~68 blocks split, 64 adapters' ~100 do not); where the GPU does not
+    allow its 192 KiB, the side-by-side 64 x 64 tiles as before."""
+    from lora_jax.kernels.shrink_expand import tuning_long_shrink as B
+    from lora_jax.kernels.shrink_expand.pallas_triton_shrink import shrink_smem_bytes
+
+    def get(t, rank=128, hidden=4096):
+        return BlockSizes.get_default("shrink", num_tokens=t, hidden=hidden, rank=rank)
+
+    with shrink_smem(_BIG_SMEM):
+        for t in (2049, 3000, 4096):
+            for hidden in (4096, 8192):
+                assert get(t, hidden=hidden) == B.whole_rank128_rows_shrink(), (t, hidden)
+        bs = B.whole_rank128_rows_shrink()
+        assert (bs.block_m, bs.block_r, bs.block_k, bs.num_warps) == (64, 128, 128, 8)
+        assert (bs.split_k, bs.num_stages, bs.persistent) == (2, 4, False)
+        assert bs.atomic_programs == B.WHOLE_ROWS_PROGRAMS
+        # the split the kernel picks from the live blocks (`_shrink_atomic_kernel`)
+        assert min(B.WHOLE_ROWS_PROGRAMS // 68, bs.split_k) == 2
+        assert max(1, B.WHOLE_ROWS_PROGRAMS // 100) == 1
+        assert shrink_smem_bytes(bs, 2) == B.WHOLE_ROWS_SMEM <= _BIG_SMEM
+        assert get(2048).block_r == 64 and get(4097).block_r == 64
+        assert get(4096, rank=64).block_r == 64
+    with shrink_smem(B.WHOLE_ROWS_SMEM - 1):
+        small = get(4096)
         assert small.rank_inner and (small.block_m, small.block_r) == (64, 64)
 
 
