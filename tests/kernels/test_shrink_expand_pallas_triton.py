@@ -26,7 +26,11 @@ from lora_jax.kernels import (
     lora_shrink,
     lora_shrink_reference,
 )
-from lora_jax.kernels.shrink_expand.tuning_long_shrink import long_prefill_shrink
+from lora_jax.kernels.shrink_expand.tuning_long_shrink import (
+    long_prefill_shrink,
+    whole_rank128_rows_shrink,
+    whole_rank128_shrink,
+)
 from lora_jax.kernels.shrink_expand.work_list import (
     WORK_LIST_BLOCK_MS,
     build_work_list,
@@ -232,12 +236,16 @@ def test_prefetching_expand_lowers_for_cuda(dtype):
         _RI128_SPLIT,
         dataclasses.replace(_DECODE_ATOMIC, rank_inner=True),
         dataclasses.replace(_DECODE_GRID, rank_inner=True),
+        whole_rank128_shrink(),
+        whole_rank128_rows_shrink(),
     ],
-    ids=["unsplit", "grid_split", "persistent", "grid"],
+    ids=["unsplit", "grid_split", "persistent", "grid", "whole128", "whole_rows"],
 )
 def test_rank_inner_shrink_lowers_for_cuda(tiles):
     """Each shrink grid with a block's rank blocks side by side (`BlockSizes.rank_inner`)
-    lowers to Triton at rank 128 (two rank blocks of 64), ragged hidden size, true ranks."""
+    lowers to Triton at rank 128 (two rank blocks of 64), ragged hidden size, true ranks;
+    so do session 32's whole-rank tiles (one rank block: 128 x 128 unsplit, 64 x 128 on
+    the static atomic grid)."""
     if not hasattr(jax.jit(lambda v: v), "trace"):
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
     num_tokens, hidden, rank, max_loras = 300, 2049, 128, 4
