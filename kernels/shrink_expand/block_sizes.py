@@ -78,6 +78,11 @@ class BlockSizes:
     issued before h's load). Triton software-pipelines only the loads that feed a dot
     (B's), and the prefill expand waits on its gathered y rows (session 16's probe: 30.8
     -> 21.3 us at T = 4096, R = 128, n = 8 without y's loads). True counts as 1."""
+    prefetch_rows: int = 0
+    """Expand with ``prefetch``: when > 0, only token blocks of at least this many rows
+    load ahead; emptier blocks (many adapters with a few tokens each, where B's bytes
+    dominate) walk their column tiles without it. The choice is made per block when
+    the kernel runs, so one compiled kernel serves both kinds of step."""
     live_programs: int = 0
     """Expand: when > 0, the column tiles one program walks are picked when the kernel
     runs, from the step's live token blocks (the work list's row 3): the most, up to
@@ -139,6 +144,10 @@ class BlockSizes:
         if not 0 <= int(self.prefetch) <= 4:
             raise ValueError(
                 f"BlockSizes.prefetch={self.prefetch}: column tiles loaded ahead, 0 (off) to 4."
+            )
+        if self.prefetch_rows < 0:
+            raise ValueError(
+                f"BlockSizes.prefetch_rows={self.prefetch_rows}: must be >= 0 (0: every block)."
             )
         if self.num_stages < 1:
             raise ValueError(f"BlockSizes.num_stages={self.num_stages}: must be >= 1.")

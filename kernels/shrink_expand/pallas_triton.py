@@ -203,9 +203,12 @@ def _expand_kernel(
             def cols(j):
                 return (first + j) * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
 
+            # Full blocks load ahead; emptier ones (B's bytes dominate) walk plainly.
+            full = nrows >= bs.prefetch_rows if ahead and bs.prefetch_rows else True
             # With the ahead-load, the first tiles' y loads are issued before h's.
             y_first = tuple(
-                load_y_tile(y_ref, rows, cols(i), n_s, off, i < tiles) for i in range(ahead)
+                load_y_tile(y_ref, rows, cols(i), n_s, off, (i < tiles) & full)
+                for i in range(ahead)
             )
             # The tokens' h, loaded once for all of this program's column tiles.
             ht, r_mask = _block_h(h_ref, ranks_ref, s, slot, rows, r, rank, compute_dtype)
@@ -218,22 +221,32 @@ def _expand_kernel(
                 )  # fmt: skip
                 return carry
 
+            def tile_ahead(j, ys):
+                # Tile j + ahead's y is loaded before tile j's B, dot and store, and the
+                # loaded tiles are carried: Triton pipelines only the loads that feed a
+                # dot, and the gathered y rows' loads are what the prefill expand waits on.
+                y_next = load_y_tile(y_ref, rows, cols(j + ahead), n_s, off, j + ahead < tiles)
+                expand_tile(
+                    y_ref, b_refs[s], ht, rows, slot, r, r_mask, cols(j), n_s, off,
+                    compute_dtype, precision, row_ok if mask_rows else None, yt=ys[0],
+                )  # fmt: skip
+                return (*ys[1:], y_next)
+
             if bs.live_programs:  # no tile past the slice: it would move no bytes anyway
                 jax.lax.fori_loop(0, jnp.minimum(per, blocks_s - first), tile, 0)
             elif tiles == 1:
                 tile(0, 0)
-            elif ahead:
-                # Tile j + ahead's y is loaded before tile j's B, dot and store, and the
-                # loaded tiles are carried: Triton pipelines only the loads that feed a
-                # dot, and the gathered y rows' loads are what the prefill expand waits on.
-                def tile_ahead(j, ys):
-                    y_next = load_y_tile(y_ref, rows, cols(j + ahead), n_s, off, j + ahead < tiles)
-                    expand_tile(
-                        y_ref, b_refs[s], ht, rows, slot, r, r_mask, cols(j), n_s, off,
-                        compute_dtype, precision, row_ok if mask_rows else None, yt=ys[0],
-                    )  # fmt: skip
-                    return (*ys[1:], y_next)
+            elif ahead and bs.prefetch_rows:
 
+                @pl.when(full)
+                def _():
+                    jax.lax.fori_loop(0, tiles, tile_ahead, y_first)
+
+                @pl.when(~full)
+                def _():
+                    jax.lax.fori_loop(0, tiles, tile, 0)
+
+            elif ahead:
                 jax.lax.fori_loop(0, tiles, tile_ahead, y_first)
             else:
                 jax.lax.fori_loop(0, tiles, tile, 0)

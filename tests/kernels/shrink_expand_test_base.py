@@ -93,6 +93,7 @@ class Case:
             f"{'-bgmv' if self.block_sizes and self.block_sizes.per_token else ''}"
             f"{'-groups' if self.block_sizes and self.block_sizes.block_groups else ''}"
             f"{'-prefetch' if self.block_sizes and self.block_sizes.prefetch else ''}"
+            f"{'-rows' if self.block_sizes and self.block_sizes.prefetch_rows else ''}"
             f"{'-rank_inner' if self.block_sizes and self.block_sizes.rank_inner else ''}"
         )
 
@@ -103,6 +104,8 @@ _SPLIT4 = BlockSizes(block_m=16, block_k=32, block_r=16, split_k=4)
 _TILES2 = BlockSizes(block_m=16, block_n=16, tiles_n=2, num_stages=2)
 _TILES2_PF = dataclasses.replace(_TILES2, prefetch=1)
 _TILES4_PF = dataclasses.replace(_TILES2, tiles_n=4, prefetch=2)  # two tiles ahead
+# only blocks of at least 12 rows load ahead (~17 tokens a slot: a full block and a tail)
+_TILES4_PF_ROWS = dataclasses.replace(_TILES4_PF, prefetch_rows=12)
 # Column tiles per program picked at run time from the live blocks: up to 4 (a few live
 # blocks x 3 tiles >= 4 x 2 programs), or 1 (no block count reaches 4 x 1000).
 _LIVE_MANY = BlockSizes(block_m=16, block_n=16, tiles_n=4, num_stages=2, live_programs=2)
@@ -186,6 +189,7 @@ CPU_CASES = [
     # last group runs past them (the tile ahead masked), true ranks, unmapped tokens
     Case(24, 64, 16, (48, 20, 20), jnp.bfloat16, "unsorted", block_sizes=_TILES2_PF),
     Case(18, 64, 32, (40, 70), jnp.float32, "sorted", ranked=True, block_sizes=_TILES4_PF),
+    Case(50, 64, 32, (40, 70), jnp.bfloat16, "sorted", 3, True, _TILES4_PF_ROWS),
     # shrink with a block's rank blocks launched side by side (rank_inner)
     Case(9, 130, 32, (16, 16), jnp.float32, "unsorted", ranked=True, block_sizes=_SPLIT3_RI),
     Case(40, 64, 32, (24, 8), jnp.bfloat16, "sorted", 8, block_sizes=_ATOMIC_GRID_RI),
