@@ -203,8 +203,8 @@ def _expand_kernel(
             def cols(j):
                 return (first + j) * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
 
-            # Full blocks load ahead; emptier ones (B's bytes dominate) walk plainly.
-            full = nrows >= bs.prefetch_rows if ahead and bs.prefetch_rows else True
+            # Full blocks load ahead; emptier ones (B's bytes dominate) load in step.
+            full = nrows >= bs.prefetch_rows if bs.prefetch_rows else True
             # With the ahead-load, the first tiles' y loads are issued before h's.
             y_first = tuple(
                 load_y_tile(y_ref, rows, cols(i), n_s, off, (i < tiles) & full)
@@ -225,10 +225,18 @@ def _expand_kernel(
                 # Tile j + ahead's y is loaded before tile j's B, dot and store, and the
                 # loaded tiles are carried: Triton pipelines only the loads that feed a
                 # dot, and the gathered y rows' loads are what the prefill expand waits on.
-                y_next = load_y_tile(y_ref, rows, cols(j + ahead), n_s, off, j + ahead < tiles)
+                # A block that is not full loads each tile in its step instead (the loads
+                # of the other way are masked off: no bytes). One loop either way: two
+                # loops would each get their own pipeline buffers of B.
+                ahead_ok = (j + ahead < tiles) & full
+                y_next = load_y_tile(y_ref, rows, cols(j + ahead), n_s, off, ahead_ok)
+                yt = ys[0]
+                if bs.prefetch_rows:
+                    y_now = load_y_tile(y_ref, rows, cols(j), n_s, off, ~full)
+                    yt = jnp.where(full, yt, y_now)
                 expand_tile(
                     y_ref, b_refs[s], ht, rows, slot, r, r_mask, cols(j), n_s, off,
-                    compute_dtype, precision, row_ok if mask_rows else None, yt=ys[0],
+                    compute_dtype, precision, row_ok if mask_rows else None, yt=yt,
                 )  # fmt: skip
                 return (*ys[1:], y_next)
 
@@ -236,16 +244,6 @@ def _expand_kernel(
                 jax.lax.fori_loop(0, jnp.minimum(per, blocks_s - first), tile, 0)
             elif tiles == 1:
                 tile(0, 0)
-            elif ahead and bs.prefetch_rows:
-
-                @pl.when(full)
-                def _():
-                    jax.lax.fori_loop(0, tiles, tile_ahead, y_first)
-
-                @pl.when(~full)
-                def _():
-                    jax.lax.fori_loop(0, tiles, tile, 0)
-
             elif ahead:
                 jax.lax.fori_loop(0, tiles, tile_ahead, y_first)
             else:
