@@ -970,7 +970,9 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, prefetch=2),
         # 51-58 (session 33): the ahead-load at 1024-2048 tokens only in blocks at least
         # half full (`prefetch_rows`): over 8 adapters it gained (session 26: T = 1024, R =
-        # 128 14.8 -> 13.0 us), over 64 (quarter-full 64-row blocks, B's bytes) it lost
+        # 128 14.8 -> 13.0 us), over 64 (quarter-full 64-row blocks, B's bytes) it lost.
+        # Run 1 had the emptier blocks in a second loop (its own B buffers): lost; run 2
+        # on one loop whose y loads are masked one way or the other
         BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=4, prefetch=1),
         BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=4, prefetch=1, prefetch_rows=32),
         BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=4, prefetch=2, prefetch_rows=32),
@@ -987,6 +989,8 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=1),
         BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=1, prefetch_rows=16),
         BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=4, prefetch=1, prefetch_rows=48),
+        # 59 (session 33, run 2): 32-token blocks ahead from 24 rows
+        BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=1, prefetch_rows=24),
     ],
 }
 
