@@ -991,6 +991,10 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=4, prefetch=1, prefetch_rows=48),
         # 59 (session 33, run 2): 32-token blocks ahead from 24 rows
         BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=1, prefetch_rows=24),
+        # 60-61 (session 33, run 3): [51] (ahead-load, 4 tiles) on twice the programs, or
+        # on one stage of B (less shared memory a program, more programs an SM)
+        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=2, prefetch=1),
+        BlockSizes(block_m=64, block_n=64, num_stages=1, tiles_n=4, prefetch=1),
     ],
 }
 

@@ -51,6 +51,7 @@ _BGMV_ONE = BlockSizes(per_token=True, block_r=64, block_k=256, block_n=128, til
 _GROUPS = BlockSizes(block_m=16, block_n=128, num_stages=2, block_groups=2)
 _PF128 = BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=2)
 _PF64 = BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=1)
+_PF_ROWS = BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=4, prefetch=1, prefetch_rows=32)
 _RI128 = BlockSizes(block_m=64, block_r=64, block_k=128, num_warps=8, num_stages=3, rank_inner=True)
 _RI128_SPLIT = dataclasses.replace(
     _RI128, split_k=2, atomic_programs=528, persistent=False, num_stages=4
@@ -141,6 +142,10 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             # prefill expands loading the next column tile's y ahead (prefetch)
             Case(4096, 4096, 128, (4096,), jnp.bfloat16, "unsorted", 8, block_sizes=_PF128),
             Case(1024, 2049, 64, (4096, 1024, 1024), jnp.float16, "sorted", 8, True, _PF64),
+            # ... only in blocks of at least half their rows (8 adapters: most are full;
+            # 64: most are a quarter full and load in step)
+            Case(1024, 4096, 128, (4096,), jnp.bfloat16, "unsorted", 8, block_sizes=_PF_ROWS),
+            Case(1024, 2049, 128, (4096, 1024), jnp.float16, "unsorted", 64, True, _PF_ROWS),
         ],
         ids=str,
     )
