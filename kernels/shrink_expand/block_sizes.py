@@ -82,7 +82,10 @@ class BlockSizes:
     """Expand with ``prefetch``: when > 0, only token blocks of at least this many rows
     load ahead; emptier blocks (many adapters with a few tokens each, where B's bytes
     dominate) walk their column tiles without it. The choice is made per block when
-    the kernel runs, so one compiled kernel serves both kinds of step."""
+    the kernel runs, so one compiled kernel serves both kinds of step. H200, session 33
+    (benchmarks/RESULTS.md): no default uses it; at 1024 tokens the full blocks lost what
+    the ahead-load alone wins over 8 adapters (rank 128: 12.7-13.0 us with it everywhere,
+    14.7 with it from 32 rows, 14.6 without)."""
     live_programs: int = 0
     """Expand: when > 0, the column tiles one program walks are picked when the kernel
     runs, from the step's live token blocks (the work list's row 3): the most, up to
