@@ -462,7 +462,8 @@ def mexp_err(c: Case, fn, inputs, w, metas) -> float:
 def rexp(c: Case, name: str):
     """The Mosaic GPU row-reduce expand (`row_reduce_expand`, a probe): every mapped
     token, in any order, through the step's ready work list. ``name``: "rexp" or
-    "rexp:block_m:block_n:stages[:store]" (`RowTiles`)."""
+    "rexp:block_m:block_n:stages[:store[:hoist]]" (`RowTiles`; "hoist": the token ids
+    read once per block run)."""
     import row_reduce_expand as mr
 
     f = name.split(":")[1:]
@@ -471,6 +472,8 @@ def rexp(c: Case, name: str):
         kw = dict(block_m=int(f[0]), block_n=int(f[1]), stages=int(f[2]))
     if len(f) > 3:
         kw["store"] = f[3]
+    if len(f) > 4:
+        kw["hoist"] = f[4] == "hoist"
     tiles = mr.RowTiles(**kw)
 
     def expand_one(y, h, b, m):

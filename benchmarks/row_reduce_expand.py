@@ -55,6 +55,10 @@ class RowTiles:
     store: str = "auto"
     """"auto": one box for a block of consecutive rows, a box per row otherwise; "rows":
     a box per row always."""
+    hoist: bool = False
+    """Read the block's token ids once per (block, slice) run, before its column steps,
+    instead of in every step before each row box (session 34: does the issuing loop or
+    the TMA unit set the ~100 cycles a box of session 22?)."""
 
     def __post_init__(self):
         if self.block_m not in (64, 128):
@@ -107,6 +111,13 @@ def _kernel_body(
         slot = wl_ref[0, blk]
         count = wl_ref[2, blk]
         tok0 = wl_ref[4, blk]
+        if tiles.hoist:  # read once, held in registers through the column steps
+            toks = [wl_ref[4 + r, blk] for r in range(bm)]
+            token = toks.__getitem__
+        else:  # read before each row box
+            def token(r):
+                return wl_ref[4 + r, blk]
+
         # Tokens of a slot's run sort in order, so a full block whose last token is
         # tok0 + bm - 1 is the bm consecutive rows from tok0.
         if tiles.store == "auto":
@@ -114,7 +125,7 @@ def _kernel_body(
         else:
             whole = jnp.bool_(False)
 
-        def with_bufs(h_rows, h_tile, bar_rows, bar_tile, o_rows, o_tile):
+        def with_bufs(h_tile, bar_rows, bar_tile, o_tile):
             @pl.when(whole)
             def _():
                 plgpu.copy_gmem_to_smem(h_ref.at[s, pl.ds(tok0, bm)], h_tile, bar_tile)
@@ -123,12 +134,10 @@ def _kernel_body(
             @pl.when(~whole)
             def _():
                 for r in range(bm):
-                    tok = wl_ref[4 + r, blk]
                     plgpu.copy_gmem_to_smem(
-                        h_ref.at[s, pl.ds(tok, 1)], h_rows.at[pl.ds(r, 1)], bar_rows
+                        h_ref.at[s, pl.ds(token(r), 1)], h_tile.at[pl.ds(r, 1)], bar_rows
                     )
                 plgpu.barrier_wait(bar_rows)
-                h_tile[...] = h_rows[...]
 
             hv = h_tile[...].astype(jnp.float32)
             if has_ranks:  # rank columns past the slot's true rank add nothing
@@ -158,13 +167,13 @@ def _kernel_body(
 
                 @pl.when(~whole)
                 def _():
-                    o = o_rows.at[j % 2]
+                    o = o_tile.at[j % 2]
                     o[...] = acc
                     plgpu.commit_smem()
                     for r in range(bm):
                         plgpu.copy_smem_to_gmem(
                             o.at[pl.ds(r, 1)],
-                            y_ref.at[pl.ds(wl_ref[4 + r, blk], 1), pl.ds(col, bn)],
+                            y_ref.at[pl.ds(token(r), 1), pl.ds(col, bn)],
                             predicate=r < count,
                             commit_group=r == bm - 1,
                             reduction_op="add",
@@ -181,10 +190,8 @@ def _kernel_body(
         pl.run_scoped(
             with_bufs,
             plgpu.SMEM((bm, rank), h_ref.dtype),
-            plgpu.SMEM((bm, rank), h_ref.dtype),
             plgpu.Barrier(num_arrivals=bm),
             plgpu.Barrier(num_arrivals=1),
-            plgpu.SMEM((2, bm, bn), dtype),
             plgpu.SMEM((2, bm, bn), dtype),
         )
 
