@@ -54,7 +54,9 @@ class RowTiles:
     """Programs of the persistent grid; 0: one per SM."""
     store: str = "auto"
     """"auto": one box for a block of consecutive rows, a box per row otherwise; "rows":
-    a box per row always."""
+    a box per row always. Session 34's probes of plain row boxes: "rows_plain" stores
+    each row plainly (y := the product: wrong by design, timed only); "rows_ld" loads
+    y's rows (one box each, in the step, not ahead), adds, and stores them plainly."""
     hoist: bool = False
     """Read the block's token ids once per (block, slice) run, before its column steps,
     instead of in every step before each row box (session 34: does the issuing loop or
@@ -67,8 +69,10 @@ class RowTiles:
             raise ValueError(f"RowTiles.block_n={self.block_n}: use 64, 128 or 256.")
         if self.stages < 2:
             raise ValueError(f"RowTiles.stages={self.stages}: must be >= 2.")
-        if self.store not in ("auto", "rows"):
-            raise ValueError(f"RowTiles.store={self.store!r}: use 'auto' or 'rows'.")
+        if self.store not in ("auto", "rows", "rows_plain", "rows_ld"):
+            raise ValueError(
+                f"RowTiles.store={self.store!r}: use 'auto', 'rows', 'rows_plain' or 'rows_ld'."
+            )
 
 
 def supported(y_dtype, b_dtype, y_shape, widths, offsets, rank: int, tiles: RowTiles):
@@ -125,7 +129,7 @@ def _kernel_body(
         else:
             whole = jnp.bool_(False)
 
-        def with_bufs(h_tile, bar_rows, bar_tile, o_tile):
+        def with_bufs(h_tile, bar_rows, bar_tile, o_tile, y_rows, bar_y):
             @pl.when(whole)
             def _():
                 plgpu.copy_gmem_to_smem(h_ref.at[s, pl.ds(tok0, bm)], h_tile, bar_tile)
@@ -168,7 +172,20 @@ def _kernel_body(
                 @pl.when(~whole)
                 def _():
                     o = o_tile.at[j % 2]
-                    o[...] = acc
+                    if tiles.store == "rows_ld":
+                        for r in range(bm):
+                            plgpu.copy_gmem_to_smem(
+                                y_ref.at[pl.ds(token(r), 1), pl.ds(col, bn)],
+                                y_rows.at[pl.ds(r, 1)],
+                                bar_y,
+                                predicate=r < count,
+                            )
+                        plgpu.barrier_wait(bar_y)
+                        o[...] = (
+                            acc.astype(jnp.float32) + y_rows[...].astype(jnp.float32)
+                        ).astype(dtype)
+                    else:
+                        o[...] = acc
                     plgpu.commit_smem()
                     for r in range(bm):
                         plgpu.copy_smem_to_gmem(
@@ -176,7 +193,7 @@ def _kernel_body(
                             y_ref.at[pl.ds(token(r), 1), pl.ds(col, bn)],
                             predicate=r < count,
                             commit_group=r == bm - 1,
-                            reduction_op="add",
+                            reduction_op="add" if tiles.store in ("auto", "rows") else None,
                         )
 
             plgpu.emit_pipeline(
@@ -193,6 +210,8 @@ def _kernel_body(
             plgpu.Barrier(num_arrivals=bm),
             plgpu.Barrier(num_arrivals=1),
             plgpu.SMEM((2, bm, bn), dtype),
+            plgpu.SMEM((bm, bn) if tiles.store == "rows_ld" else (8, 8), dtype),
+            plgpu.Barrier(num_arrivals=bm),
         )
 
     walk_slice_runs(
