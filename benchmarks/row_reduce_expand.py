@@ -119,6 +119,7 @@ def _kernel_body(
             toks = [wl_ref[4 + r, blk] for r in range(bm)]
             token = toks.__getitem__
         else:  # read before each row box
+
             def token(r):
                 return wl_ref[4 + r, blk]
 
@@ -181,9 +182,9 @@ def _kernel_body(
                                 predicate=r < count,
                             )
                         plgpu.barrier_wait(bar_y)
-                        o[...] = (
-                            acc.astype(jnp.float32) + y_rows[...].astype(jnp.float32)
-                        ).astype(dtype)
+                        o[...] = (acc.astype(jnp.float32) + y_rows[...].astype(jnp.float32)).astype(
+                            dtype
+                        )
                     else:
                         o[...] = acc
                     plgpu.commit_smem()
