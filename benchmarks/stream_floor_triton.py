@@ -2,7 +2,9 @@
 
 Triton loads x with plain (cp.async) loads from every thread rather than TMA boxes.
 ``triton_x_only`` streams x's tiles and sums each row (so every byte is used);
-``triton_full`` is the one-adapter shrink: x @ A.T over the same tiles.
+``triton_full`` is the one-adapter shrink: x @ A.T over the same tiles;
+``triton_x_acc`` streams x's tiles into an elementwise f32 sum in registers (no cross-lane
+work until each program's end, no dot: the loads alone, the way XLA's fusions read).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-VARIANTS = ("triton_full", "triton_x_only")
+VARIANTS = ("triton_full", "triton_x_only", "triton_x_acc")
 
 
 def tile_kernel(
@@ -24,7 +26,8 @@ def tile_kernel(
     tokens = x.shape[0]
     rank, hidden = a.shape
     steps = hidden // block_k // split
-    width = 1 if variant == "triton_x_only" else rank
+    width = rank if variant == "triton_full" else 1
+    acc_shape = (block_m, block_k) if variant == "triton_x_acc" else (block_m, width)
 
     def body(x_ref, a_ref, o_ref):
         tile, part = pl.program_id(0), pl.program_id(1)
@@ -35,9 +38,13 @@ def tile_kernel(
             xt = x_ref[rows, cols]
             if variant == "triton_x_only":
                 return acc + jnp.sum(xt.astype(jnp.float32), axis=1, keepdims=True)
+            if variant == "triton_x_acc":
+                return acc + xt.astype(jnp.float32)
             return acc + plt.dot(xt, a_ref[:, cols], trans_b=True)
 
-        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, width), jnp.float32))
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(acc_shape, jnp.float32))
+        if variant == "triton_x_acc":
+            acc = jnp.sum(acc, axis=1, keepdims=True)
         o_ref[part, rows, :] = jnp.broadcast_to(acc, (block_m, rank))
 
     out = pl.pallas_call(
