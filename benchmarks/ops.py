@@ -895,6 +895,17 @@ PREFILL_SWEEP = {
             PREFILL_BIG, block_k=128, num_stages=4, split_k=2, atomic_programs=176, persistent=False
         ),
         dataclasses.replace(PREFILL_BIG, block_k=128, num_stages=4, split_k=1, atomic_programs=0),
+        # 86-89 (session 35, not yet run): the rank-16 shrink at 4096 tokens with fewer
+        # atomic adds. Its split-4 dot over rectangles runs 10.5 us alone; the 262 K adds
+        # of its partials at the programs' common end (and the memset) take it to 11.6.
+        # Split 2 on 8 warps (x streams at 10.4 us so), the same in 256-column k steps,
+        # split 4 on 8 warps, split 2 on 4 warps; all on the static grid.
+        dataclasses.replace(PREFILL_R16, num_warps=8, atomic_programs=264, persistent=False),
+        dataclasses.replace(
+            PREFILL_R16, block_k=256, num_warps=8, atomic_programs=264, persistent=False
+        ),
+        dataclasses.replace(PREFILL_R16, num_warps=8, persistent=False),
+        dataclasses.replace(PREFILL_R16, atomic_programs=264, persistent=False),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
