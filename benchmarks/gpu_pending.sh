@@ -1079,8 +1079,13 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
       --variants "" --triton-variants triton_full --triton-tiles \
       16:256:4:4:1,16:128:4:6:1,32:128:4:6:1,16:512:4:3:1,32:256:4:4:1,64:128:8:4:1,32:128:4:3:4 \
       --out "$OUT/xfull35b.json" ;;
-  r16c36)  # owed (session 35's lead): the rank-16 shrink at 4096 tokens with fewer atomic
-    # adds (PREFILL_SWEEP["shrink"] 86-89) against the default and [56]
+  r16c36)  # owed (session 35's lead): where the rank-16 shrink's ~1 us over the rectangle
+    # dot goes at 4096 tokens: the same dot adding its partials atomically, and also reading
+    # its first row from a table first (the library's work-list round trip); then the
+    # library with fewer atomic adds (PREFILL_SWEEP["shrink"] 86-89) against the default
+    step rect36 120 python3 -P benchmarks/stream_floor.py --tokens 4096 --ranks 16,64 \
+      --variants "" --triton-variants triton_full,triton_full_atomic,triton_full_dep \
+      --triton-tiles 32:128:4:3:4,64:128:4:3:4 --out "$OUT/rect36.json"
     step r16c36 150 "${OPS[@]}" --sweep --sweep-set prefill --candidates 56,86,87,88,89 \
       --ops shrink --tokens 4096,16384 --hiddens 4096 --ranks 16 --adapters 1,8,64 --impls ours \
       --time-budget 135 --out "$OUT/r16c36" ;;

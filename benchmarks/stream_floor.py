@@ -169,8 +169,11 @@ def main():
                     )  # noqa: E731
                 elif name.startswith("triton"):
                     bm, bk, nw, st, sp = map(int, tiles)
+                    atomic = name in stream_floor_triton.ATOMIC_VARIANTS
                     fn = functools.partial(
-                        stream_floor_triton.tile_kernel,
+                        stream_floor_triton.tile_kernel_atomic
+                        if atomic
+                        else stream_floor_triton.tile_kernel,
                         variant=name,
                         block_m=bm,
                         block_k=bk,
@@ -197,7 +200,8 @@ def main():
                     )
                 err = float("nan")
                 try:
-                    if name in ("full", "dense", "triton_full"):
+                    checked = ("full", "dense", "triton_full", *stream_floor_triton.ATOMIC_VARIANTS)
+                    if name in checked:
                         got = jax.jit(fn)(xs[0], ws[0])
                         err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
                     f = jax.jit(lambda xl, wl, fn=fn: [fn(x, w) for x, w in zip(xl, wl)])

@@ -14,6 +14,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 VARIANTS = ("triton_full", "triton_x_only", "triton_x_acc")
+ATOMIC_VARIANTS = ("triton_full_atomic", "triton_full_dep")
+"""The dot over the same tiles, each split's partial added atomically (relaxed) into a
+zeroed [T, R] output as the library's shrink adds its own; ``triton_full_dep`` also reads
+its block's first row from a table in memory before its first load of x, as the library's
+programs read their work list (a dependent round trip before x streams)."""
 
 
 def tile_kernel(
@@ -54,6 +59,45 @@ def tile_kernel(
         compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
     )(x, a)
     return out.sum(0)
+
+
+def tile_kernel_atomic(
+    x, a, *, variant: str, block_m: int, block_k: int, warps: int, stages: int, split: int
+):
+    """`ATOMIC_VARIANTS`: one program per (tile, hidden split), its partial added into the
+    zeroed f32 [T, R] output (no partial-sum kernel after it)."""
+    from jax.experimental.pallas import triton as plt
+
+    from lora_jax.kernels.shrink_expand.pallas_triton_shrink import _add_to
+
+    tokens = x.shape[0]
+    rank, hidden = a.shape
+    steps = hidden // block_k // split
+    starts = jnp.arange(tokens // block_m, dtype=jnp.int32) * block_m
+
+    def body(t_ref, x_ref, a_ref, _, o_ref):
+        tile, part = pl.program_id(0), pl.program_id(1)
+        first = t_ref[tile] if variant == "triton_full_dep" else tile * block_m
+        rows = pl.ds(pl.multiple_of(first, block_m), block_m)
+
+        def step(k, acc):
+            cols = pl.ds(pl.multiple_of((part * steps + k) * block_k, block_k), block_k)
+            return acc + plt.dot(x_ref[rows, cols], a_ref[:, cols], trans_b=True)
+
+        acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, rank), jnp.float32))
+        ids = first + jnp.arange(block_m, dtype=jnp.int32)
+        mask = jnp.broadcast_to((ids < tokens)[:, None], (block_m, rank))
+        idx = (ids[:, None], jnp.arange(rank, dtype=jnp.int32)[None, :])
+        _add_to(o_ref, idx, acc, mask, interpret=False)
+
+    zeros = jnp.zeros((tokens, rank), jnp.float32)
+    return pl.pallas_call(
+        body,
+        out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
+        grid=(tokens // block_m, split),
+        input_output_aliases={3: 0},
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+    )(starts, x, a, zeros)
 
 
 # The one-adapter ops over rectangles of consecutive tokens, for `ops.py --impls rect`
