@@ -441,6 +441,48 @@ def test_stream_floor_kernels_lower_for_cuda():
         assert "mosaic_gpu" in text, variant
 
 
+def test_triton_stream_probes_lower_for_cuda():
+    """stream_floor_triton's Triton variants (session 35's elementwise x stream and the
+    atomic rectangle dots among them) lower for CUDA, one Triton kernel each; their
+    numbers are checked on the GPU (stream_floor.py checks the dots against x @ A.T)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    import stream_floor_triton as sft
+    import triton_ptx
+
+    x = jax.ShapeDtypeStruct((256, 1024), jnp.bfloat16)
+    a = jax.ShapeDtypeStruct((16, 1024), jnp.bfloat16)
+    for variant in sft.VARIANTS + sft.ATOMIC_VARIANTS:
+        fn = sft.tile_kernel_atomic if variant in sft.ATOMIC_VARIANTS else sft.tile_kernel
+        f = functools.partial(
+            fn, variant=variant, block_m=32, block_k=128, warps=4, stages=3, split=2
+        )
+        with triton_ptx.abstract_h200():
+            text = jax.jit(f).trace(x, a).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("xla.gpu.triton") == 1, variant
+
+
+def test_triton_ptx_keeps_each_kernels_ir(tmp_path):
+    """benchmarks/triton_ptx.py keeps the Triton IR of the library's kernels for a shape,
+    with the launch's warps and stages (PTX only where PyPI's triton is installed)."""
+    import jax
+
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    import triton_ptx
+
+    triton_ptx.main(["--op", "shrink", "--tokens", "256", "--hidden", "512", "--rank", "16",
+                     "--adapters", "4", "--out", str(tmp_path)])  # fmt: skip
+    (ttir,) = tmp_path.glob("*.ttir")
+    assert "lora_shrink" in ttir.name
+    assert "tt.dot" in ttir.read_text() and "tt.func" in ttir.read_text()
+
+
 @pytest.mark.slow  # ~10 s; the default itself: tests/kernels/test_expand_mosaic_gpu.py
 def test_ops_mosaic_expand_probe_and_variants(tmp_path, monkeypatch):
     """`ops.py --impls mexp:…` runs only where its tiles hold every token, parses its
