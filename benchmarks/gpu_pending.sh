@@ -1082,11 +1082,12 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
   r16c36)  # owed (session 35's lead): where the rank-16 shrink's ~1 us over the rectangle
     # dot goes at 4096 tokens: the same dot adding its partials atomically, and also reading
     # its first row from a table first (the library's work-list round trip); then the
-    # library with fewer atomic adds (PREFILL_SWEEP["shrink"] 86-89) against the default
+    # library with fewer atomic adds (PREFILL_SWEEP["shrink"] 86-89) or no read of the live
+    # block count (90-92: BlockSizes.live_split=False) against the default
     step rect36 120 python3 -P benchmarks/stream_floor.py --tokens 4096 --ranks 16,64 \
       --variants "" --triton-variants triton_full,triton_full_atomic,triton_full_dep \
       --triton-tiles 32:128:4:3:4,64:128:4:3:4 --out "$OUT/rect36.json"
-    step r16c36 150 "${OPS[@]}" --sweep --sweep-set prefill --candidates 56,86,87,88,89 \
+    step r16c36 150 "${OPS[@]}" --sweep --sweep-set prefill --candidates 56,86,87,88,89,90,91,92 \
       --ops shrink --tokens 4096,16384 --hiddens 4096 --ranks 16 --adapters 1,8,64 --impls ours \
       --time-budget 135 --out "$OUT/r16c36" ;;
   s34b)  # session 34, run 2: do plain TMA row boxes cost what reduce-add row boxes do?

@@ -906,6 +906,15 @@ PREFILL_SWEEP = {
         ),
         dataclasses.replace(PREFILL_R16, num_warps=8, persistent=False),
         dataclasses.replace(PREFILL_R16, atomic_programs=264, persistent=False),
+        # 90-92 (session 35, not yet run): the same without the read of the live block
+        # count (BlockSizes.live_split=False: the split fixed, x's loads one round trip
+        # after the program starts instead of two): split 4 over persistent workers and
+        # on the static grid, split 2 on 8 warps
+        dataclasses.replace(PREFILL_R16, split_k=4, live_split=False),
+        dataclasses.replace(PREFILL_R16, split_k=4, live_split=False, persistent=False),
+        dataclasses.replace(
+            PREFILL_R16, split_k=2, num_warps=8, atomic_programs=264, live_split=False
+        ),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),

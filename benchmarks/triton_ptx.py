@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import lora_jax as lj  # noqa: E402
 from lora_jax.kernels import lora_expand, lora_shrink  # noqa: E402
@@ -114,8 +115,19 @@ def main(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--adapters", type=int, default=1, help="distinct adapters, shuffled")
     p.add_argument("--slots", type=int, default=64)
+    p.add_argument(
+        "--candidate",
+        type=int,
+        default=None,
+        help="the tiles of ops.py's PREFILL_SWEEP[op][N] instead of the library's default",
+    )
     p.add_argument("--out", default="triton_ptx")
     a = p.parse_args(argv)
+    tiles = None
+    if a.candidate is not None:
+        import ops
+
+        tiles = ops.PREFILL_SWEEP[a.op][a.candidate]
     os.makedirs(a.out, exist_ok=True)
     idx = np.random.default_rng(0).integers(0, a.adapters, a.tokens).astype(np.int32)
     mapping = lj.make_lora_mapping(idx, a.slots)
@@ -128,7 +140,7 @@ def main(argv=None):
         )
 
         def fn(x, lora_a):
-            return lora_shrink(x, (lora_a,), **kw)
+            return lora_shrink(x, (lora_a,), **kw, block_sizes=tiles)
 
     else:
         kw = mapping.expand_kwargs()
@@ -139,7 +151,7 @@ def main(argv=None):
         )
 
         def fn(y, lora_h, lora_b):
-            return lora_expand(y, lora_h, (lora_b,), offsets=(0,), **kw)
+            return lora_expand(y, lora_h, (lora_b,), offsets=(0,), **kw, block_sizes=tiles)
 
     if a.op == "shrink" and not os.environ.get("LORA_JAX_TRITON_SMEM_BUDGET"):
         # The shrink's tiles on an H200 use the shared memory its SMs opt in to; off a GPU

@@ -53,6 +53,14 @@ class BlockSizes:
     items exist (``split_k`` caps it): 8 live blocks get 8 times the split of 64. The f32
     summation order, not what is read, varies from run to run (as in vLLM's split-K).
     """
+    live_split: bool = True
+    """Shrink with ``atomic_programs``: the split is picked when the kernel runs, from the
+    step's live block count (the work list's row 3), which every program reads before its
+    own entry. False: the split is ``split_k``, fixed, and a program reads only its own
+    block's entry (blocks past the mapped ones have no rows, or the slot -1, and add
+    nothing), so x's loads wait on one round trip to memory instead of two. Session 35
+    (benchmarks/RESULTS.md): at 4096 tokens, rank 16, the shrink over rectangles of x runs
+    10.5 us alone where the library's kernel takes ~11.2 with the same tiles."""
     persistent: bool = True
     """Shrink with ``atomic_programs``: about that many programs walk the (block, k range)
     items in turn; if False, the grid is (block, slice, ``split_k`` x rank block) and

@@ -189,7 +189,8 @@ def _shrink_atomic_kernel(
     interpret: bool,
 ):
     """Split-K with atomic adds; the split is picked here from the step's n_live blocks
-    so that about ``workers`` (block, k range) items exist per (slice, rank block).
+    so that about ``workers`` (block, k range) items exist per (slice, rank block), or
+    without ``bs.live_split`` it is ``bs.split_k`` over every block of the list.
 
     persistent: worker w (grid axis 0) takes items w, w + workers, ... in turn.
     Otherwise the grid is (block, slice, k split x rank block), as `_shrink_kernel`'s,
@@ -205,9 +206,15 @@ def _shrink_atomic_kernel(
     steps = -(-hidden // bk)
     k_lim = None if hidden % bk == 0 else hidden  # no k step runs past hidden: no mask
     precision = _dot_precision(compute_dtype)
-    n_live = tab_ref[3, 0]
-    split = jnp.clip(jax.lax.div(jnp.int32(workers), jnp.maximum(n_live, 1)), 1, bs.split_k)
-    chunk = jax.lax.div(steps + split - 1, split)  # k steps per item
+    if bs.live_split:
+        n_live = tab_ref[3, 0]
+        split = jnp.clip(jax.lax.div(jnp.int32(workers), jnp.maximum(n_live, 1)), 1, bs.split_k)
+        chunk = jax.lax.div(steps + split - 1, split)  # k steps per item
+        n_items = n_live * split
+    else:  # no read of the live count: every block of the list, split_k ways
+        split = bs.split_k
+        chunk = -(-steps // split)
+        n_items = tab_ref.shape[1] * split
     r = rb * br + jnp.arange(br, dtype=jnp.int32)  # [br]
 
     def do_item(s: int, blk, ks):
@@ -215,6 +222,10 @@ def _shrink_atomic_kernel(
         r_lim = _true_rank(ranks_ref, s, slot, rank)
         first = ks * chunk
         n_steps = jnp.clip(steps - first, 0, chunk)
+        live = rb * br < r_lim  # a rank block wholly past the slot's rank: 0
+        if not bs.live_split:  # the list's tail (no rows) and unmapped tokens (slot -1)
+            live = live & (nrows > 0) & (slot >= 0)
+            slot = jnp.maximum(slot, 0)
 
         def body(kk, acc):
             k = (first + kk) * bk + jnp.arange(bk, dtype=jnp.int32)  # [bk]
@@ -222,7 +233,7 @@ def _shrink_atomic_kernel(
                 x_ref, a_refs[s], rows, slot, r, r < r_lim, k, k_lim, compute_dtype, precision
             )
 
-        @pl.when(rb * br < r_lim)  # a rank block wholly past the slot's rank: 0
+        @pl.when(live)
         def _():
             acc = jax.lax.fori_loop(0, n_steps, body, jnp.zeros((bm, br), jnp.float32))
             mask = jnp.broadcast_to((r < rank)[None, :], (bm, br))
@@ -232,7 +243,7 @@ def _shrink_atomic_kernel(
             _add_to(o_ref, idx, acc * jnp.float32(scale), mask, interpret)
 
     if persistent:
-        n_mine = jax.lax.div(jnp.maximum(n_live * split - pid, 0) + workers - 1, workers)
+        n_mine = jax.lax.div(jnp.maximum(n_items - pid, 0) + workers - 1, workers)
         for s in range(num_slices):
 
             @pl.when(sid == s)
@@ -246,8 +257,11 @@ def _shrink_atomic_kernel(
 
     else:
         for s in range(num_slices):
+            run = (sid == s) & (ks < split)
+            if bs.live_split:
+                run = run & (pid < n_live)
 
-            @pl.when((sid == s) & (pid < n_live) & (ks < split))
+            @pl.when(run)
             def _(s=s):
                 do_item(s, pid, ks)
 

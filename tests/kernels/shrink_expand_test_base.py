@@ -95,6 +95,7 @@ class Case:
             f"{'-prefetch' if self.block_sizes and self.block_sizes.prefetch else ''}"
             f"{'-rows' if self.block_sizes and self.block_sizes.prefetch_rows else ''}"
             f"{'-rank_inner' if self.block_sizes and self.block_sizes.rank_inner else ''}"
+            f"{'-fixed_split' if self.block_sizes and not self.block_sizes.live_split else ''}"
         )
 
 
@@ -125,6 +126,12 @@ _ATOMIC_GRID = BlockSizes(
 _SPLIT3_RI = dataclasses.replace(_SPLIT3, rank_inner=True)
 _ATOMIC_GRID_RI = dataclasses.replace(_ATOMIC_GRID, rank_inner=True)
 _ATOMIC8_RI = dataclasses.replace(_ATOMIC8, rank_inner=True)
+# The split fixed at split_k (3 ways over 5 k steps: uneven), no read of the live count:
+# the list's tail and unmapped tokens' blocks skip themselves (live_split=False)
+_STATIC_SPLIT = BlockSizes(
+    block_m=16, block_k=32, block_r=16, split_k=3, atomic_programs=8, live_split=False
+)
+_STATIC_SPLIT_GRID = dataclasses.replace(_STATIC_SPLIT, persistent=False)
 # Per-token (BGMV) programs: 5 k steps of 32 split 3 ways (uneven, the last past H),
 # rank 32 in two 16-row blocks, 2 column tiles a program; and one k range of 64 columns.
 _BGMV3 = BlockSizes(per_token=True, block_k=32, block_r=16, split_k=3, block_n=16, tiles_n=2)
@@ -194,6 +201,11 @@ CPU_CASES = [
     Case(9, 130, 32, (16, 16), jnp.float32, "unsorted", ranked=True, block_sizes=_SPLIT3_RI),
     Case(40, 64, 32, (24, 8), jnp.bfloat16, "sorted", 8, block_sizes=_ATOMIC_GRID_RI),
     Case(20, 130, 32, (16,), jnp.float16, "unsorted", ranked=True, block_sizes=_ATOMIC8_RI),
+    # atomic split-K at a fixed split (live_split=False): persistent workers and the static
+    # grid, unmapped tokens and ranks, every token unmapped
+    Case(40, 130, 32, (24, 8), jnp.bfloat16, "unsorted", 8, True, _STATIC_SPLIT),
+    Case(24, 130, 16, (16, 16), jnp.float32, "unsorted", block_sizes=_STATIC_SPLIT_GRID),
+    Case(8, 64, 16, (32,), jnp.float32, "none", block_sizes=_STATIC_SPLIT_GRID),
 ]
 
 # Cases whose kernel path another case already takes (tiles, mapping kind, dtype): they

@@ -175,8 +175,22 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
         dataclasses.replace(_DECODE_ATOMIC, block_n=32, tiles_n=4, live_programs=8),
         _BGMV,
         dataclasses.replace(_BGMV, split_k=1, block_k=64, block_n=32, tiles_n=4),
+        dataclasses.replace(_DECODE_ATOMIC, split_k=4, live_split=False),
+        dataclasses.replace(_DECODE_GRID, split_k=4, live_split=False),
     ],
-    ids=["split", "atomic", "grid", "default", "long128", "long64", "live", "bgmv", "bgmv1"],
+    ids=[
+        "split",
+        "atomic",
+        "grid",
+        "default",
+        "long128",
+        "long64",
+        "live",
+        "bgmv",
+        "bgmv1",
+        "fixed_split",
+        "fixed_split_grid",
+    ],  # fmt: skip
 )
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_lowers_for_cuda(dtype, tiles):
