@@ -1089,7 +1089,10 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
       --triton-tiles 32:128:4:3:4,64:128:4:3:4 --out "$OUT/rect36.json"
     step r16c36 150 "${OPS[@]}" --sweep --sweep-set prefill --candidates 56,86,87,88,89,90,91,92 \
       --ops shrink --tokens 4096,16384 --hiddens 4096 --ranks 16 --adapters 1,8,64 --impls ours \
-      --time-budget 135 --out "$OUT/r16c36" ;;
+      --time-budget 135 --out "$OUT/r16c36"
+    step r64c36 120 "${OPS[@]}" --sweep --sweep-set prefill --candidates 59,84,93,94 \
+      --ops shrink --tokens 4096 --hiddens 4096 --ranks 64,128 --adapters 8,64 --impls ours \
+      --time-budget 105 --out "$OUT/r64c36" ;;
   s34b)  # session 34, run 2: do plain TMA row boxes cost what reduce-add row boxes do?
     # rows_plain stores y := the product (wrong by design: ":copy", timed unchecked);
     # rows_ld loads y's rows in the step, adds, stores them plainly (checked)

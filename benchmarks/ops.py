@@ -915,6 +915,26 @@ PREFILL_SWEEP = {
         dataclasses.replace(
             PREFILL_R16, split_k=2, num_warps=8, atomic_programs=264, live_split=False
         ),
+        # 93-94 (session 35, not yet run): the 4096-token defaults of ranks 64 ([59]) and
+        # 128 ([84], whose live split is 2 up to 88 live blocks, else 1) at a fixed split of 2
+        dataclasses.replace(
+            PREFILL_BIG,
+            block_r=64,
+            block_k=128,
+            num_stages=4,
+            split_k=2,
+            persistent=False,
+            live_split=False,
+        ),
+        dataclasses.replace(
+            PREFILL_BIG,
+            block_k=128,
+            num_stages=4,
+            split_k=2,
+            atomic_programs=176,
+            persistent=False,
+            live_split=False,
+        ),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
