@@ -1084,6 +1084,9 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
     # its first row from a table first (the library's work-list round trip); then the
     # library with fewer atomic adds (PREFILL_SWEEP["shrink"] 86-89) or no read of the live
     # block count (90-92: BlockSizes.live_split=False) against the default
+    JAX_DEFAULT_MATMUL_PRECISION=highest step fixed36_tests 150 \
+      python3 -P -m pytest tests/kernels/test_shrink_expand_pallas_triton.py -m gpu -q \
+      -p no:cacheprovider -k fixed_split
     step rect36 120 python3 -P benchmarks/stream_floor.py --tokens 4096 --ranks 16,64 \
       --variants "" --triton-variants triton_full,triton_full_atomic,triton_full_dep \
       --triton-tiles 32:128:4:3:4,64:128:4:3:4 --out "$OUT/rect36.json"

@@ -56,6 +56,10 @@ _RI128 = BlockSizes(block_m=64, block_r=64, block_k=128, num_warps=8, num_stages
 _RI128_SPLIT = dataclasses.replace(
     _RI128, split_k=2, atomic_programs=528, persistent=False, num_stages=4
 )
+# the prefill rank-16 tiles at a fixed split of 4, no read of the live count (session 35)
+_FIXED_R16 = BlockSizes(
+    block_m=32, block_r=16, block_k=128, split_k=4, atomic_programs=528, live_split=False
+)
 _BIG_SMEM = 200 * 1024  # what an H100/H200 lets the shrink opt in to (pallas_triton.py)
 
 
@@ -146,6 +150,10 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             # 64: most are a quarter full and load in step)
             Case(1024, 4096, 128, (4096,), jnp.bfloat16, "unsorted", 8, block_sizes=_PF_ROWS),
             Case(1024, 2049, 128, (4096, 1024), jnp.float16, "unsorted", 64, True, _PF_ROWS),
+            # the atomic shrink at a fixed split (live_split=False): unmapped tokens' and the
+            # list tail's blocks skip themselves
+            Case(4096, 4096, 16, (4096,), jnp.bfloat16, "unsorted", 64, block_sizes=_FIXED_R16),
+            Case(3000, 2049, 16, (512, 256), jnp.float16, "sorted", 8, True, _FIXED_R16),
         ],
         ids=str,
     )
