@@ -935,6 +935,15 @@ PREFILL_SWEEP = {
             persistent=False,
             live_split=False,
         ),
+        # 95-97 (session 36, after run 1: live_split=False gained 0.1-0.2 us; the fixed
+        # split's items now run a static trip count): the rectangle probe's best tiles
+        # (64-token blocks, 4 warps, 3 stages, split 4: 10.35 us with its adds at T = 4096)
+        # on the static grid and over persistent workers, and [91] on 8 warps
+        dataclasses.replace(PREFILL_R16, block_m=64, split_k=4, live_split=False, persistent=False),
+        dataclasses.replace(PREFILL_R16, block_m=64, split_k=4, live_split=False),
+        dataclasses.replace(
+            PREFILL_R16, split_k=4, num_warps=8, live_split=False, persistent=False
+        ),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),

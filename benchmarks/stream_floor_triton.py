@@ -14,11 +14,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 VARIANTS = ("triton_full", "triton_x_only", "triton_x_acc")
-ATOMIC_VARIANTS = ("triton_full_atomic", "triton_full_dep")
+ATOMIC_VARIANTS = ("triton_full_atomic", "triton_full_dep", "triton_full_rows")
 """The dot over the same tiles, each split's partial added atomically (relaxed) into a
 zeroed [T, R] output as the library's shrink adds its own; ``triton_full_dep`` also reads
 its block's first row from a table in memory before its first load of x, as the library's
-programs read their work list (a dependent round trip before x streams)."""
+programs read their work list (a dependent round trip before x streams);
+``triton_full_rows`` reads all its block's rows from a column of a [4 + block_m, blocks]
+table, as the library's work list holds them, and gathers x's tiles by those rows."""
 
 
 def tile_kernel(
@@ -74,18 +76,31 @@ def tile_kernel_atomic(
     rank, hidden = a.shape
     steps = hidden // block_k // split
     starts = jnp.arange(tokens // block_m, dtype=jnp.int32) * block_m
+    if variant == "triton_full_rows":  # the work list's layout: row 4 + i holds row i
+        starts = jnp.concatenate(
+            [jnp.zeros((4, starts.shape[0]), jnp.int32), starts + jnp.arange(block_m)[:, None]]
+        )
 
     def body(t_ref, x_ref, a_ref, _, o_ref):
         tile, part = pl.program_id(0), pl.program_id(1)
-        first = t_ref[tile] if variant == "triton_full_dep" else tile * block_m
-        rows = pl.ds(pl.multiple_of(first, block_m), block_m)
+        if variant == "triton_full_rows":
+            ids = t_ref[4 + jnp.arange(block_m, dtype=jnp.int32), tile]
+            rows = ids[:, None]
+        else:
+            first = t_ref[tile] if variant == "triton_full_dep" else tile * block_m
+            rows = pl.ds(pl.multiple_of(first, block_m), block_m)
+            ids = first + jnp.arange(block_m, dtype=jnp.int32)
 
         def step(k, acc):
             cols = pl.ds(pl.multiple_of((part * steps + k) * block_k, block_k), block_k)
-            return acc + plt.dot(x_ref[rows, cols], a_ref[:, cols], trans_b=True)
+            if variant == "triton_full_rows":
+                kk = (part * steps + k) * block_k + jnp.arange(block_k, dtype=jnp.int32)
+                xt = plt.load(x_ref.at[rows, kk[None, :]])
+            else:
+                xt = x_ref[rows, cols]
+            return acc + plt.dot(xt, a_ref[:, cols], trans_b=True)
 
         acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, rank), jnp.float32))
-        ids = first + jnp.arange(block_m, dtype=jnp.int32)
         mask = jnp.broadcast_to((ids < tokens)[:, None], (block_m, rank))
         idx = (ids[:, None], jnp.arange(rank, dtype=jnp.int32)[None, :])
         _add_to(o_ref, idx, acc, mask, interpret=False)

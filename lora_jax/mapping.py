@@ -58,8 +58,10 @@ class LoRAMapping:
     prompt_tiles: str | None = dataclasses.field(default=None, metadata=dict(static=True))
     # Static, found on the host like ``prompt_tiles``: mapped tokens per active slot,
     # bucketed (`TOKENS_PER_SLOT`): 1 (every mapped token has a slot of its own), 2 (two
-    # on average at most), 0 (more, or no mapped token); None: not known. The kernels
-    # run a program per token where that is faster (a decode step of many adapters).
+    # on average at most), 64 (at least 64 on average), 0 (between, or no mapped token);
+    # None: not known. The kernels run a program per token where that is faster (a
+    # decode step of many adapters), and fill their token blocks knowing it (a prefill
+    # of a few adapters: `lora_jax.kernels` tuning.AHEAD_TOKENS_PER_SLOT).
     tokens_per_slot: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     # Static, found on the host like ``prompt_tiles``: "none", "some" or "all" of the
     # mapped tokens lie in aligned tiles of y wholly of one slot (`lora_jax.kernels`
@@ -183,9 +185,10 @@ def make_lora_mapping(
     )
 
 
-TOKENS_PER_SLOT = (0, 1, 2)
+TOKENS_PER_SLOT = (0, 1, 2, 64)
 """`LoRAMapping.tokens_per_slot` buckets: 1 every mapped token's slot is its own, 2 at
-most two mapped tokens per active slot on average, 0 more (or nothing mapped)."""
+most two mapped tokens per active slot on average, 64 at least 64 on average, 0 between
+(or nothing mapped)."""
 
 
 def host_tokens_per_slot(token_lora_indices, max_loras: int) -> int:
@@ -196,13 +199,15 @@ def host_tokens_per_slot(token_lora_indices, max_loras: int) -> int:
         1
         >>> host_tokens_per_slot(np.array([0, 0, 1]), 4)  # 1.5 tokens per active slot
         2
+        >>> host_tokens_per_slot(np.repeat([0, 1, 2], 100), 4)  # 100 per active slot
+        64
     """
     idx = np.asarray(token_lora_indices).reshape(-1)
     mapped = idx[(idx >= 0) & (idx < max_loras)]
     if mapped.size == 0:
         return 0
     per = mapped.size / np.unique(mapped).size
-    return 1 if per <= 1 else 2 if per <= 2 else 0
+    return 1 if per <= 1 else 2 if per <= 2 else 64 if per >= 64 else 0
 
 
 @functools.partial(jax.jit, static_argnames=("max_loras", "segments"))

@@ -121,7 +121,7 @@ def test_writing_a_slot_leaves_other_slots_bit_identical(kind):
 )
 def test_dp_shards_keep_the_steps_flags(monkeypatch, tokens, want):
     """With tokens split over dp = 2, each shard rebuilds its mapping: it keeps the step's
-    ``is_prefill`` and ``tokens_per_slot`` (a hint; here 0: many tokens a slot), and its
+    ``is_prefill`` and ``tokens_per_slot`` (a hint; here 64 or 0: many tokens a slot), and its
     ``prompt_tiles`` and ``whole_tiles`` where its share is whole 128-token tiles (else None:
     not known); the output still matches the dense reference."""
     import lora_jax.layers.base as base_mod
@@ -147,7 +147,10 @@ def test_dp_shards_keep_the_steps_flags(monkeypatch, tokens, want):
         return layer(x)
 
     y = f(layer, x, mapping)
-    assert seen == [dict(is_prefill=True, prompt_tiles=want, tokens_per_slot=0, whole_tiles=want)]
+    per_slot = 64 if tokens // 4 >= 64 else 0  # the step's 3 mapped slots' tokens each
+    assert seen == [
+        dict(is_prefill=True, prompt_tiles=want, tokens_per_slot=per_slot, whole_tiles=want)
+    ]
     ref = dense_reference(layer, weights, adapters, x, idx)
     rtol, atol = TOL[jnp.float32]
     np.testing.assert_allclose(logical_output(layer, y), ref, rtol=rtol, atol=atol)

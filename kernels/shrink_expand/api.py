@@ -284,6 +284,8 @@ def lora_expand(
             hidden=width,
             rank=rank,
             per_token=use_per_token(tokens_per_slot, rank, num_tokens),
+            # the blocks' fill, where every token goes to the Triton kernel
+            tokens_per_slot=tokens_per_slot if prompt_tiles == "none" else None,
         )
     ranks = None if slot_ranks is None else slot_ranks.astype(jnp.int32)
     if block_sizes.per_token:

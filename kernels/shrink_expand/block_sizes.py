@@ -174,6 +174,7 @@ class BlockSizes:
         out_features: int = 0,
         num_slices: int = 1,
         per_token: bool = False,
+        tokens_per_slot: int | None = None,
     ) -> BlockSizes:
         """Tuned defaults for H200 (see benchmarks/RESULTS.md), by op and static shape:
         `tuning.default_block_sizes`, whose rules carry their measurements.
@@ -183,6 +184,8 @@ class BlockSizes:
         For the expand, ``hidden`` is y's width (all slices).
         ``per_token``: the per-token (BGMV) tiles of a shrink or expand, for steps whose
         tokens mostly have an adapter of their own (`tuning_per_token.per_token_default`).
+        ``tokens_per_slot``: the host's hint of the expand's token-block fill
+        (`tuning.AHEAD_TOKENS_PER_SLOT`).
         """
         from lora_jax.kernels.shrink_expand.tuning import default_block_sizes
 
@@ -194,4 +197,5 @@ class BlockSizes:
             out_features=out_features,
             num_slices=num_slices,
             per_token=per_token,
+            tokens_per_slot=tokens_per_slot,
         )

@@ -221,7 +221,10 @@ def _shrink_atomic_kernel(
         slot, nrows, rows = _block_rows(tab_ref, blk, bm)
         r_lim = _true_rank(ranks_ref, s, slot, rank)
         first = ks * chunk
-        n_steps = jnp.clip(steps - first, 0, chunk)
+        if isinstance(chunk, int) and steps % chunk == 0:  # every item runs chunk steps
+            n_steps = chunk
+        else:
+            n_steps = jnp.clip(steps - first, 0, chunk)
         live = rb * br < r_lim  # a rank block wholly past the slot's rank: 0
         if not bs.live_split:  # the list's tail (no rows) and unmapped tokens (slot -1)
             live = live & (nrows > 0) & (slot >= 0)

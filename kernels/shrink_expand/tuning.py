@@ -51,6 +51,20 @@ PREFETCH_MIN_TOKENS = 2048
 (``prefetch``) at rank 128, and at ranks 16 and 64 up to SHORT_PREFILL_MAX_TOKENS (session
 26, H200: 7-12 % faster over 8 adapters at 4096 tokens, up to 12 % at rank 128 and 16384;
 at 1024 tokens over 64 adapters it lost 16-27 %, at rank 64 from 8192 tokens 2-7 %)."""
+AHEAD_TOKENS_PER_SLOT = 64
+"""The host's tokens-per-slot hint (`lora_jax.mapping.TOKENS_PER_SLOT`) of a step whose
+active adapters average at least 64 mapped tokens each, for an expand whose tokens all go
+to the Triton kernel (no aligned tile of y is wholly one adapter's): its token blocks are
+mostly full, and up to ``AHEAD_SHORT_MAX_TOKENS`` tokens it loads each column tile's y a
+tile ahead at ranks 64 and 128. Session 33 (H200, T = 1024, H = 4096, shuffled tokens, µs,
+three runs): over 8 adapters (128 tokens each) rank 128 14.6-14.9 -> 12.7-13.0, rank 64
+12.4-12.6 -> 11.0-11.1; over 64 (16 each, quarter-full blocks) it lost 16-27 % (27.9 ->
+32.3-32.6, 15.9 -> 20.5), which is why the device alone cannot pick it. Into 8192
+columns the rank-64 tiles lost with it (session 34, T = 1024, n = 8: 14.3 -> >= 16.2 µs),
+so only narrower outputs take it."""
+AHEAD_SHORT_MAX_TOKENS = 1024
+"""Most tokens of the hinted ahead-load (measured at 1024; from PREFETCH_MIN_TOKENS the
+rank-128 expand loads ahead in any case, at 2048 over 8 adapters it was not measured)."""
 WIDE_PREFILL_MAX_SPLIT_K = 16
 """Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
 the hidden size keeps 8 k steps of 64 per split (H >= 8192)."""
@@ -65,6 +79,7 @@ def default_block_sizes(
     out_features: int = 0,
     num_slices: int = 1,
     per_token: bool = False,
+    tokens_per_slot: int | None = None,
 ) -> BlockSizes:
     """Tuned defaults for H200 (see benchmarks/RESULTS.md), by op and static shape.
 
@@ -73,6 +88,8 @@ def default_block_sizes(
     For the expand, ``hidden`` is y's width (all slices).
     ``per_token``: the per-token (BGMV) tiles of a shrink or expand, for steps whose
     tokens mostly have an adapter of their own (`per_token_default`).
+    ``tokens_per_slot``: the expand's token blocks' fill where the host knows it
+    (`AHEAD_TOKENS_PER_SLOT`; only for an expand whose tokens all go to these tiles).
     """
     rank_p = max(16, next_pow2(rank))
     if per_token and op in ("shrink", "expand"):
@@ -157,6 +174,12 @@ def default_block_sizes(
                 )
             return BlockSizes(block_m=16, block_n=128, num_warps=4, num_stages=1)
         long = num_tokens > PREFETCH_MIN_TOKENS
+        # full blocks (the host's hint) of a short prompt batch: y loaded a tile ahead
+        full = (
+            tokens_per_slot == AHEAD_TOKENS_PER_SLOT
+            and num_tokens <= AHEAD_SHORT_MAX_TOKENS
+            and hidden < 8192
+        )
         if rank_p >= 128:  # the tiles fit shared memory at 64 x 64; T = 16384: 233 -> 129 us
             # Up to 2048 tokens, 4 column tiles per program rather than 8 (twice the
             # programs; session 10, n = 1 / 64: T = 1024 19.0 / 32.6 -> 14.5 / 28.1 us,
@@ -165,7 +188,7 @@ def default_block_sizes(
             # T = 4096 30.6 / 39.8 -> 27.7 / 38.9 us, T = 8192 60.6 / 67.5 -> 56.0 /
             # 63.0, T = 16384 118.5 / 127.0 -> 106.8 / 112.0; n = 1 runs the Mosaic
             # kernel, unchanged).
-            ahead = long and rank_p == 128  # measured at 128 (256 fits smaller tiles)
+            ahead = (long or full) and rank_p == 128  # measured at 128 (256: smaller tiles)
             tiles_n = 4 if not long else 16 if ahead and num_tokens >= 16384 else 8
             return BlockSizes(
                 block_m=64, block_n=64, num_stages=2, tiles_n=tiles_n, prefetch=int(ahead)
@@ -190,7 +213,8 @@ def default_block_sizes(
             if long:
                 return BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, prefetch=1)
             return BlockSizes(block_m=16, block_n=64, num_stages=2, tiles_n=2)
-        return BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4)
+        ahead = full and rank_p == 64  # measured at 64 (the 32 x 128 tiles at 16 / 32: no)
+        return BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=int(ahead))
     if op == "fused":
         return fused_default(num_tokens, hidden, rank_p, out_features, num_slices)
     raise ValueError(f"BlockSizes.get_default: op={op!r}; expected 'shrink', 'expand' or 'fused'.")

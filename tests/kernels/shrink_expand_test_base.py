@@ -132,6 +132,8 @@ _STATIC_SPLIT = BlockSizes(
     block_m=16, block_k=32, block_r=16, split_k=3, atomic_programs=8, live_split=False
 )
 _STATIC_SPLIT_GRID = dataclasses.replace(_STATIC_SPLIT, persistent=False)
+# ... split evenly (4 k steps 2 ways): every item runs a static trip count
+_STATIC_SPLIT_EVEN = dataclasses.replace(_STATIC_SPLIT, split_k=2)
 # Per-token (BGMV) programs: 5 k steps of 32 split 3 ways (uneven, the last past H),
 # rank 32 in two 16-row blocks, 2 column tiles a program; and one k range of 64 columns.
 _BGMV3 = BlockSizes(per_token=True, block_k=32, block_r=16, split_k=3, block_n=16, tiles_n=2)
@@ -206,6 +208,7 @@ CPU_CASES = [
     Case(40, 130, 32, (24, 8), jnp.bfloat16, "unsorted", 8, True, _STATIC_SPLIT),
     Case(24, 130, 16, (16, 16), jnp.float32, "unsorted", block_sizes=_STATIC_SPLIT_GRID),
     Case(8, 64, 16, (32,), jnp.float32, "none", block_sizes=_STATIC_SPLIT_GRID),
+    Case(40, 128, 32, (16, 24), jnp.bfloat16, "sorted", 8, True, _STATIC_SPLIT_EVEN),
 ]
 
 # Cases whose kernel path another case already takes (tiles, mapping kind, dtype): they

@@ -630,6 +630,57 @@ def test_session26_prefill_expands_load_y_ahead():
     assert not expand(256, 128).prefetch  # decode
 
 
+def test_session36_hinted_short_expand_loads_y_ahead(monkeypatch):
+    """With the host's hint of at least AHEAD_TOKENS_PER_SLOT tokens per active adapter, a
+    prefill expand of up to AHEAD_SHORT_MAX_TOKENS tokens into fewer than 8192 columns
+    loads y a tile ahead at ranks 64 and 128 (the session-33 candidates: the default tiles
+    plus the ahead-load); other hints, more tokens, wider outputs and other ranks keep
+    their tiles. lora_expand passes the hint only where every token goes to the Triton
+    kernel (the host says no tile of y is wholly one adapter's)."""
+    from lora_jax.kernels.shrink_expand import api
+    from lora_jax.kernels.shrink_expand import tuning as B
+
+    def expand(t, r, per=B.AHEAD_TOKENS_PER_SLOT, width=4096):
+        return BlockSizes.get_default(
+            "expand", num_tokens=t, hidden=width, rank=r, tokens_per_slot=per
+        )
+
+    for t, r, want in ((1024, 128, (64, 64, 4)), (512, 128, (64, 64, 4)), (1024, 64, (32, 128, 4))):
+        bs = expand(t, r)
+        assert (bs.block_m, bs.block_n, bs.tiles_n, bs.prefetch) == (*want, 1), (t, r, bs)
+        assert bs == dataclasses.replace(expand(t, r, per=None), prefetch=1), (t, r)
+    for per in (None, 0, 1, 2):
+        assert not expand(1024, 128, per=per).prefetch, per
+    assert not expand(B.AHEAD_SHORT_MAX_TOKENS + 1, 128).prefetch
+    assert not expand(1024, 64, width=8192).prefetch
+    assert not expand(1024, 16).prefetch and not expand(1024, 32).prefetch
+    assert not expand(256, 128).prefetch  # decode
+
+    seen = []
+    real = api.pallas_triton.expand
+
+    def spy(*args, bs, **kw):
+        seen.append(bs.prefetch)
+        return real(*args, bs=bs, **kw)
+
+    monkeypatch.setattr(api.pallas_triton, "expand", spy)
+    rng = np.random.default_rng(0)
+    t, n_cols, rank = 320, 256, 64  # a prefill: 32 x 128 tiles, 4 a program
+    idx = rng.integers(0, 2, t).astype(np.int32)
+    meta = make_metadata(idx, 4)
+    y = jnp.asarray(rng.normal(size=(t, n_cols)), jnp.float32)
+    h = jnp.asarray(rng.normal(size=(1, t, rank)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(4, n_cols, rank)) / 8, jnp.float32)
+    want = lora_expand_reference(y, h, (b,), offsets=(0,), **meta)
+    for tiles, per, ahead in (("none", 64, 1), ("none", 0, 0), (None, 64, 0), ("some", 64, 0)):
+        got = lora_expand(
+            y, h, (b,), offsets=(0,), **meta, prompt_tiles=tiles, tokens_per_slot=per,
+            mosaic=False, interpret=True,
+        )  # fmt: skip
+        assert seen[-1] == ahead, (tiles, per)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 def test_session25_wide_decode_expand_walks_live_blocks():
     """Rank-16/32 decode expands of up to 64 tokens into y of at least
     WIDE_DECODE_EXPAND_COLUMNS columns (a Llama gate_up) walk the live blocks in groups;
