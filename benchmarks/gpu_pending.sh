@@ -1112,7 +1112,7 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
     # 1024 tokens; the grid's 1024-token expand rows through the library
     JAX_DEFAULT_MATMUL_PRECISION=highest step tests36 150 \
       python3 -P -m pytest tests/kernels/test_shrink_expand_pallas_triton.py -m gpu -q \
-      -p no:cacheprovider -k "fixed_split or prefetch or R64 or R128"
+      -p no:cacheprovider -k "fixed_split or prefetch"
     step ahead36 150 "${OPS[@]}" --sweep --sweep-set prefill --candidates 4,14,51,56 \
       --ops expand --tokens 512,1024 --hiddens 4096 --ranks 64,128 --adapters 8,64 \
       --impls ours --time-budget 135 --out "$OUT/ahead36"
