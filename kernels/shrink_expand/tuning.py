@@ -63,8 +63,9 @@ three runs): over 8 adapters (128 tokens each) rank 128 14.6-14.9 -> 12.7-13.0, 
 columns the rank-64 tiles lost with it (session 34, T = 1024, n = 8: 14.3 -> >= 16.2 µs),
 so only narrower outputs take it."""
 AHEAD_SHORT_MAX_TOKENS = 1024
-"""Most tokens of the hinted ahead-load (measured at 1024; from PREFETCH_MIN_TOKENS the
-rank-128 expand loads ahead in any case, at 2048 over 8 adapters it was not measured)."""
+"""Most tokens of the hinted ahead-load (measured at 512 and 1024). At 2048 tokens over 8
+adapters it lost (session 36, H = 4096, µs: rank 128 16.4 -> 20.1, rank 64 13.4 -> 18.3 on
+the 32 x 128 tiles); past PREFETCH_MIN_TOKENS the rank-128 expand loads ahead in any case."""
 WIDE_PREFILL_MAX_SPLIT_K = 16
 """Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
 the hidden size keeps 8 k steps of 64 per split (H >= 8192)."""
