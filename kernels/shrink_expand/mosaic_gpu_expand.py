@@ -42,6 +42,10 @@ from lora_jax.kernels.shrink_expand.work_list import tile_items
 __all__ = ["ExpandTiles", "available", "default_tiles", "expand", "supported", "tile_items"]
 
 
+H_IN = ("regs", "regs_held", "smem")
+"""`ExpandTiles.h_in`'s values."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExpandTiles:
     """Static tiling of the Mosaic GPU expand.
@@ -59,8 +63,10 @@ class ExpandTiles:
     programs: int = 0
     """Programs of the persistent grid; 0: one per SM (`num_sms`)."""
     h_in: str = "regs"
-    """Where the WGMMA reads h's tile from: "regs" (registers) or "smem" (a shared-memory
-    copy in the weights' dtype)."""
+    """Where the WGMMA reads h's tile from: "regs" (registers; h's f32 tile comes in
+    through a buffer of its own scope, which the pipeline's stages then reuse), "regs_held"
+    (registers, that buffer held through the pipeline: the session-21 kernel, a probe) or
+    "smem" (a shared-memory copy in the weights' dtype, held through the pipeline)."""
     variant: str = "full"
     """"full"; "copy" (probe only: y's blocks through the same pipeline, no WGMMA, so the
     difference is what the product costs)."""
@@ -74,8 +80,8 @@ class ExpandTiles:
             raise ValueError(f"ExpandTiles.stages={self.stages}: must be >= 2.")
         if self.programs < 0:
             raise ValueError(f"ExpandTiles.programs={self.programs}: must be >= 0 (0: auto).")
-        if self.h_in not in ("regs", "smem"):
-            raise ValueError(f"ExpandTiles.h_in={self.h_in!r}: use 'regs' or 'smem'.")
+        if self.h_in not in H_IN:
+            raise ValueError(f"ExpandTiles.h_in={self.h_in!r}: use one of {H_IN}.")
         if self.variant not in ("full", "copy"):
             raise ValueError(f"ExpandTiles.variant={self.variant!r}: use 'full' or 'copy'.")
 
@@ -86,9 +92,12 @@ SMEM_BUDGET = 200 * 1024
 
 def smem_bytes(tiles: ExpandTiles, rank: int, stages: int) -> int:
     """Shared memory of the pipeline's ``stages`` (y in and out, B; 2-byte dtypes) and
-    h's tile (f32, and its 2-byte copy where ``h_in`` is "smem")."""
+    h's tile (f32, and its 2-byte copy where ``h_in`` is "smem"). With ``h_in="regs"``
+    h's f32 buffer is gone before the pipeline's stages are taken: the larger of the two."""
     per_stage = (2 * tiles.block_m * tiles.block_n + tiles.block_n * rank) * 2
     h_tile = tiles.block_m * rank * (4 + (2 if tiles.h_in == "smem" else 0))
+    if tiles.h_in == "regs":
+        return max(stages * per_stage, h_tile)
     return stages * per_stage + h_tile
 
 
@@ -166,19 +175,16 @@ def _kernel_body(
         _slice_run(s, *tile_slot, s_lo, s_hi)
 
     def _slice_run(s, tile, slot, s_lo, s_hi):
-        def with_h(h_smem, barrier, *hb_smem):
+        def load_h(h_smem, barrier):  # h's tile in the weights' dtype, in registers
             plgpu.copy_gmem_to_smem(h_ref.at[s, pl.ds(tile * bm, bm)], h_smem, barrier)
             plgpu.barrier_wait(barrier)
             hv = h_smem[...].astype(jnp.float32)
             if has_ranks:  # rank columns past the slot's true rank add nothing
                 col = jax.lax.broadcasted_iota(jnp.int32, (bm, rank), 1)
                 hv = jnp.where(col < ranks_ref[s, slot], hv, jnp.float32(0))
-            hb = hv.astype(dtype)
-            if hb_smem:
-                hb_smem[0][...] = hb
-                plgpu.commit_smem()
-                hb = hb_smem[0]
+            return hv.astype(dtype)
 
+        def pipeline(hb):  # hb: h's tile in registers or in shared memory
             def step(_, y_smem, b_smem, o_smem):
                 if tiles.variant == "copy":
                     o_smem[...] = y_smem[...]
@@ -201,10 +207,21 @@ def _kernel_body(
                 max_concurrent_steps=tiles.stages,
             )(y_ref, b_refs[s].at[slot], y_ref)
 
-        extra = [plgpu.SMEM((bm, rank), dtype)] if tiles.h_in == "smem" else []
-        pl.run_scoped(
-            with_h, plgpu.SMEM((bm, rank), h_ref.dtype), plgpu.Barrier(num_arrivals=1), *extra
-        )
+        h_scratch = (plgpu.SMEM((bm, rank), h_ref.dtype), plgpu.Barrier(num_arrivals=1))
+        if tiles.h_in == "regs":  # h's buffer is free again before the stages are taken
+            hb = pl.run_scoped(load_h, *h_scratch)
+            plgpu.commit_smem()  # every thread has read it before a TMA copy reuses it
+            pipeline(hb)
+        elif tiles.h_in == "regs_held":
+            pl.run_scoped(lambda h_smem, barrier: pipeline(load_h(h_smem, barrier)), *h_scratch)
+        else:
+
+            def held(h_smem, barrier, hb_smem):
+                hb_smem[...] = load_h(h_smem, barrier)
+                plgpu.commit_smem()
+                pipeline(hb_smem)
+
+            pl.run_scoped(held, *h_scratch, plgpu.SMEM((bm, rank), dtype))
 
     walk_slice_runs(
         items_ref[2, 0] * sub, blocks=blocks, programs=programs, item=item, run=slice_run
