@@ -944,6 +944,61 @@ PREFILL_SWEEP = {
         dataclasses.replace(
             PREFILL_R16, split_k=4, num_warps=8, live_split=False, persistent=False
         ),
+        # 98-104 (session 37): the static grid with a block's k-split programs side by side
+        # and the work list's empty tail (65 entries at 64 slots) launched last
+        # (BlockSizes.split_inner): [91], [95], rank 16's live split on the static grid,
+        # then the 4096-token defaults of ranks 64 ([59]) and 128 ([84]) and their fixed
+        # splits ([93], [94])
+        dataclasses.replace(
+            PREFILL_R16, split_k=4, live_split=False, persistent=False, split_inner=True
+        ),
+        dataclasses.replace(
+            PREFILL_R16,
+            block_m=64,
+            split_k=4,
+            live_split=False,
+            persistent=False,
+            split_inner=True,
+        ),
+        dataclasses.replace(PREFILL_R16, split_k=4, persistent=False, split_inner=True),
+        dataclasses.replace(
+            PREFILL_BIG,
+            block_r=64,
+            block_k=128,
+            num_stages=4,
+            split_k=2,
+            persistent=False,
+            split_inner=True,
+        ),
+        dataclasses.replace(
+            PREFILL_BIG,
+            block_r=64,
+            block_k=128,
+            num_stages=4,
+            split_k=2,
+            persistent=False,
+            live_split=False,
+            split_inner=True,
+        ),
+        dataclasses.replace(
+            PREFILL_BIG,
+            block_k=128,
+            num_stages=4,
+            split_k=2,
+            atomic_programs=176,
+            persistent=False,
+            split_inner=True,
+        ),
+        dataclasses.replace(
+            PREFILL_BIG,
+            block_k=128,
+            num_stages=4,
+            split_k=2,
+            atomic_programs=176,
+            persistent=False,
+            live_split=False,
+            split_inner=True,
+        ),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),

@@ -65,6 +65,14 @@ class BlockSizes:
     """Shrink with ``atomic_programs``: about that many programs walk the (block, k range)
     items in turn; if False, the grid is (block, slice, ``split_k`` x rank block) and
     programs past the live blocks or the picked split return at once."""
+    split_inner: bool = False
+    """Shrink on the static grid (not ``persistent``): grid axis 0 walks (block, k split,
+    rank block), so a block's k-split programs are neighbours in launch order and the
+    programs of the work list's static tail (blocks with no rows: the list's upper bound
+    leaves up to max_loras + 1 of them) launch after every live one, instead of between
+    one k split's blocks and the next's. Session 37 (benchmarks/RESULTS.md) measured why:
+    the one-adapter probe over rectangles, with no such tail, ran ~0.6-0.8 us under the
+    library's kernel at 4096 tokens, rank 16."""
     rank_inner: bool = False
     """Shrink with more than one rank block (``block_r`` < the padded rank): a token
     block's rank-block programs are neighbours in launch order (grid axis 0 walks (block,

@@ -83,19 +83,27 @@ def _shrink_refs(refs, has_ranks: bool, num_slices: int):
     return ranks_ref, refs[0], refs[1 : 1 + num_slices], refs[1 + num_slices :]
 
 
-def _grid_ids(n_rb: int, rank_inner: bool):
+def _grid_ids(n_rb: int, rank_inner: bool, split_inner: int = 0):
     """(block or worker, slice, k split, rank block) of this program. The grid is (block,
     slice, k split x rank block), or with ``rank_inner`` (block x rank block, slice, k
-    split): a block's rank blocks launch side by side (`BlockSizes.rank_inner`). The
-    persistent grid has no k-split axis (its axis 2 has size 1 with ``rank_inner``)."""
+    split): a block's rank blocks launch side by side (`BlockSizes.rank_inner`), or with
+    ``split_inner`` (the static grid's split, > 0) (block x k split x rank block, slice,
+    1): a block's programs launch side by side and the list's empty tail last
+    (`BlockSizes.split_inner`). The persistent grid has no k-split axis (its axis 2 has
+    size 1 with ``rank_inner``)."""
     p0, sid, p2 = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if split_inner:
+        per_block = split_inner * n_rb
+        return p0 // per_block, sid, (p0 % per_block) // n_rb, p0 % n_rb
     if rank_inner:
         return p0 // n_rb, sid, p2, p0 % n_rb
     return p0, sid, p2 // n_rb, p2 % n_rb
 
 
-def _grid(rows: int, num_slices: int, split: int, n_rb: int, rank_inner: bool):
+def _grid(rows: int, num_slices: int, split: int, n_rb: int, rank_inner: bool, split_inner=False):
     """The launch grid that `_grid_ids` reads: ``rows`` blocks (or workers)."""
+    if split_inner:
+        return (rows * split * n_rb, num_slices, 1)
     if rank_inner:
         return (rows * n_rb, num_slices, split)
     return (rows, num_slices, split * n_rb)
@@ -115,7 +123,7 @@ def _shrink_kernel(
     ranks_ref, x_ref, a_refs, (o_ref,) = _shrink_refs(refs, has_ranks, num_slices)  # [KS, S, T, R]
     bm, bk, br = bs.block_m, bs.block_k, bs.block_r
     n_rb = max(16, 1 << (rank - 1).bit_length()) // br
-    pid, sid, ks, rb = _grid_ids(n_rb, bs.rank_inner)
+    pid, sid, ks, rb = _grid_ids(n_rb, bs.rank_inner, bs.split_k if bs.split_inner else 0)
     # Program ks reduces hidden columns [ks * chunk, (ks + 1) * chunk).
     chunk = -(-hidden // (bs.split_k * bk)) * bk
     num_k = chunk // bk
@@ -201,8 +209,10 @@ def _shrink_atomic_kernel(
     bm, bk, br = bs.block_m, bs.block_k, bs.block_r
     n_rb = max(16, 1 << (rank - 1).bit_length()) // br
     # persistent grid: (worker, slice, rank block); static: (block, slice, k split x rank
-    # block); with rank_inner the rank block moves into axis 0 of either
-    pid, sid, ks, rb = _grid_ids(n_rb, bs.rank_inner)
+    # block); with rank_inner the rank block moves into axis 0 of either, with split_inner
+    # (static grid only) the k split and the rank block
+    split_inner = bs.split_k if bs.split_inner and not persistent else 0
+    pid, sid, ks, rb = _grid_ids(n_rb, bs.rank_inner, split_inner)
     steps = -(-hidden // bk)
     k_lim = None if hidden % bk == 0 else hidden  # no k step runs past hidden: no mask
     precision = _dot_precision(compute_dtype)
@@ -308,7 +318,7 @@ def shrink(x, lora_a, tab, slot_ranks, *, scale: float, bs: BlockSizes, interpre
         if bs.persistent:
             grid = _grid(workers, num_slices, 1, n_rb, bs.rank_inner)
         else:
-            grid = _grid(tab.shape[1], num_slices, bs.split_k, n_rb, bs.rank_inner)
+            grid = _grid(tab.shape[1], num_slices, bs.split_k, n_rb, bs.rank_inner, bs.split_inner)
         return pl.pallas_call(
             kernel,
             out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
@@ -320,7 +330,7 @@ def shrink(x, lora_a, tab, slot_ranks, *, scale: float, bs: BlockSizes, interpre
         )(*inputs, zeros)
     split_k = bs.split_k
     kernel = functools.partial(_shrink_kernel, **params)
-    grid = _grid(tab.shape[1], num_slices, split_k, rank_p // br, bs.rank_inner)
+    grid = _grid(tab.shape[1], num_slices, split_k, rank_p // br, bs.rank_inner, bs.split_inner)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split_k, num_slices, num_tokens, rank), jnp.float32),

@@ -96,6 +96,7 @@ class Case:
             f"{'-rows' if self.block_sizes and self.block_sizes.prefetch_rows else ''}"
             f"{'-rank_inner' if self.block_sizes and self.block_sizes.rank_inner else ''}"
             f"{'-fixed_split' if self.block_sizes and not self.block_sizes.live_split else ''}"
+            f"{'-split_inner' if self.block_sizes and self.block_sizes.split_inner else ''}"
         )
 
 
@@ -134,6 +135,12 @@ _STATIC_SPLIT = BlockSizes(
 _STATIC_SPLIT_GRID = dataclasses.replace(_STATIC_SPLIT, persistent=False)
 # ... split evenly (4 k steps 2 ways): every item runs a static trip count
 _STATIC_SPLIT_EVEN = dataclasses.replace(_STATIC_SPLIT, split_k=2)
+# The static grids with a block's (k split, rank block) programs side by side and the
+# list's empty tail last (split_inner): fixed and live atomic splits (rank 32 in 16-row
+# blocks), and the partial-sum split
+_SPLIT_INNER_FIXED = dataclasses.replace(_STATIC_SPLIT_GRID, split_inner=True)
+_SPLIT_INNER_LIVE = dataclasses.replace(_ATOMIC_GRID, split_inner=True)
+_SPLIT_INNER_SUM = dataclasses.replace(_SPLIT3, split_inner=True)
 # Per-token (BGMV) programs: 5 k steps of 32 split 3 ways (uneven, the last past H),
 # rank 32 in two 16-row blocks, 2 column tiles a program; and one k range of 64 columns.
 _BGMV3 = BlockSizes(per_token=True, block_k=32, block_r=16, split_k=3, block_n=16, tiles_n=2)
@@ -209,6 +216,10 @@ CPU_CASES = [
     Case(24, 130, 16, (16, 16), jnp.float32, "unsorted", block_sizes=_STATIC_SPLIT_GRID),
     Case(8, 64, 16, (32,), jnp.float32, "none", block_sizes=_STATIC_SPLIT_GRID),
     Case(40, 128, 32, (16, 24), jnp.bfloat16, "sorted", 8, True, _STATIC_SPLIT_EVEN),
+    # split_inner: unmapped tokens, ranks, 2 rank blocks, an uneven split
+    Case(40, 130, 32, (24, 8), jnp.bfloat16, "unsorted", 8, True, _SPLIT_INNER_FIXED),
+    Case(9, 130, 32, (16, 16), jnp.float32, "unsorted", ranked=True, block_sizes=_SPLIT_INNER_LIVE),
+    Case(20, 130, 32, (16,), jnp.float16, "sorted", 4, True, _SPLIT_INNER_SUM),
 ]
 
 # Cases whose kernel path another case already takes (tiles, mapping kind, dtype): they
