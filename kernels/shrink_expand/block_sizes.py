@@ -70,9 +70,10 @@ class BlockSizes:
     rank block), so a block's k-split programs are neighbours in launch order and the
     programs of the work list's static tail (blocks with no rows: the list's upper bound
     leaves up to max_loras + 1 of them) launch after every live one, instead of between
-    one k split's blocks and the next's. Session 37 (benchmarks/RESULTS.md) measured why:
-    the one-adapter probe over rectangles, with no such tail, ran ~0.6-0.8 us under the
-    library's kernel at 4096 tokens, rank 16."""
+    one k split's blocks and the next's. H200, session 37 (benchmarks/RESULTS.md), rank
+    16, 4096 tokens, split 4 fixed: 12.5-12.8 -> 11.8-12.2 us over 1 and 8 adapters, the
+    tail's cost between the waves; no default takes it: the persistent default ran 11.6 /
+    11.9 beside it, and ranks 64 / 128 (split 2) tied."""
     rank_inner: bool = False
     """Shrink with more than one rank block (``block_r`` < the padded rank): a token
     block's rank-block programs are neighbours in launch order (grid axis 0 walks (block,

@@ -112,10 +112,14 @@ def fit_stages(tiles: ExpandTiles, rank: int) -> int:
 def default_tiles(rank: int, item_rows: int) -> ExpandTiles:
     """The default tiles for listed tiles of ``item_rows`` rows (the step's prompt tiles,
     `work_list.segment_block_m`): as many rows, 128 columns, as many stages up to 4 as
-    fit shared memory; where two stages do not fit (rank 128 in 128-row tiles), 64 rows.
+    fit shared memory; where two stages do not fit, 64 rows.
     Session 21 (H200, one adapter, rank 64; with the tile list built in the call): 128 x
     128 tiles (2 stages) 23.8 / 82.3 us at 4096 / 16384 tokens, 64 x 128 (3) 24.6 /
-    90.5, 64 x 64 (6) 26.5 / 95.4."""
+    90.5, 64 x 64 (6) 26.5 / 95.4. Session 37: with h's buffer reused by the stages
+    (``h_in="regs"``), rank 128 takes 3 stages of 64 x 128 (the library, one adapter, T =
+    4096: 23.3 -> 21.1 us) and from 16384 tokens 128 x 128 tiles, whose 2 stages no
+    longer fit beside h's buffer (T = 16384: 90.3 -> 76.8 us); rank 64 in 64-row tiles 4
+    stages (T = 4096: 19.0 -> 18.7 us)."""
     tiles = ExpandTiles(block_m=item_rows, block_n=128)
     if smem_bytes(tiles, rank, 2) > SMEM_BUDGET:
         tiles = dataclasses.replace(tiles, block_m=64)

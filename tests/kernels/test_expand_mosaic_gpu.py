@@ -160,6 +160,9 @@ def test_mosaic_expand_lowers_for_cuda(num_tokens, widths, rank, ranked, h_in):
     [
         (4096, (4096,), 64, jnp.bfloat16, "one", False, me.ExpandTiles(), 64),
         (2048, (4096,), 128, jnp.bfloat16, "one", False, me.default_tiles(128, 128), 128),
+        # rank 128: 3 stages in h's reused buffer, and the buffer held (2 stages)
+        (2048, (4096,), 128, jnp.bfloat16, "runs", True, me.default_tiles(128, 64), 64),
+        (1024, (4096,), 128, jnp.bfloat16, "runs", True, me.ExpandTiles(h_in="regs_held"), 64),
         (3000, (1024, 256, 256), 64, jnp.bfloat16, "runs", True, me.ExpandTiles(), 64),
         (2048, (2048, 2048), 32, jnp.float16, "runs", True, me.ExpandTiles(h_in="smem"), 64),
         (1024, (4096,), 16, jnp.bfloat16, "one", False, me.ExpandTiles(block_n=64, stages=6), 64),
