@@ -118,8 +118,8 @@ def default_tiles(rank: int, item_rows: int) -> ExpandTiles:
     90.5, 64 x 64 (6) 26.5 / 95.4. Session 37: with h's buffer reused by the stages
     (``h_in="regs"``), rank 128 takes 3 stages of 64 x 128 (the library, one adapter, T =
     4096: 23.3 -> 21.1 us) and from 16384 tokens 128 x 128 tiles, whose 2 stages no
-    longer fit beside h's buffer (T = 16384: 90.3 -> 76.8 us); rank 64 in 64-row tiles 4
-    stages (T = 4096: 19.0 -> 18.7 us)."""
+    longer fit beside h's buffer (T = 16384: 91.1 -> 76.8 us); rank 64 in 64-row tiles 4
+    stages (T = 4096: 19.3 -> 18.7 us)."""
     tiles = ExpandTiles(block_m=item_rows, block_n=128)
     if smem_bytes(tiles, rank, 2) > SMEM_BUDGET:
         tiles = dataclasses.replace(tiles, block_m=64)
