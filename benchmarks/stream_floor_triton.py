@@ -14,13 +14,24 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 VARIANTS = ("triton_full", "triton_x_only", "triton_x_acc")
-ATOMIC_VARIANTS = ("triton_full_atomic", "triton_full_dep", "triton_full_rows")
+ATOMIC_VARIANTS = (
+    "triton_full_atomic",
+    "triton_full_dep",
+    "triton_full_rows",
+    "triton_full_rows_cold",
+)
 """The dot over the same tiles, each split's partial added atomically (relaxed) into a
 zeroed [T, R] output as the library's shrink adds its own; ``triton_full_dep`` also reads
 its block's first row from a table in memory before its first load of x, as the library's
 programs read their work list (a dependent round trip before x streams);
 ``triton_full_rows`` reads all its block's rows from a column of a [4 + block_m, blocks]
-table, as the library's work list holds them, and gathers x's tiles by those rows."""
+table, as the library's work list holds them, and gathers x's tiles by those rows;
+``triton_full_rows_cold`` reads the same table from a constant of its own call (built on
+the host, so no kernel writes it just before: it comes from HBM, as the library's work
+lists, built once per step, do), where ``triton_full_rows`` builds it in the call (an XLA
+fusion writes it into L2 just before the kernel reads it)."""
+
+_COLD_TABLES = [0]  # tables made so far: each call's constant differs (no merging)
 
 
 def tile_kernel(
@@ -80,6 +91,15 @@ def tile_kernel_atomic(
         starts = jnp.concatenate(
             [jnp.zeros((4, starts.shape[0]), jnp.int32), starts + jnp.arange(block_m)[:, None]]
         )
+    if variant == "triton_full_rows_cold":  # the same table, a host constant of this call
+        import numpy as np
+
+        table = np.zeros((4 + block_m, tokens // block_m), np.int32)
+        table[4:] = np.arange(tokens // block_m)[None, :] * block_m + np.arange(block_m)[:, None]
+        table[0] = _COLD_TABLES[0]  # row 0 is not read: it only makes the constant distinct
+        _COLD_TABLES[0] += 1
+        starts = jnp.asarray(table)
+        variant = "triton_full_rows"
 
     def body(t_ref, x_ref, a_ref, _, o_ref):
         tile, part = pl.program_id(0), pl.program_id(1)
