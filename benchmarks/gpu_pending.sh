@@ -1175,8 +1175,9 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
     step cold37 200 python3 -P benchmarks/stream_floor.py --tokens 4096 --ranks 16 \
       --variants "" --triton-variants triton_full_rows,triton_full_rows_cold \
       --triton-tiles 32:128:4:3:4,64:128:4:3:4 --out "$OUT/cold37.json" ;;
-  s37f)  # session 37, run 6: persistent workers at a fixed split that read the live count
-    # beside their first item and skip the list's empty tail ([90], [96]) against the default
+  s37f)  # session 37, run 6 (on commit 863c0e5; reverted after, a tie): persistent workers
+    # at a fixed split that read the live count beside their first item and skip the list's
+    # empty tail ([90], [96]) against the default
     step pers37 150 "${OPS[@]}" --sweep --sweep-set prefill --candidates 90,96 --ops shrink \
       --tokens 4096 --hiddens 4096 --ranks 16 --adapters 1,8 --impls ours --time-budget 120 \
       --out "$OUT/pers37" ;;

@@ -255,32 +255,7 @@ def _shrink_atomic_kernel(
             idx = (s, rows[:, None], r[None, :])
             _add_to(o_ref, idx, acc * jnp.float32(scale), mask, interpret)
 
-    if persistent and not bs.live_split:
-        # Items are block-major and the list's live blocks come first, so a worker's items
-        # from n_live * split on are the list's empty tail. Its first item needs no count
-        # (its own entry says whether it has rows); the count, read beside that entry (no
-        # round trip of its own), bounds the rest, so no worker reads an empty entry after
-        # its work (session 37).
-        n_live = tab_ref[3, 0]
-        for s in range(num_slices):
-
-            @pl.when(sid == s)
-            def _(s=s):
-                @pl.when(pid < n_items)
-                def _():
-                    do_item(s, pid // split, pid % split)
-
-                rest = jnp.maximum(n_live * split - pid - workers, 0)
-                n_more = jax.lax.div(rest + workers - 1, workers)
-
-                def item(j, carry):
-                    i = pid + (j + 1) * workers
-                    do_item(s, jax.lax.div(i, split), jax.lax.rem(i, split))
-                    return carry
-
-                jax.lax.fori_loop(0, n_more, item, 0)
-
-    elif persistent:
+    if persistent:
         n_mine = jax.lax.div(jnp.maximum(n_items - pid, 0) + workers - 1, workers)
         for s in range(num_slices):
 
