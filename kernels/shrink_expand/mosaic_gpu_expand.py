@@ -11,7 +11,8 @@ The kernel is persistent: one program per SM takes an equal run of the step's
 (tile, column block) units, laid end to end tile after tile (each tile's slices in turn).
 For each (tile, slice) its run touches, it loads the tile's h rows once (f32 through
 TMA, masked past the slot's true rank, cast to the weights' dtype in registers: the
-WGMMA's left operand) and pipelines the column blocks: y's block and B's rows in, one
+WGMMA's left operand; h's buffer is then free for the pipeline's stages) and pipelines
+the column blocks: y's block and B's rows in, one
 WGMMA of ``block_m x R x block_n``, y + the product out. Tokens outside the listed tiles
 (decode, shuffled batches, a prompt's partial edge tiles, unmapped tokens) are left to the
 Triton expand.
