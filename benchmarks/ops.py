@@ -1102,6 +1102,17 @@ PREFILL_SWEEP = {
         # on one stage of B (less shared memory a program, more programs an SM)
         BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=2, prefetch=1),
         BlockSizes(block_m=64, block_n=64, num_stages=1, tiles_n=4, prefetch=1),
+        # 62-67 (session 38): a token block's column groups side by side in launch order
+        # (`cols_inner`: h from L2 for all but the first, y's gathered rows whole at once)
+        # on the defaults' tiles: rank 64 from 8192 tokens and into 8192 columns; rank 64
+        # at 4096 tokens and rank 128 up to 8192; rank 128 from 16384; rank 128 with the
+        # host's hint at 1024; rank 16 up to 2048; and 32 x 128 tiles in twice the groups
+        BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, cols_inner=True),
+        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=8, prefetch=1, cols_inner=True),
+        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=16, prefetch=1, cols_inner=True),
+        BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=4, prefetch=1, cols_inner=True),
+        BlockSizes(block_m=16, block_n=64, num_stages=2, tiles_n=2, cols_inner=True),
+        BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=2, cols_inner=True),
     ],
 }
 

@@ -81,6 +81,13 @@ class BlockSizes:
     block's x from L2. False: the rank block is the last grid axis, so every block's
     first rank block launches before any second one, and where x outgrows L2 (16384
     tokens at H = 4096: 134 MB against 60 MB) the second reads x from HBM again."""
+    cols_inner: bool = False
+    """Expand on the static grid (no ``live_programs``, no ``block_groups``): grid axis 0
+    walks the column groups (of ``tiles_n`` tiles), so a token block's column groups are
+    neighbours in launch order and run at the same time: all but the first read the
+    block's h from L2, and y's gathered rows are read and written across their whole
+    width at once rather than a column group of every block at a time. False: the token
+    block is axis 0, and every block's first column group launches before any second."""
     tiles_n: int = 1
     """Expand: ``block_n`` column tiles one program walks, in a loop.
 
@@ -156,6 +163,11 @@ class BlockSizes:
         if self.live_programs and self.tiles_n & (self.tiles_n - 1):
             raise ValueError(
                 f"BlockSizes.tiles_n={self.tiles_n}: with live_programs it must be a power of two."
+            )
+        if self.cols_inner and (self.live_programs or self.block_groups):
+            raise ValueError(
+                "BlockSizes.cols_inner=True: only for the expand's static grid; "
+                "live_programs and block_groups must be 0."
             )
         if self.block_groups < 0:
             raise ValueError(f"BlockSizes.block_groups={self.block_groups}: must be >= 0 (0: off).")

@@ -173,6 +173,8 @@ def _expand_kernel(
 ):
     ranks_ref, h_ref, b_refs, y_ref = expand_refs(refs, has_ranks, num_slices)
     pid, sid, grp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if bs.cols_inner:  # grid (column group, slice, block): see `BlockSizes.cols_inner`
+        pid, grp = grp, pid
     bm, bn, tiles = bs.block_m, bs.block_n, bs.tiles_n
     rank_p = max(16, 1 << (rank - 1).bit_length())
     precision = _dot_precision(compute_dtype)
@@ -372,6 +374,8 @@ def expand(
             num_slices,
             max_tiles if bs.live_programs else -(-max_tiles // tiles),
         )
+        if bs.cols_inner:
+            grid = grid[::-1]
     inputs = [tab] + ([slot_ranks] if has_ranks else []) + [h, *lora_b, y]
     return pl.pallas_call(
         kernel,

@@ -97,6 +97,7 @@ class Case:
             f"{'-rank_inner' if self.block_sizes and self.block_sizes.rank_inner else ''}"
             f"{'-fixed_split' if self.block_sizes and not self.block_sizes.live_split else ''}"
             f"{'-split_inner' if self.block_sizes and self.block_sizes.split_inner else ''}"
+            f"{'-cols_inner' if self.block_sizes and self.block_sizes.cols_inner else ''}"
         )
 
 
@@ -141,6 +142,10 @@ _STATIC_SPLIT_EVEN = dataclasses.replace(_STATIC_SPLIT, split_k=2)
 _SPLIT_INNER_FIXED = dataclasses.replace(_STATIC_SPLIT_GRID, split_inner=True)
 _SPLIT_INNER_LIVE = dataclasses.replace(_ATOMIC_GRID, split_inner=True)
 _SPLIT_INNER_SUM = dataclasses.replace(_SPLIT3, split_inner=True)
+# The expand's column groups side by side in launch order (cols_inner): 2 tiles a program,
+# and 2 tiles ahead of 4
+_TILES2_CI = dataclasses.replace(_TILES2, cols_inner=True)
+_TILES4_PF_CI = dataclasses.replace(_TILES4_PF, cols_inner=True)
 # Per-token (BGMV) programs: 5 k steps of 32 split 3 ways (uneven, the last past H),
 # rank 32 in two 16-row blocks, 2 column tiles a program; and one k range of 64 columns.
 _BGMV3 = BlockSizes(per_token=True, block_k=32, block_r=16, split_k=3, block_n=16, tiles_n=2)
@@ -220,6 +225,10 @@ CPU_CASES = [
     Case(40, 130, 32, (24, 8), jnp.bfloat16, "unsorted", 8, True, _SPLIT_INNER_FIXED),
     Case(9, 130, 32, (16, 16), jnp.float32, "unsorted", ranked=True, block_sizes=_SPLIT_INNER_LIVE),
     Case(20, 130, 32, (16,), jnp.float16, "sorted", 4, True, _SPLIT_INNER_SUM),
+    # expand with a block's column groups side by side (cols_inner): slices past their
+    # tiles' width, true ranks, unmapped tokens, the ahead-load
+    Case(24, 64, 16, (48, 20, 20), jnp.bfloat16, "unsorted", block_sizes=_TILES2_CI),
+    Case(50, 64, 32, (40, 70), jnp.float32, "sorted", 3, True, _TILES4_PF_CI),
 ]
 
 # Cases whose kernel path another case already takes (tiles, mapping kind, dtype): they

@@ -235,11 +235,13 @@ def test_lowers_for_cuda(dtype, tiles):
     assert ("lora_expand_bgmv" in text) == per_token
 
 
+@pytest.mark.parametrize("cols_inner", [False, True], ids=["blocks_first", "cols_inner"])
 @pytest.mark.parametrize("prefetch_rows", [0, 16])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_prefetching_expand_lowers_for_cuda(dtype, prefetch_rows):
+def test_prefetching_expand_lowers_for_cuda(dtype, prefetch_rows, cols_inner):
     """The expand that carries the next column tile's y through its loop lowers to Triton
-    (with ``prefetch_rows``: and loads the tile in its step in emptier blocks)."""
+    (with ``prefetch_rows``: and loads the tile in its step in emptier blocks; with
+    ``cols_inner``: on the grid whose first axis is the column group)."""
     if not hasattr(jax.jit(lambda v: v), "trace"):
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
     num_tokens, rank, max_loras = 300, 64, 4
@@ -249,7 +251,13 @@ def test_prefetching_expand_lowers_for_cuda(dtype, prefetch_rows):
     lora_b = (sds((max_loras, 300, rank), dtype), sds((max_loras, 50, rank), dtype))
     y = sds((num_tokens, 360), dtype)
     tiles = BlockSizes(
-        block_m=32, block_n=64, num_stages=2, tiles_n=4, prefetch=2, prefetch_rows=prefetch_rows
+        block_m=32,
+        block_n=64,
+        num_stages=2,
+        tiles_n=4,
+        prefetch=2,
+        prefetch_rows=prefetch_rows,
+        cols_inner=cols_inner,
     )
 
     def step(y, h, lora_b, meta):
