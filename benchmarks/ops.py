@@ -1113,6 +1113,14 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=4, prefetch=1, cols_inner=True),
         BlockSizes(block_m=16, block_n=64, num_stages=2, tiles_n=2, cols_inner=True),
         BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=2, cols_inner=True),
+        # 68-72 (session 38, after run 1: cols_inner gained at 1024 tokens, tied or lost
+        # from 4096): the decode expand's 16-token blocks on the static grid, 4 / 2 / 1
+        # column tiles a program; rank 64's hinted tiles; rank 128 in 16-token blocks
+        BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, cols_inner=True),
+        BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=2, cols_inner=True),
+        BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=1, cols_inner=True),
+        BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=1, cols_inner=True),
+        BlockSizes(block_m=16, block_n=64, num_stages=2, tiles_n=4, cols_inner=True),
     ],
 }
 
