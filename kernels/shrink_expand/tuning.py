@@ -66,6 +66,24 @@ AHEAD_SHORT_MAX_TOKENS = 1024
 """Most tokens of the hinted ahead-load (measured at 512 and 1024). At 2048 tokens over 8
 adapters it lost (session 36, H = 4096, µs: rank 128 16.4 -> 20.1, rank 64 13.4 -> 18.3 on
 the 32 x 128 tiles); past PREFETCH_MIN_TOKENS the rank-128 expand loads ahead in any case."""
+FEW_PER_SLOT_RANK128_TILES = dict(block_m=16, block_n=64, num_stages=2, tiles_n=2)
+"""Rank-128 expands of up to AHEAD_SHORT_MAX_TOKENS tokens whose host hint says 3-63
+tokens per active adapter (`tokens_per_slot` 0) into fewer than 8192 columns: 16-token
+blocks, 2 column tiles of 64 a program, where 64-token blocks would run mostly empty.
+Session 38 (H200, H = 4096, shuffled tokens, µs; RESULTS.md): T = 1024 over 64 adapters
+(16 tokens each) 28.1 -> 24.1 (70 -> 81 % of the roofline); over 8 adapters (128 each, the
+hint 64: not these tiles) they lost 12.7 -> 16.9, and at 2048 tokens over 64 (32 each)
+31.8 -> 33.1, so they stop at 1024 tokens."""
+COLS_INNER_MAX_TOKENS = 2048
+"""Expands of up to this many tokens on the static grid launch a token block's column
+groups side by side (`BlockSizes.cols_inner`) at ranks 16 (every hint), 64 (with the
+ahead-load of the hint 64) and 128 (with the ahead-load: the hint 64 up to 1024 tokens,
+every hint above). Session 38 (H200, H = 4096, shuffled tokens, µs; two runs at 1024
+tokens): rank 16, T = 1024, n = 8 / 64 7.6-7.8 / 8.5-8.6 -> 7.3 / 7.9-8.0, T = 2048 equal;
+rank 128 hinted, T = 1024, n = 8 12.7-13.0 -> 11.8-12.2; rank 128 at 2048 tokens, with the
+ahead-load session 36 found losing without it, n = 8 / 64 16.6 / 31.8 -> 15.7 / 31.1;
+rank 64 hinted, T = 1024, n = 8 10.8 -> 10.5. From 4096 tokens it tied or lost (rank 64,
+16384 tokens: 94.9 -> 96.3-101.4)."""
 WIDE_PREFILL_MAX_SPLIT_K = 16
 """Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
 the hidden size keeps 8 k steps of 64 per split (H >= 8192)."""
@@ -181,6 +199,14 @@ def default_block_sizes(
             and num_tokens <= AHEAD_SHORT_MAX_TOKENS
             and hidden < 8192
         )
+        short = num_tokens <= COLS_INNER_MAX_TOKENS  # `cols_inner` pays here
+        if (
+            rank_p == 128
+            and tokens_per_slot == 0
+            and num_tokens <= AHEAD_SHORT_MAX_TOKENS
+            and hidden < 8192
+        ):
+            return BlockSizes(**FEW_PER_SLOT_RANK128_TILES)
         if rank_p >= 128:  # the tiles fit shared memory at 64 x 64; T = 16384: 233 -> 129 us
             # Up to 2048 tokens, 4 column tiles per program rather than 8 (twice the
             # programs; session 10, n = 1 / 64: T = 1024 19.0 / 32.6 -> 14.5 / 28.1 us,
@@ -189,10 +215,17 @@ def default_block_sizes(
             # T = 4096 30.6 / 39.8 -> 27.7 / 38.9 us, T = 8192 60.6 / 67.5 -> 56.0 /
             # 63.0, T = 16384 118.5 / 127.0 -> 106.8 / 112.0; n = 1 runs the Mosaic
             # kernel, unchanged).
-            ahead = (long or full) and rank_p == 128  # measured at 128 (256: smaller tiles)
+            # Session 38: 1025-2048 tokens load ahead too, with `cols_inner` (every hint).
+            mid = num_tokens > AHEAD_SHORT_MAX_TOKENS and short and hidden < 8192
+            ahead = (long or full or mid) and rank_p == 128  # measured at 128 (256: smaller)
             tiles_n = 4 if not long else 16 if ahead and num_tokens >= 16384 else 8
             return BlockSizes(
-                block_m=64, block_n=64, num_stages=2, tiles_n=tiles_n, prefetch=int(ahead)
+                block_m=64,
+                block_n=64,
+                num_stages=2,
+                tiles_n=tiles_n,
+                prefetch=int(ahead),
+                cols_inner=ahead and short,
             )
         if rank_p == 64 and long and num_tokens <= SHORT_PREFILL_MAX_TOKENS and hidden < 8192:
             # 64 x 64 tiles, 8 a program, y loaded a tile ahead (session 26, T = 4096,
@@ -213,9 +246,11 @@ def default_block_sizes(
             # T = 4096, n = 8 / 64: 21.7 / 23.9 -> 20.0 / 21.8 us).
             if long:
                 return BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, prefetch=1)
-            return BlockSizes(block_m=16, block_n=64, num_stages=2, tiles_n=2)
+            return BlockSizes(block_m=16, block_n=64, num_stages=2, tiles_n=2, cols_inner=True)
         ahead = full and rank_p == 64  # measured at 64 (the 32 x 128 tiles at 16 / 32: no)
-        return BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=int(ahead))
+        return BlockSizes(
+            block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=int(ahead), cols_inner=ahead
+        )
     if op == "fused":
         return fused_default(num_tokens, hidden, rank_p, out_features, num_slices)
     raise ValueError(f"BlockSizes.get_default: op={op!r}; expected 'shrink', 'expand' or 'fused'.")
