@@ -58,10 +58,11 @@ class LoRAMapping:
     prompt_tiles: str | None = dataclasses.field(default=None, metadata=dict(static=True))
     # Static, found on the host like ``prompt_tiles``: mapped tokens per active slot,
     # bucketed (`TOKENS_PER_SLOT`): 1 (every mapped token has a slot of its own), 2 (two
-    # on average at most), 64 (at least 64 on average), 0 (between, or no mapped token);
-    # None: not known. The kernels run a program per token where that is faster (a
-    # decode step of many adapters), and fill their token blocks knowing it (a prefill
-    # of a few adapters: `lora_jax.kernels` tuning.AHEAD_TOKENS_PER_SLOT).
+    # on average at most), 16 (3-16 on average), 64 (at least 64 on average), 0 (between
+    # 16 and 64, or no mapped token); None: not known. The kernels run a program per
+    # token where that is faster (a decode step of many adapters), and size and fill
+    # their token blocks knowing it (`lora_jax.kernels` tuning.AHEAD_TOKENS_PER_SLOT,
+    # tuning.FEW_TOKENS_PER_SLOT).
     tokens_per_slot: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     # Static, found on the host like ``prompt_tiles``: "none", "some" or "all" of the
     # mapped tokens lie in aligned tiles of y wholly of one slot (`lora_jax.kernels`
@@ -185,10 +186,10 @@ def make_lora_mapping(
     )
 
 
-TOKENS_PER_SLOT = (0, 1, 2, 64)
+TOKENS_PER_SLOT = (0, 1, 2, 16, 64)
 """`LoRAMapping.tokens_per_slot` buckets: 1 every mapped token's slot is its own, 2 at
-most two mapped tokens per active slot on average, 64 at least 64 on average, 0 between
-(or nothing mapped)."""
+most two mapped tokens per active slot on average, 16 more than two and at most 16, 64
+at least 64 on average, 0 between 16 and 64 (or nothing mapped)."""
 
 
 def host_tokens_per_slot(token_lora_indices, max_loras: int) -> int:
@@ -199,6 +200,8 @@ def host_tokens_per_slot(token_lora_indices, max_loras: int) -> int:
         1
         >>> host_tokens_per_slot(np.array([0, 0, 1]), 4)  # 1.5 tokens per active slot
         2
+        >>> host_tokens_per_slot(np.repeat([0, 1, 2], 10), 4)  # 10 per active slot
+        16
         >>> host_tokens_per_slot(np.repeat([0, 1, 2], 100), 4)  # 100 per active slot
         64
     """
@@ -207,7 +210,9 @@ def host_tokens_per_slot(token_lora_indices, max_loras: int) -> int:
     if mapped.size == 0:
         return 0
     per = mapped.size / np.unique(mapped).size
-    return 1 if per <= 1 else 2 if per <= 2 else 64 if per >= 64 else 0
+    if per >= 64:
+        return 64
+    return 1 if per <= 1 else 2 if per <= 2 else 16 if per <= 16 else 0
 
 
 @functools.partial(jax.jit, static_argnames=("max_loras", "segments"))

@@ -263,14 +263,16 @@ def test_told_prompt_tiles_and_the_rows_rule():
 
 def test_tokens_per_slot_found_on_the_host_only():
     """From numpy indices the mapping buckets its mapped tokens per active slot (static,
-    no array leaf): 1 a slot each, 2 at most two on average, 64 at least 64 on average,
-    0 between or none mapped; from
+    no array leaf): 1 a slot each, 2 at most two on average, 16 at most 16, 64 at least
+    64 on average, 0 between 16 and 64 or none mapped; from
     device indices it does not know (None); a caller may say it, checked."""
     cases = {
         (3, 1, -1, 2): 1,
         (0, 0, 1, -1): 2,  # 1.5 a slot
         (0, 0, 0, 1): 2,  # 2.0 a slot
-        (0, 0, 0, 0, 1): 0,  # 2.5 a slot
+        (0, 0, 0, 0, 1): 16,  # 2.5 a slot
+        (0,) * 16 + (1,) * 16: 16,  # 16.0 a slot
+        (0,) * 17 + (1,) * 16: 0,  # 16.5 a slot
         (-1, -1): 0,
         (7, 7, 1): 1,  # 7 is past max_loras = 4: unmapped, not a shared slot
         (0,) * 63 + (1,) * 64: 0,  # 63.5 a slot
@@ -284,7 +286,9 @@ def test_tokens_per_slot_found_on_the_host_only():
         assert all(isinstance(v, jax.Array) for v in jax.tree.leaves(m))
         assert lj.make_lora_mapping(jnp.asarray(idx, jnp.int32), 4).tokens_per_slot is None
     assert lj.make_lora_mapping(jnp.zeros(4, jnp.int32), 4, tokens_per_slot=1).tokens_per_slot == 1
-    with pytest.raises(ValueError, match=r"tokens_per_slot must be None or one of \(0, 1, 2, 64\)"):
+    with pytest.raises(
+        ValueError, match=r"tokens_per_slot must be None or one of \(0, 1, 2, 16, 64\)"
+    ):
         lj.make_lora_mapping(np.zeros(4, np.int32), 4, tokens_per_slot=3)
 
 

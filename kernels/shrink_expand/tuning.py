@@ -66,14 +66,17 @@ AHEAD_SHORT_MAX_TOKENS = 1024
 """Most tokens of the hinted ahead-load (measured at 512 and 1024). At 2048 tokens over 8
 adapters it lost (session 36, H = 4096, µs: rank 128 16.4 -> 20.1, rank 64 13.4 -> 18.3 on
 the 32 x 128 tiles); past PREFETCH_MIN_TOKENS the rank-128 expand loads ahead in any case."""
+FEW_TOKENS_PER_SLOT = 16
+"""The host's hint (`lora_jax.mapping.TOKENS_PER_SLOT`) of a step whose active adapters
+average 3-16 mapped tokens each."""
 FEW_PER_SLOT_RANK128_TILES = dict(block_m=16, block_n=64, num_stages=2, tiles_n=2)
-"""Rank-128 expands of up to AHEAD_SHORT_MAX_TOKENS tokens whose host hint says 3-63
-tokens per active adapter (`tokens_per_slot` 0) into fewer than 8192 columns: 16-token
-blocks, 2 column tiles of 64 a program, where 64-token blocks would run mostly empty.
-Session 38 (H200, H = 4096, shuffled tokens, µs; RESULTS.md): T = 1024 over 64 adapters
-(16 tokens each) 28.1 -> 24.1 (70 -> 81 % of the roofline); over 8 adapters (128 each, the
-hint 64: not these tiles) they lost 12.7 -> 16.9, and at 2048 tokens over 64 (32 each)
-31.8 -> 33.1, so they stop at 1024 tokens."""
+"""Rank-128 expands of 257 to AHEAD_SHORT_MAX_TOKENS tokens with the hint
+FEW_TOKENS_PER_SLOT into fewer than 8192 columns: 16-token blocks, 2 column tiles of 64 a
+program, where 64-token blocks would run mostly empty. Session 38 (H200, H = 4096,
+shuffled tokens, µs; RESULTS.md runs 2-3): T = 1024 over 64 adapters (16 tokens each)
+28.1 -> 24.1 (twice; 70 -> 81 % of the roofline). With more tokens a slot they lost: at
+1024 tokens over 32 adapters (32 each) 16.9 -> 18.3, over 8 (128 each) 12.7 -> 16.9; at
+2048 over 64 (32 each) 31.8 -> 33.1."""
 COLS_INNER_MAX_TOKENS = 2048
 """Expands of up to this many tokens on the static grid launch a token block's column
 groups side by side (`BlockSizes.cols_inner`) at ranks 16 (every hint), 64 (with the
@@ -202,7 +205,7 @@ def default_block_sizes(
         short = num_tokens <= COLS_INNER_MAX_TOKENS  # `cols_inner` pays here
         if (
             rank_p == 128
-            and tokens_per_slot == 0
+            and tokens_per_slot == FEW_TOKENS_PER_SLOT
             and num_tokens <= AHEAD_SHORT_MAX_TOKENS
             and hidden < 8192
         ):

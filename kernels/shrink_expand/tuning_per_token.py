@@ -12,8 +12,8 @@ PER_TOKEN_SMALL_TOKENS = 16
 
 def use_per_token(tokens_per_slot: int | None, rank: int, num_tokens: int) -> bool:
     """Whether a step whose host found ``tokens_per_slot`` (`LoRAMapping.tokens_per_slot`:
-    1 a slot per mapped token, 2 at most two a slot on average, 64 at least 64, 0
-    between, None not known)
+    1 a slot per mapped token, 2 at most two a slot on average, 16 at most 16, 64 at least
+    64, 0 between 16 and 64, None not known)
     runs the per-token kernels. H200, session 18 (benchmarks/RESULTS.md, shrink / expand
     µs, per-token vs segment): a token a slot wins at every rank and size measured (T = 1,
     R = 64: 1.6 / 1.5 vs 2.2 / 2.1; T = 64, R = 64: 10.9 / 11.0 vs 11.2 / 12.7); two a slot

@@ -54,15 +54,15 @@ _PF64 = BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=1)
 _PF_ROWS = BlockSizes(block_m=64, block_n=64, num_stages=2, tiles_n=4, prefetch=1, prefetch_rows=32)
 # Session 38's short-expand defaults, by the host's hint (tuning.py): the hinted ahead-load
 # with a block's column groups side by side at ranks 64 / 128, and rank 128's 16-token
-# blocks for 3-63 tokens a slot
+# blocks for 3-16 tokens a slot
 _HINT64_R64 = BlockSizes.get_default(
     "expand", num_tokens=1024, hidden=4096, rank=64, tokens_per_slot=64
 )
 _HINT64_R128 = BlockSizes.get_default(
     "expand", num_tokens=1024, hidden=4096, rank=128, tokens_per_slot=64
 )
-_HINT0_R128 = BlockSizes.get_default(
-    "expand", num_tokens=1024, hidden=4096, rank=128, tokens_per_slot=0
+_HINT16_R128 = BlockSizes.get_default(
+    "expand", num_tokens=1024, hidden=4096, rank=128, tokens_per_slot=16
 )
 _RI128 = BlockSizes(block_m=64, block_r=64, block_k=128, num_warps=8, num_stages=3, rank_inner=True)
 _RI128_SPLIT = dataclasses.replace(
@@ -172,7 +172,7 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(2048, 2049, 128, (512, 256), jnp.float16, "unsorted", 8, True),
             Case(1024, 4096, 64, (4096,), jnp.bfloat16, "unsorted", 8, block_sizes=_HINT64_R64),
             Case(1024, 2049, 128, (4096,), jnp.float16, "unsorted", 8, True, _HINT64_R128),
-            Case(1024, 4096, 128, (4096, 1024), jnp.bfloat16, "unsorted", 64, True, _HINT0_R128),
+            Case(1024, 4096, 128, (4096, 1024), jnp.bfloat16, "unsorted", 64, True, _HINT16_R128),
         ],
         ids=str,
     )
@@ -679,7 +679,7 @@ def test_session36_hinted_short_expand_loads_y_ahead(monkeypatch):
         # session 38: with a block's column groups side by side
         want_bs = dataclasses.replace(expand(t, r, per=None), prefetch=1, cols_inner=True)
         assert bs == want_bs, (t, r)
-    for per in (None, 0, 1, 2):
+    for per in (None, 0, 1, 2, 16):
         assert not expand(1024, 128, per=per).prefetch, per
     assert not expand(B.AHEAD_SHORT_MAX_TOKENS + 1, 64).prefetch
     assert not expand(1024, 64, width=8192).prefetch
@@ -714,9 +714,10 @@ def test_session36_hinted_short_expand_loads_y_ahead(monkeypatch):
 def test_session38_short_expands_launch_a_blocks_column_groups_together():
     """Up to COLS_INNER_MAX_TOKENS tokens, rank-16 expands, rank-64 ones with the hinted
     ahead-load and rank-128 ones with the ahead-load (hinted up to 1024 tokens, any hint
-    above) launch a token block's column groups side by side; rank 128 with the hint 0
-    (3-63 tokens a slot) up to 1024 tokens takes 16-token blocks. Longer expands, decode
-    steps, wider outputs and the unhinted short rank-64/128 tiles keep their order."""
+    above) launch a token block's column groups side by side; rank 128 with the hint
+    FEW_TOKENS_PER_SLOT (3-16 tokens a slot) up to 1024 tokens takes 16-token blocks.
+    Longer expands, decode steps, wider outputs and the unhinted short rank-64/128 tiles
+    keep their order."""
     from lora_jax.kernels.shrink_expand import tuning as B
 
     def expand(t, r, per=None, width=4096):
@@ -735,22 +736,24 @@ def test_session38_short_expands_launch_a_blocks_column_groups_together():
         (1024, 128, B.AHEAD_TOKENS_PER_SLOT, (64, 64, 4, 1, True)),
         (B.AHEAD_SHORT_MAX_TOKENS + 1, 128, None, (64, 64, 4, 1, True)),
         (B.COLS_INNER_MAX_TOKENS, 128, 0, (64, 64, 4, 1, True)),
-        (1024, 128, 0, (16, 64, 2, 0, False)),
-        (512, 128, 0, (16, 64, 2, 0, False)),
-        # kept: unhinted short tiles, longer expands, rank 256
+        (1024, 128, B.FEW_TOKENS_PER_SLOT, (16, 64, 2, 0, False)),
+        (512, 128, B.FEW_TOKENS_PER_SLOT, (16, 64, 2, 0, False)),
+        # kept: unhinted short tiles, 17-63 tokens a slot, longer expands, rank 256
+        (1024, 128, 0, (64, 64, 4, 0, False)),
+        (1024, 64, B.FEW_TOKENS_PER_SLOT, (32, 128, 4, 0, False)),
         (1024, 64, None, (32, 128, 4, 0, False)),
         (1024, 128, None, (64, 64, 4, 0, False)),
         (B.COLS_INNER_MAX_TOKENS, 64, 0, (32, 128, 4, 0, False)),
         (B.COLS_INNER_MAX_TOKENS + 1, 16, None, (16, 128, 4, 1, False)),
         (B.COLS_INNER_MAX_TOKENS + 1, 128, None, (64, 64, 8, 1, False)),
-        (1024, 256, 0, (64, 64, 4, 0, False)),
+        (1024, 256, B.FEW_TOKENS_PER_SLOT, (64, 64, 4, 0, False)),
     ):
         assert tiles(expand(t, r, per)) == want, (t, r, per)
     # into 8192 columns: neither the hinted nor the mid-size rank-128 ahead-load
-    assert tiles(expand(1024, 128, 0, width=8192)) == (64, 64, 4, 0, False)
+    assert tiles(expand(1024, 128, B.FEW_TOKENS_PER_SLOT, width=8192)) == (64, 64, 4, 0, False)
     assert tiles(expand(B.COLS_INNER_MAX_TOKENS, 128, width=8192)) == (64, 64, 4, 0, False)
     for t, r in ((256, 16), (256, 64), (256, 128)):  # decode
-        assert not expand(t, r, per=0).cols_inner, (t, r)
+        assert not expand(t, r, per=B.FEW_TOKENS_PER_SLOT).cols_inner, (t, r)
 
 
 def test_session25_wide_decode_expand_walks_live_blocks():
