@@ -1121,6 +1121,12 @@ PREFILL_SWEEP = {
         BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=1, cols_inner=True),
         BlockSizes(block_m=32, block_n=128, num_stages=2, tiles_n=4, prefetch=1, cols_inner=True),
         BlockSizes(block_m=16, block_n=64, num_stages=2, tiles_n=4, cols_inner=True),
+        # 73-75 (session 38, for the next device call): the decode expand of 256 tokens
+        # over 64 adapters (4 a slot: the hint 16), where [68] ran 13.7 -> 12.9 us (the
+        # cell needs 12.6): more column tiles a program, a deeper pipeline, wider tiles
+        BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=8, cols_inner=True),
+        BlockSizes(block_m=16, block_n=128, num_stages=3, tiles_n=4, cols_inner=True),
+        BlockSizes(block_m=16, block_n=256, num_stages=2, tiles_n=2, cols_inner=True),
     ],
 }
 
