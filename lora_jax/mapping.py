@@ -186,10 +186,18 @@ def make_lora_mapping(
     )
 
 
-TOKENS_PER_SLOT = (0, 1, 2, 16, 64)
+FEW_TOKENS_PER_SLOT = 16
+"""The `TOKENS_PER_SLOT` bucket of more than two and at most 16 mapped tokens per active
+slot (the kernels' `tuning.FEW_TOKENS_PER_SLOT`), found for more than
+``FEW_MIN_TOKENS - 1`` tokens only."""
+FEW_MIN_TOKENS = 257
+"""Fewer tokens (a decode step) report 3-16 tokens a slot as 0: only prompt-sized expands
+read the bucket (the kernels' decode tiles stop at 256 tokens), and a decode program
+compiled for it would be the same kernels compiled again."""
+TOKENS_PER_SLOT = (0, 1, 2, FEW_TOKENS_PER_SLOT, 64)
 """`LoRAMapping.tokens_per_slot` buckets: 1 every mapped token's slot is its own, 2 at
-most two mapped tokens per active slot on average, 16 more than two and at most 16, 64
-at least 64 on average, 0 between 16 and 64 (or nothing mapped)."""
+most two mapped tokens per active slot on average, 16 more than two and at most 16 (from
+`FEW_MIN_TOKENS` tokens), 64 at least 64 on average, 0 between (or nothing mapped)."""
 
 
 def host_tokens_per_slot(token_lora_indices, max_loras: int) -> int:
@@ -200,8 +208,12 @@ def host_tokens_per_slot(token_lora_indices, max_loras: int) -> int:
         1
         >>> host_tokens_per_slot(np.array([0, 0, 1]), 4)  # 1.5 tokens per active slot
         2
-        >>> host_tokens_per_slot(np.repeat([0, 1, 2], 10), 4)  # 10 per active slot
+        >>> host_tokens_per_slot(np.repeat([0, 1, 2], 100), 64)  # 100 per active slot
+        64
+        >>> host_tokens_per_slot(np.arange(300) % 30, 64)  # 10 per active slot, a prompt
         16
+        >>> host_tokens_per_slot(np.arange(30) % 3, 64)  # 10 per active slot, a decode step
+        0
         >>> host_tokens_per_slot(np.repeat([0, 1, 2], 100), 4)  # 100 per active slot
         64
     """
@@ -212,7 +224,9 @@ def host_tokens_per_slot(token_lora_indices, max_loras: int) -> int:
     per = mapped.size / np.unique(mapped).size
     if per >= 64:
         return 64
-    return 1 if per <= 1 else 2 if per <= 2 else 16 if per <= 16 else 0
+    if per > FEW_TOKENS_PER_SLOT or (per > 2 and idx.size < FEW_MIN_TOKENS):
+        return 0
+    return 1 if per <= 1 else 2 if per <= 2 else FEW_TOKENS_PER_SLOT
 
 
 @functools.partial(jax.jit, static_argnames=("max_loras", "segments"))

@@ -263,16 +263,19 @@ def test_told_prompt_tiles_and_the_rows_rule():
 
 def test_tokens_per_slot_found_on_the_host_only():
     """From numpy indices the mapping buckets its mapped tokens per active slot (static,
-    no array leaf): 1 a slot each, 2 at most two on average, 16 at most 16, 64 at least
-    64 on average, 0 between 16 and 64 or none mapped; from
+    no array leaf): 1 a slot each, 2 at most two on average, 16 at most 16 (from
+    FEW_MIN_TOKENS tokens: a decode step reports 0), 64 at least 64 on average, 0 between
+    or none mapped; from
     device indices it does not know (None); a caller may say it, checked."""
     cases = {
         (3, 1, -1, 2): 1,
         (0, 0, 1, -1): 2,  # 1.5 a slot
         (0, 0, 0, 1): 2,  # 2.0 a slot
-        (0, 0, 0, 0, 1): 16,  # 2.5 a slot
-        (0,) * 16 + (1,) * 16: 16,  # 16.0 a slot
-        (0,) * 17 + (1,) * 16: 0,  # 16.5 a slot
+        (0, 0, 0, 0, 1): 0,  # 2.5 a slot, 5 tokens (decode-sized: not 16)
+        (0, 1, 2, 3) * 5 + (-1,) * 240: 16,  # 5 a slot, 260 tokens
+        (0, 1, 2, 3) * 16 + (-1,) * 200: 16,  # 16.0 a slot
+        (0, 1, 2, 3) * 16 + (0,) + (-1,) * 200: 0,  # 16.25 a slot
+        (0, 1, 2, 3) * 5 + (-1,) * 236: 0,  # 5 a slot, 256 tokens
         (-1, -1): 0,
         (7, 7, 1): 1,  # 7 is past max_loras = 4: unmapped, not a shared slot
         (0,) * 63 + (1,) * 64: 0,  # 63.5 a slot
@@ -290,6 +293,18 @@ def test_tokens_per_slot_found_on_the_host_only():
         ValueError, match=r"tokens_per_slot must be None or one of \(0, 1, 2, 16, 64\)"
     ):
         lj.make_lora_mapping(np.zeros(4, np.int32), 4, tokens_per_slot=3)
+
+
+def test_tokens_per_slot_buckets_are_the_kernels():
+    """The mapping's buckets are the values the kernels' tuning reads (kernels/ depend on
+    nothing in lora_jax, so each side spells them), and its few-tokens bucket starts where
+    the kernels' decode tiles stop."""
+    from lora_jax import mapping
+    from lora_jax.kernels.shrink_expand import tuning
+
+    assert tuning.AHEAD_TOKENS_PER_SLOT in mapping.TOKENS_PER_SLOT
+    assert tuning.FEW_TOKENS_PER_SLOT == mapping.FEW_TOKENS_PER_SLOT
+    assert mapping.FEW_MIN_TOKENS == tuning.DECODE_MAX_TOKENS + 1
 
 
 @pytest.mark.parametrize(
