@@ -102,22 +102,27 @@ class MosaicTiles:
 
 
 SMEM_BUDGET = 200 * 1024
-"""Shared memory the default tiles may fill: the pipeline's buffers and the f32 output
-tile (an H200 block may opt in to 227 KiB; the rest is left to barriers and scratch)."""
+"""Shared memory the default tiles may fill: the pipeline's buffers, or the f32 output
+tile, whichever is larger (one scope after the other; an H200 block may opt in to 227 KiB,
+the rest is left to barriers and scratch)."""
 MAX_STAGES = 6
 
 
 def default_tiles(rank: int, block_m: int = 128) -> MosaicTiles:
     """The default tiles at this rank: the deepest pipeline, 4 to ``MAX_STAGES`` copies in
-    flight, whose buffers and output tile fit ``SMEM_BUDGET``: in 128-row tiles 6 up to
-    rank 64, 5 at 96, 4 at 128; in 64-row tiles 6 at every rank. Session 12 (H200, the
-    kernel alone, rank 64): 6 stages instead of 4 ran 2-5 % faster (T = 4096: 13.4 ->
-    13.1 us; T = 16384 prompts over 8 adapters: 45.8 -> 43.3 us); 256-row tiles ran
-    slower (14.9 us at T = 4096)."""
+    flight, whose buffers fit ``SMEM_BUDGET``, and so does the f32 output tile: the two
+    live in scopes one after the other (the pipeline's for the k steps, the tile's for the
+    store), so the larger of the two counts. 6 stages at every rank up to 128, 64- or
+    128-row tiles. Session 12 (H200, the kernel alone, rank 64): 6 stages instead of 4 ran
+    2-5 % faster (T = 4096: 13.4 -> 13.1 us; T = 16384 prompts over 8 adapters: 45.8 ->
+    43.3 us); 256-row tiles ran slower (14.9 us at T = 4096). Sessions 38-39 (rank 128,
+    128-row tiles, which had 4 stages while the two scopes were counted together): T =
+    8192 one adapter 25.9 -> 25.0 us, prompts over 8 adapters 29.5 -> 28.9; T = 16384 one
+    adapter 43.5 -> 42.3."""
     tiles = MosaicTiles(block_m=block_m)
     per_stage = (block_m + rank) * tiles.block_k * 2
     stages = MAX_STAGES
-    while stages > tiles.stages and stages * per_stage + block_m * rank * 4 > SMEM_BUDGET:
+    while stages > tiles.stages and max(stages * per_stage, block_m * rank * 4) > SMEM_BUDGET:
         stages -= 1
     return dataclasses.replace(tiles, stages=stages)
 

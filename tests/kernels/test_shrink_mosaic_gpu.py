@@ -380,12 +380,13 @@ def test_rest_tokens_keep_the_ready_made_schedule(monkeypatch):
 @pytest.mark.parametrize("rank", [32, 64, 96, 128])
 @pytest.mark.parametrize("block_m", [64, 128])
 def test_default_tiles_fill_shared_memory_but_not_past_it(rank, block_m):
-    """The default pipeline depth: its shared memory (TMA buffers of x and A, the f32
-    output tile) within the budget, and one more stage would not be (or it is the most)."""
+    """The default pipeline depth: its shared memory (the TMA buffers of x and A, or the f32
+    output tile in the scope after theirs) within the budget, and one more stage would not
+    be (or it is the most)."""
     tiles = mosaic_gpu_shrink.default_tiles(rank, block_m)
 
     def smem(stages):
-        return stages * (block_m + rank) * tiles.block_k * 2 + block_m * rank * 4
+        return max(stages * (block_m + rank) * tiles.block_k * 2, block_m * rank * 4)
 
     assert tiles.block_m == block_m and 4 <= tiles.stages <= mosaic_gpu_shrink.MAX_STAGES
     assert smem(tiles.stages) <= mosaic_gpu_shrink.SMEM_BUDGET or tiles.stages == 4
@@ -394,7 +395,7 @@ def test_default_tiles_fill_shared_memory_but_not_past_it(rank, block_m):
     if (block_m, rank) == (128, 64):
         assert tiles.stages == 6  # the session-12 measurement
     if (block_m, rank) == (128, 128):
-        assert tiles.stages == 4  # 6 would need 256 KiB
+        assert tiles.stages == 6  # 192 KiB of buffers, then a 64 KiB tile (sessions 38-39)
     if block_m == 64:
         assert tiles.stages == 6  # 176 KiB at rank 128 (session 13's default up to 4096 tokens)
 
