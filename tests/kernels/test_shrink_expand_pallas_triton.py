@@ -64,6 +64,9 @@ _HINT64_R128 = BlockSizes.get_default(
 _HINT16_R128 = BlockSizes.get_default(
     "expand", num_tokens=1024, hidden=4096, rank=128, tokens_per_slot=16
 )
+# Session 39: the decode expand on the static grid, a token block's column groups side by
+# side (`PREFILL_SWEEP["expand"][68]`), for decode steps into 8192 columns
+_DECODE_COLS_INNER = BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, cols_inner=True)
 _RI128 = BlockSizes(block_m=64, block_r=64, block_k=128, num_warps=8, num_stages=3, rank_inner=True)
 _RI128_SPLIT = dataclasses.replace(
     _RI128, split_k=2, atomic_programs=528, persistent=False, num_stages=4
@@ -173,6 +176,9 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(1024, 4096, 64, (4096,), jnp.bfloat16, "unsorted", 8, block_sizes=_HINT64_R64),
             Case(1024, 2049, 128, (4096,), jnp.float16, "unsorted", 8, True, _HINT64_R128),
             Case(1024, 4096, 128, (4096, 1024), jnp.bfloat16, "unsorted", 64, True, _HINT16_R128),
+            Case(256, 4096, 64, (8192,), jnp.bfloat16, "unsorted", 64, block_sizes=_DECODE_COLS_INNER),
+            Case(200, 2049, 64, (8192, 1024, 1024), jnp.float16, "unsorted", 8, True, _DECODE_COLS_INNER),
+            Case(128, 4096, 128, (8192,), jnp.bfloat16, "unsorted", 64, block_sizes=_DECODE_COLS_INNER),
         ],
         ids=str,
     )
