@@ -87,6 +87,18 @@ rank 128 hinted, T = 1024, n = 8 12.7-13.0 -> 11.8-12.2; rank 128 at 2048 tokens
 ahead-load session 36 found losing without it, n = 8 / 64 16.6 / 31.8 -> 15.7 / 31.1;
 rank 64 hinted, T = 1024, n = 8 10.8 -> 10.5. From 4096 tokens it tied or lost (rank 64,
 16384 tokens: 94.9 -> 96.3-101.4)."""
+DECODE_COLS_INNER_MIN_TOKENS = 129
+DECODE_COLS_INNER_COLUMNS = 8192
+"""Rank-64 decode expands of ``DECODE_COLS_INNER_MIN_TOKENS`` to DECODE_MAX_TOKENS tokens
+into at least this many (and fewer than WIDE_DECODE_EXPAND_COLUMNS) output columns run on
+the static grid with a token block's 4 column tiles of 128 launched side by side
+(`BlockSizes.cols_inner`), not over the live blocks (``live_programs``). Session 39 (H200,
+8192 columns, shuffled tokens, µs, runs 1 and 5): 256 tokens over 8 / 64 adapters 10.4-10.5
+/ 24.4 -> 9.5-9.6 / 23.4-23.5. At 128 tokens it lost over 8 (7.9 -> 8.6) and won 3 % over
+64; at 64 tokens it lost (7.3 / 19.3 -> 7.8 / 21.4); into 4096 columns it lost over 8
+adapters (6.1 -> 7.6; over 64 13.8 -> 13.0, but the mapping of a decode step cannot tell
+the two apart); rank 128 lost at 4096 columns (session 38: 8.7 / 21.8 -> 10.4 / 26.1) and
+was not measured at 8192."""
 WIDE_PREFILL_MAX_SPLIT_K = 16
 """Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
 the hidden size keeps 8 k steps of 64 per split (H >= 8192)."""
@@ -179,6 +191,12 @@ def default_block_sizes(
         # tiles per program (tiles_n) load the tokens' f32 h once instead of per
         # tile: at R >= 64 that was as many bytes as the tile's y and B.
         if num_tokens <= DECODE_MAX_TOKENS:
+            if (
+                rank_p == 64
+                and num_tokens >= DECODE_COLS_INNER_MIN_TOKENS
+                and DECODE_COLS_INNER_COLUMNS <= hidden < WIDE_DECODE_EXPAND_COLUMNS
+            ):
+                return BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, cols_inner=True)
             if rank_p >= 64 and num_tokens >= 64:
                 # Up to 4 column tiles a program (T = 64/256, n = 64: 14 -> 12 us), as
                 # many as keep EXPAND_LIVE_PROGRAMS busy with the step's live blocks.

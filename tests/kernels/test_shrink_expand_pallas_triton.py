@@ -66,7 +66,7 @@ _HINT16_R128 = BlockSizes.get_default(
 )
 # Session 39: the decode expand on the static grid, a token block's column groups side by
 # side (`PREFILL_SWEEP["expand"][68]`), for decode steps into 8192 columns
-_DECODE_COLS_INNER = BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, cols_inner=True)
+_DECODE_CI = BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, cols_inner=True)
 _RI128 = BlockSizes(block_m=64, block_r=64, block_k=128, num_warps=8, num_stages=3, rank_inner=True)
 _RI128_SPLIT = dataclasses.replace(
     _RI128, split_k=2, atomic_programs=528, persistent=False, num_stages=4
@@ -176,9 +176,9 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(1024, 4096, 64, (4096,), jnp.bfloat16, "unsorted", 8, block_sizes=_HINT64_R64),
             Case(1024, 2049, 128, (4096,), jnp.float16, "unsorted", 8, True, _HINT64_R128),
             Case(1024, 4096, 128, (4096, 1024), jnp.bfloat16, "unsorted", 64, True, _HINT16_R128),
-            Case(256, 4096, 64, (8192,), jnp.bfloat16, "unsorted", 64, block_sizes=_DECODE_COLS_INNER),
-            Case(200, 2049, 64, (8192, 1024, 1024), jnp.float16, "unsorted", 8, True, _DECODE_COLS_INNER),
-            Case(128, 4096, 128, (8192,), jnp.bfloat16, "unsorted", 64, block_sizes=_DECODE_COLS_INNER),
+            Case(256, 4096, 64, (8192,), jnp.bfloat16, "unsorted", 64, block_sizes=_DECODE_CI),
+            Case(200, 2049, 64, (8192, 1024, 1024), jnp.float16, "unsorted", 8, True, _DECODE_CI),
+            Case(128, 4096, 128, (8192,), jnp.bfloat16, "unsorted", 64, block_sizes=_DECODE_CI),
         ],
         ids=str,
     )
@@ -760,6 +760,36 @@ def test_session38_short_expands_launch_a_blocks_column_groups_together():
     assert tiles(expand(B.COLS_INNER_MAX_TOKENS, 128, width=8192)) == (64, 64, 4, 0, False)
     for t, r in ((256, 16), (256, 64), (256, 128)):  # decode
         assert not expand(t, r, per=B.FEW_TOKENS_PER_SLOT).cols_inner, (t, r)
+
+
+def test_session39_wide_rank64_decode_expand_launches_a_blocks_column_groups_together():
+    """Rank-64 decode expands of 129-256 tokens into 8192 up to WIDE_DECODE_EXPAND_COLUMNS
+    columns run the static grid with a token block's column groups side by side (the
+    tiles of `_DECODE_CI`, which the GPU cases of `test_large` run); fewer tokens,
+    narrower or wider outputs, other ranks, prefills and the per-token tiles do not."""
+    from lora_jax.kernels.shrink_expand import tuning as B
+
+    def expand(t, width, r, **kw):
+        return BlockSizes.get_default("expand", num_tokens=t, hidden=width, rank=r, **kw)
+
+    for t, width in ((256, 8192), (B.DECODE_COLS_INNER_MIN_TOKENS, 8192), (200, 10240)):
+        assert expand(t, width, 64) == _DECODE_CI, (t, width)
+        assert expand(t, width, 48) == _DECODE_CI  # padded to 64
+        assert expand(t, width, 64, tokens_per_slot=0) == _DECODE_CI
+    live = expand(256, 4096, 64)
+    assert live.live_programs == B.EXPAND_LIVE_PROGRAMS and not live.cols_inner
+    for t, width, r in (
+        (B.DECODE_COLS_INNER_MIN_TOKENS - 1, 8192, 64),  # 128 tokens: lost over 8 adapters
+        (64, 8192, 64),
+        (256, 8191, 64),  # narrower: lost over 8 adapters at 4096 columns
+        (256, B.WIDE_DECODE_EXPAND_COLUMNS, 64),  # wider: not measured
+        (256, 8192, 128),  # rank 128: lost at 4096 columns, not measured at 8192
+        (256, 8192, 16),
+        (B.DECODE_MAX_TOKENS + 1, 8192, 64),  # a prefill
+    ):
+        assert not expand(t, width, r).cols_inner or t > B.DECODE_MAX_TOKENS, (t, width, r)
+        assert expand(t, width, r) != _DECODE_CI, (t, width, r)
+    assert expand(256, 8192, 64, per_token=True).per_token
 
 
 def test_session25_wide_decode_expand_walks_live_blocks():
