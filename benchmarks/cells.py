@@ -42,15 +42,16 @@ def rotation(nbytes: int, calls: int) -> int:
     return int(min(calls, max(4, -(-2 * L2_BYTES // max(nbytes, 1)))))
 
 
-def grid(ops, hiddens, ranks, tokens, adapters) -> list[Case]:
-    """The cells of these axes: H = 8192 only at rank 64 (the issue's trimmed grid), no
-    more adapters than tokens (the first adapter count stands for n = T where T < n)."""
+def grid(ops, hiddens, ranks, tokens, adapters, trimmed: bool = True) -> list[Case]:
+    """The cells of these axes: H = 8192 only at rank 64 (the issue's trimmed grid; every
+    rank with ``trimmed=False``), no more adapters than tokens (the first adapter count
+    stands for n = T where T < n)."""
     out = []
     for op in ops:
         for hidden in hiddens:
             for rank in ranks:
                 for t in tokens:
-                    if hidden == 8192 and rank != 64:
+                    if trimmed and hidden == 8192 and rank != 64:
                         continue
                     for n in adapters:
                         if n > t and not (n == adapters[0] and t < n):

@@ -578,7 +578,7 @@ def write_json(path: str, rows) -> None:
 
 
 def cases(args):
-    return grid(args.ops, args.hiddens, args.ranks, args.tokens, args.adapters)
+    return grid(args.ops, args.hiddens, args.ranks, args.tokens, args.adapters, not args.untrimmed)
 
 
 # The decode shrink tiles before split-K (commit 694f20a), for before/after rows.
@@ -1351,6 +1351,11 @@ def main(argv=None):
         "--candidates",
         default="",
         help="with --sweep: comma-separated indices into the sweep set (default: all)",
+    )
+    p.add_argument(
+        "--untrimmed",
+        action="store_true",
+        help="every rank at H = 8192 (the issue's grid keeps rank 64 only there)",
     )
     p.add_argument(
         "--layout",
