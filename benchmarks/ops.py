@@ -578,7 +578,9 @@ def write_json(path: str, rows) -> None:
 
 
 def cases(args):
-    return grid(args.ops, args.hiddens, args.ranks, args.tokens, args.adapters, not args.untrimmed)
+    """The grid of these arguments (`cells.grid`; ``untrimmed`` optional, default off)."""
+    trimmed = not getattr(args, "untrimmed", False)
+    return grid(args.ops, args.hiddens, args.ranks, args.tokens, args.adapters, trimmed)
 
 
 # The decode shrink tiles before split-K (commit 694f20a), for before/after rows.
