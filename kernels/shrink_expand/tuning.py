@@ -89,19 +89,43 @@ rank 64 hinted, T = 1024, n = 8 10.8 -> 10.5. From 4096 tokens it tied or lost (
 16384 tokens: 94.9 -> 96.3-101.4)."""
 DECODE_COLS_INNER_MIN_TOKENS = 129
 DECODE_COLS_INNER_COLUMNS = 8192
-"""Rank-64 decode expands of ``DECODE_COLS_INNER_MIN_TOKENS`` to DECODE_MAX_TOKENS tokens
-into at least this many (and fewer than WIDE_DECODE_EXPAND_COLUMNS) output columns run on
-the static grid with a token block's 4 column tiles of 128 launched side by side
-(`BlockSizes.cols_inner`), not over the live blocks (``live_programs``). Session 39 (H200,
-8192 columns, shuffled tokens, µs, runs 1 and 5): 256 tokens over 8 / 64 adapters 10.4-10.5
-/ 24.4 -> 9.5-9.6 / 23.4-23.5. At 128 tokens it lost over 8 (7.9 -> 8.6) and won 3 % over
-64; at 64 tokens it lost (7.3 / 19.3 -> 7.8 / 21.4); into 4096 columns it lost over 8
-adapters (6.1 -> 7.6; over 64 13.8 -> 13.0, but the mapping of a decode step cannot tell
-the two apart); rank 128 lost at 4096 columns (session 38: 8.7 / 21.8 -> 10.4 / 26.1) and
-was not measured at 8192."""
+"""Rank-64 decode expands of ``DECODE_COLS_INNER_MIN_TOKENS`` to DECODE_MAX_TOKENS tokens into at
+least this many output columns (from WIDE_DECODE_EXPAND_COLUMNS: from
+`WIDE_DECODE_COLS_INNER_MIN_TOKENS` tokens) run on the static grid with a token block's 4 column
+tiles of 128 launched side by side (`BlockSizes.cols_inner`), not over the live blocks
+(``live_programs``). Session 39 (H200, 8192 columns, shuffled tokens, µs, runs 1 and 5): 256 tokens
+over 8 / 64 adapters 10.4-10.5 / 24.4 -> 9.5-9.6 / 23.4-23.5. At 128 tokens it lost over 8 (7.9 ->
+8.6) and won 3 % over 64; at 64 tokens it lost (7.3 / 19.3 -> 7.8 / 21.4); into 4096 columns it lost
+over 8 adapters (6.1 -> 7.6; over 64 13.8 -> 13.0, but the mapping of a decode step cannot tell the
+two apart); rank 128 lost at 4096 columns (session 38: 8.7 / 21.8 -> 10.4 / 26.1) and was not
+measured at 8192. Session 40 (run 1): at rank 16 / 128 into 8192 columns it lost or tied (128 tokens
+over 8: 5.8 -> 8.3, 10.2 -> 11.9 µs)."""
+WIDE_DECODE_COLS_INNER_MIN_TOKENS = 64
+"""From WIDE_DECODE_EXPAND_COLUMNS output columns (a 70B-class gate or up projection,
+28672 columns, or their merged 57344) the rank-64 decode expand takes those tiles from
+this many tokens. Session 40 (H200, shuffled tokens, µs, runs 1 and 3; old default ->
+these tiles): 16384 columns, over 8 / 64 adapters, T = 64 11.9 / 36.1 -> 9.8 / 37.9, T =
+128 13.0 / 41.5 -> 10.7 / 39.7, T = 256 17.4 / 43.9 -> 12.9 / 41.5; 28672 columns T = 64
+19.7 / 61.7 -> 13.4 / 61.9, T = 128 21.1-21.2 / 66.8-67.2 -> 14.4 / 63.9-64.4, T = 256
+27.2-27.4 / 71.5 -> 23.0-23.1 / 67.3; 57344 columns, T = 128 over 8 36.3 -> 26.3. 8 column
+tiles a program instead of 4 won at 256 tokens into 28672 columns (21.0 / 66.9) but lost
+into 16384 (16.0 / 45.5) and at 64-128 tokens over 8 adapters. 10240 columns (session 39's
+rule from 129 tokens) at 128 tokens: 9.5 / 26.8 -> 9.1 / 25.4, not taken (one run)."""
+
 WIDE_PREFILL_MAX_SPLIT_K = 16
 """Most hidden splits of the prefill shrink below LONG_PREFILL_TOKENS tokens: 16 only where
 the hidden size keeps 8 k steps of 64 per split (H >= 8192)."""
+
+
+def decode_cols_inner(rank_p: int, num_tokens: int, hidden: int) -> bool:
+    """Whether a decode expand of ``num_tokens`` tokens into ``hidden`` columns at padded
+    rank ``rank_p`` takes the static grid with a block's column groups side by side
+    (`DECODE_COLS_INNER_COLUMNS`, `WIDE_DECODE_COLS_INNER_MIN_TOKENS`)."""
+    if rank_p != 64 or num_tokens > DECODE_MAX_TOKENS:
+        return False
+    if hidden >= WIDE_DECODE_EXPAND_COLUMNS:
+        return num_tokens >= WIDE_DECODE_COLS_INNER_MIN_TOKENS
+    return hidden >= DECODE_COLS_INNER_COLUMNS and num_tokens >= DECODE_COLS_INNER_MIN_TOKENS
 
 
 def default_block_sizes(
@@ -191,11 +215,7 @@ def default_block_sizes(
         # tiles per program (tiles_n) load the tokens' f32 h once instead of per
         # tile: at R >= 64 that was as many bytes as the tile's y and B.
         if num_tokens <= DECODE_MAX_TOKENS:
-            if (
-                rank_p == 64
-                and num_tokens >= DECODE_COLS_INNER_MIN_TOKENS
-                and DECODE_COLS_INNER_COLUMNS <= hidden < WIDE_DECODE_EXPAND_COLUMNS
-            ):
+            if decode_cols_inner(rank_p, num_tokens, hidden):
                 return BlockSizes(block_m=16, block_n=128, num_stages=2, tiles_n=4, cols_inner=True)
             if rank_p >= 64 and num_tokens >= 64:
                 # Up to 4 column tiles a program (T = 64/256, n = 64: 14 -> 12 us), as

@@ -179,6 +179,10 @@ class TestPallasTritonGpu(ShrinkExpandTestBase):
             Case(256, 4096, 64, (8192,), jnp.bfloat16, "unsorted", 64, block_sizes=_DECODE_CI),
             Case(200, 2049, 64, (8192, 1024, 1024), jnp.float16, "unsorted", 8, True, _DECODE_CI),
             Case(128, 4096, 128, (8192,), jnp.bfloat16, "unsorted", 64, block_sizes=_DECODE_CI),
+            # session 40: the default from 64 tokens into >= 16384 columns (`_DECODE_CI`),
+            # one slice, and a merged gate_up of two 14336-column slices with true ranks
+            Case(64, 4096, 64, (16384,), jnp.bfloat16, "unsorted", 8),
+            Case(100, 2049, 64, (14336, 14336), jnp.float16, "unsorted", 64, True),
         ],
         ids=str,
     )
@@ -763,10 +767,10 @@ def test_session38_short_expands_launch_a_blocks_column_groups_together():
 
 
 def test_session39_wide_rank64_decode_expand_launches_a_blocks_column_groups_together():
-    """Rank-64 decode expands of 129-256 tokens into 8192 up to WIDE_DECODE_EXPAND_COLUMNS
-    columns run the static grid with a token block's column groups side by side (the
-    tiles of `_DECODE_CI`, which the GPU cases of `test_large` run); fewer tokens,
-    narrower or wider outputs, other ranks, prefills and the per-token tiles do not."""
+    """Rank-64 decode expands of 129-256 tokens into at least 8192 columns run the static grid with
+    a token block's column groups side by side (the tiles of `_DECODE_CI`, which the GPU cases of
+    `test_large` run); fewer tokens, narrower or wider outputs, other ranks, prefills and the
+    per-token tiles do not."""
     from lora_jax.kernels.shrink_expand import tuning as B
 
     def expand(t, width, r, **kw):
@@ -782,7 +786,6 @@ def test_session39_wide_rank64_decode_expand_launches_a_blocks_column_groups_tog
         (B.DECODE_COLS_INNER_MIN_TOKENS - 1, 8192, 64),  # 128 tokens: lost over 8 adapters
         (64, 8192, 64),
         (256, 8191, 64),  # narrower: lost over 8 adapters at 4096 columns
-        (256, B.WIDE_DECODE_EXPAND_COLUMNS, 64),  # wider: not measured
         (256, 8192, 128),  # rank 128: lost at 4096 columns, not measured at 8192
         (256, 8192, 16),
         (B.DECODE_MAX_TOKENS + 1, 8192, 64),  # a prefill
@@ -790,6 +793,32 @@ def test_session39_wide_rank64_decode_expand_launches_a_blocks_column_groups_tog
         assert not expand(t, width, r).cols_inner or t > B.DECODE_MAX_TOKENS, (t, width, r)
         assert expand(t, width, r) != _DECODE_CI, (t, width, r)
     assert expand(256, 8192, 64, per_token=True).per_token
+
+
+def test_session40_wider_rank64_decode_expand_takes_column_groups_from_64_tokens():
+    """From WIDE_DECODE_EXPAND_COLUMNS columns (a 70B-class gate / up / gate_up) the
+    rank-64 decode expand takes `_DECODE_CI` from WIDE_DECODE_COLS_INNER_MIN_TOKENS tokens
+    (the GPU cases of `test_large` run it); fewer tokens, other ranks and prefills do not."""
+    from lora_jax.kernels.shrink_expand import tuning as B
+
+    def expand(t, width, r, **kw):
+        return BlockSizes.get_default("expand", num_tokens=t, hidden=width, rank=r, **kw)
+
+    wide = B.WIDE_DECODE_EXPAND_COLUMNS
+    for t in (B.WIDE_DECODE_COLS_INNER_MIN_TOKENS, 128, B.DECODE_MAX_TOKENS):
+        for width in (wide, 28672, 57344):
+            assert expand(t, width, 64) == _DECODE_CI, (t, width)
+            assert expand(t, width, 40, tokens_per_slot=64) == _DECODE_CI, (t, width)
+    # below the wide outputs, 64-128 tokens keep the live-block tiles (lost at 8192)
+    assert expand(B.WIDE_DECODE_COLS_INNER_MIN_TOKENS, wide - 1, 64) != _DECODE_CI
+    for t, r in (
+        (B.WIDE_DECODE_COLS_INNER_MIN_TOKENS - 1, 64),
+        (128, 16),  # rank 16 walks the live blocks in groups up to 64 tokens, else default
+        (128, 128),
+        (B.DECODE_MAX_TOKENS + 1, 64),  # a prefill
+    ):
+        assert expand(t, 28672, r) != _DECODE_CI, (t, r)
+    assert expand(128, 28672, 64, per_token=True).per_token
 
 
 def test_session25_wide_decode_expand_walks_live_blocks():
