@@ -1345,9 +1345,12 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
       --time-budget 95 --out "$OUT/dw40d" ;;
   s40f)  # session 40, run 4: the new default (tuning.decode_cols_inner from 64 tokens into
     # >= 16384 columns at rank 64): its GPU cases, then through the library
-    JAX_DEFAULT_MATMUL_PRECISION=highest step t40 150 python3 -P -m pytest \
-      tests/kernels/test_shrink_expand_pallas_triton.py -m gpu -q -p no:cacheprovider \
-      -k "test_large and (16384 or 14336 or 8192)"
+    F=tests/kernels/test_shrink_expand_pallas_triton.py::TestPallasTritonGpu::test_large
+    JAX_DEFAULT_MATMUL_PRECISION=highest step t40 150 python3 -P -m pytest -q \
+      -p no:cacheprovider "$F[T64-H4096-R64-S1-bfloat16-unsorted]" \
+      "$F[T100-H2049-R64-S2-float16-unsorted-ranked]" \
+      "$F[T256-H4096-R64-S1-bfloat16-unsorted-cols_inner]" \
+      "$F[T200-H2049-R64-S3-float16-unsorted-ranked-cols_inner]"
     step lib40 200 "${OPS[@]}" --ops expand --tokens 64,128,256 --hiddens 16384,28672 \
       --ranks 64 --adapters 8,64 --impls ours --time-budget 185 --out "$OUT/lib40" ;;
   s34b)  # session 34, run 2: do plain TMA row boxes cost what reduce-add row boxes do?
