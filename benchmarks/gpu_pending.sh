@@ -1351,7 +1351,7 @@ ours,stream,mexp:64:128:4,mexp:64:128:4:smem,mexp:64:128:4:regs:copy,mexp:128:12
       "$F[T100-H2049-R64-S2-float16-unsorted-ranked]" \
       "$F[T256-H4096-R64-S1-bfloat16-unsorted-cols_inner]" \
       "$F[T200-H2049-R64-S3-float16-unsorted-ranked-cols_inner]"
-    step lib40 200 "${OPS[@]}" --ops expand --tokens 64,128,256 --hiddens 16384,28672 \
+    step lib40 200 "${OPS[@]}" --ops expand --tokens 64,128,256 --hiddens 28672,16384 \
       --ranks 64 --adapters 8,64 --impls ours --time-budget 185 --out "$OUT/lib40" ;;
   s34b)  # session 34, run 2: do plain TMA row boxes cost what reduce-add row boxes do?
     # rows_plain stores y := the product (wrong by design: ":copy", timed unchecked);
