@@ -26,9 +26,13 @@ known (a mapping built on the device), "ours_pt" the per-token tiles forced, "ou
 (shrink) the default tiles with ``rank_inner`` (a token block's rank blocks launched side
 by side).
 (Session 29's cache-hint variants "ours_es" / "ours_ew" / "ours_eb" are in commit 819b5fc.)
+Token order (``--layout``): "shuffled" (default) puts every batch's tokens in random rows;
+"runs" gives each adapter's tokens one run, as a batch of prompts arrives (the issue's
+prefill regime: session 40 timed the prefill cells both ways, benchmarks/RESULTS.md).
 
     python benchmarks/ops.py --out $OUT            # full grid, prints a table, writes ops.json
     python benchmarks/ops.py --sweep --out $OUT    # also try a few tile configs per case
+    python benchmarks/ops.py --layout runs --tokens 1024,4096,16384 --adapters 8,64 --out $OUT
     python benchmarks/ops.py --interpret --tokens 16 --hiddens 64 --ranks 16  # CPU smoke test
     python benchmarks/ops.py --model 32 --tokens 16,64,256 --hiddens 4096 --out $OUT
 
