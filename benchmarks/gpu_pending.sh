@@ -1378,7 +1378,7 @@ runpy.run_path('benchmarks/tp.py', run_name='__main__')" "$OUT/model41_old/tp1.j
     # prompts as runs (67 %, 8.9 us where 70 % needs 8.6) runs the Mosaic expand alone on
     # 64-row tiles, so each adapter's B is read twice; 128-row tiles read it once
     step mx41 85 "${OPS[@]}" --layout runs --ops expand --tokens 1024 --hiddens 4096 \
-      --ranks 128 --adapters 8 --impls ours,mexp:128:64:2,mexp:64:64:5 --time-budget 75 \
+      --ranks 128 --adapters 8 --impls ours,mexp:128:64:4,mexp:64:64:4 --time-budget 75 \
       --out "$OUT/mx41" ;;
   s34b)  # session 34, run 2: do plain TMA row boxes cost what reduce-add row boxes do?
     # rows_plain stores y := the product (wrong by design: ":copy", timed unchecked);
