@@ -1365,8 +1365,11 @@ sys.argv = ['tp.py', '--tp', '1', '--batches', '64,256', '--rank', '64', '--pref
 runpy.run_path('benchmarks/tp.py', run_name='__main__')" "$OUT/model40_old/tp1.json" ;;
   s41a)  # owed from session 40: the rank-64 model's decode at batch 64 with the host's hint
     # (Pallas from 16 tokens, as generate runs it), new default against session 39's tiles
-    step model41 150 python3 -P benchmarks/tp.py --tp 1 --batches 64 --hinted-batches 64 \
-      --rank 64 --prefill "" --no-sharded --reps 3 --variants base,lora --out "$OUT/model41/tp1.json"
+    # (also Pallas forced without the hint: PALLAS_MIN_TOKENS = 128 was chosen at rank 16,
+    # where XLA's gather einsum moves a quarter of rank 64's bytes)
+    step model41 170 python3 -P benchmarks/tp.py --tp 1 --batches 64 --hinted-batches 64 \
+      --pallas-batches 64 --rank 64 --prefill "" --no-sharded --reps 3 --variants base,lora \
+      --out "$OUT/model41/tp1.json"
     step model41_old 120 python3 -P -c "import runpy, sys
 from lora_jax.kernels.shrink_expand import tuning
 tuning.WIDE_DECODE_COLS_INNER_MIN_TOKENS = 1 << 30  # the session-39 default
