@@ -13,10 +13,11 @@ and idle gaps between kernels (launch/host-bound time). Prints a table, writes J
     python benchmarks/profile_decode.py --layers 4 --prefill 4x1024 --rank 64 \
         --backends default,hinted                      # one prefill of 4 prompts (GPU)
 
+Backends: "pallas", "pallas_fused", "xla" force one; "default" is the library's choice,
+"hinted" the same with the host's hints in the step's mapping (as `generate` passes them).
 With ``--prefill BxS`` a "step" is one prefill of B prompts of S tokens, one adapter each
-(``--adapters`` is ignored); backend "default" is the library's choice, "hinted" the same
-with the host's hints in the mapping (`tp.prefill_hints`, as `generate` passes them),
-"unshared" the default without the layers' shared input (`SHARE_LAYER_INPUT` off).
+(``--adapters`` is ignored), the hints are `tp.prefill_hints`, and backend "unshared" is
+the default without the layers' shared input (`SHARE_LAYER_INPUT` off).
 """
 
 from __future__ import annotations
@@ -108,14 +109,16 @@ def summarize(events, calls: int, steps: int) -> dict:
     )
 
 
-def profile_case(model, cfg, batch, n_adapters, steps, calls):
-    run, state = make_decode(model, steps)
+def profile_case(model, cfg, batch, n_adapters, steps, calls, hinted: bool = False, max_loras=0):
+    """``hinted``: the step's mapping carries the host's tokens-per-slot hint (as
+    `generate`'s does; `tp.py --hinted-batches`), found from ``max_loras`` slots."""
+    slots = token_slots(batch, n_adapters) if n_adapters else np.full(batch, -1, np.int32)
+    hint = lj.mapping.host_tokens_per_slot(slots, max_loras) if hinted else None
+    run, state = make_decode(model, steps, hint)
     cache = KVCache.init(cfg, batch, 512 + steps + 1, dtype=jnp.bfloat16)
     ids = jnp.zeros((batch,), jnp.int32)
     pos = jnp.full((batch,), 512, jnp.int32)
-    idx = jnp.asarray(
-        token_slots(batch, n_adapters) if n_adapters else np.full(batch, -1, np.int32)
-    )
+    idx = jnp.asarray(slots)
     jax.block_until_ready(run(state, cache, ids, pos, idx))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
@@ -162,7 +165,8 @@ def main(argv=None):
 
     def case(n, backend):
         if prefill is None:
-            return profile_case(model, cfg, a.batch, n, a.steps, a.calls)
+            hinted = backend == "hinted"
+            return profile_case(model, cfg, a.batch, n, a.steps, a.calls, hinted, max_loras)
         return profile_prefill(model, *prefill, n, a.calls, backend == "hinted")
 
     rows = [dict(case="base", **case(0, None))]
