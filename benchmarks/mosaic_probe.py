@@ -12,7 +12,8 @@ call, ``calls`` different calls inside one jit, each with its own x and weights)
 * ``dense``: one plain XLA dot with slot 0's weights for every token (a floor, n = 1 only).
 
 Layouts: ``one`` (every token one adapter), ``runs8`` (prompts of 256-2048 tokens, each
-one of 8 adapters, in order), ``shuffled64`` (64 adapters, tokens shuffled: no pieces).
+one of 8 adapters, in order), ``evenN`` (N adapters, one equal run each: `ops.py --layout
+runs`), ``shuffled64`` (64 adapters, tokens shuffled: no pieces).
 
     python3 -P benchmarks/mosaic_probe.py --tokens 4096,16384 --ranks 16,64,128 --out out/m.json
 """
@@ -49,9 +50,13 @@ def layout(name: str, tokens: int, rng) -> np.ndarray:
             out.append(np.full(n, chosen[rng.integers(8)]))
             t += n
         return np.concatenate(out)
+    if name.startswith("even"):  # evenN: N adapters, one run each, equal (ops.py --layout runs)
+        n = int(name[4:])
+        chosen = rng.permutation(MAX_LORAS)[:n]
+        return np.repeat(chosen, -(-tokens // n))[:tokens]
     if name == "shuffled64":
         return rng.permutation(np.arange(tokens) % MAX_LORAS)
-    raise ValueError(f"layout {name!r}; expected one, runs8 or shuffled64")
+    raise ValueError(f"layout {name!r}; expected one, runs8, evenN or shuffled64")
 
 
 def main():
