@@ -218,6 +218,21 @@ def bench_prefill(model, cfg, batch, seq, n_adapters, args, hinted: bool = False
     return t, c, collective_bytes(hlo)
 
 
+def force_op_backends(shrink: str = "", expand: str = "") -> None:
+    """A probe of mixed backends: `lj.ops.lora_shrink` (``shrink``) and `lj.ops.lora_expand`
+    (``expand``) take the named backend ("xla" / "pallas"), an empty one the library's
+    choice. Replaces `lj.ops.resolve_backend` for this process (the ops look it up by
+    name; it tells the two apart by its caller's name)."""
+    chosen = {"lora_shrink": shrink, "lora_expand": expand}
+    library = lj.ops.resolve_backend
+
+    def resolve(backend=None, num_tokens=None, hinted=False):
+        forced = chosen.get(sys._getframe(1).f_code.co_name)
+        return forced or library(backend, num_tokens, hinted)
+
+    lj.ops.resolve_backend = resolve
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tp", default="1,2", help="comma list of tensor-parallel sizes")
@@ -281,9 +296,17 @@ def main(argv=None):
         action="store_true",
         help="compile the decode steps in XLA's default order (LORA_JAX_CONCURRENT_DECODE=0)",
     )
+    for op in ("shrink", "expand"):
+        p.add_argument(
+            f"--{op}-backend",
+            default="",
+            choices=("", "xla", "pallas"),
+            help=f"a probe: every {op} on this backend, whatever the variant (force_op_backends)",
+        )
     p.add_argument("--small", action="store_true", help="tiny model for a CPU smoke test")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    force_op_backends(args.shrink_backend, args.expand_backend)
     if args.serial_decode:
         os.environ["LORA_JAX_CONCURRENT_DECODE"] = "0"
 
