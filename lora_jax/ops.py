@@ -12,7 +12,8 @@ Backends: "pallas" (the GPU kernels in `lora_jax.kernels`) and "xla" (a gather e
 one matmul over all slots when tokens outnumber slots; runs anywhere). The default is
 "pallas" on GPU for batches of at least `PALLAS_MIN_TOKENS` tokens, or of at least
 `PALLAS_MIN_TOKENS_HINTED` where the mapping carries the host's tokens-per-slot hint (a
-mapping made from numpy indices, as `generate`'s), and "xla" otherwise: on an H200, in a
+mapping made from numpy indices, as `generate`'s; not from rank 64 where every token has
+an adapter of its own: `PER_TOKEN_XLA_MIN_RANK`), and "xla" otherwise: on an H200, in a
 Llama-3-8B decode step at 64 tokens over 64 adapters, XLA was faster than the kernels
 without the hint and as fast as them with it (benchmarks/RESULTS.md, "model", session 25),
 while the kernels win from 256 tokens up. Force one per call with `backend=`, globally with
@@ -58,6 +59,15 @@ per token where each request has its own adapter. H200, session 25, 32-layer Lla
 decode steps under the concurrent decode (benchmarks/RESULTS.md): 16 requests over 16
 adapters 6.630 -> 6.031 ms, 64 over 8 8.264 -> 7.815, 64 over 64 8.991 -> 8.979; one
 token 5.078 (XLA) vs 5.151, so a single token keeps XLA."""
+PER_TOKEN_XLA_MIN_RANK = 64
+"""Except from this (padded) rank where the hint says every mapped token has an adapter of
+its own (`tokens_per_slot` 1): there the default stays XLA below `PALLAS_MIN_TOKENS`
+tokens, as without the hint. H200, session 41, 32-layer Llama-3-8B decode steps under the
+concurrent decode, a token an adapter, ms, XLA vs the hinted kernels: rank 64, 32 / 64
+tokens 9.02 / 12.75-12.93 (four runs) vs 9.33 / 13.37-13.41 (two), 16 tokens a tie (7.23 /
+7.52 vs 7.37); rank 128, 64 tokens 19.00 vs 20.42. The per-token kernels are the faster ops alone (the expand 1.8 x XLA's), but XLA's
+gathers overlap the base model's GEMMs more (benchmarks/RESULTS.md, session 41). At rank
+16 the hinted kernels won (session 25: 16 tokens 6.63 -> 6.03 ms, 64 tied)."""
 _default_backend: str | None = os.environ.get("LORA_JAX_OPS_BACKEND") or None
 PALLAS_INTERPRET = False
 """Run the Pallas backends in interpret mode (CPU tests of the kernel paths)."""
@@ -111,8 +121,12 @@ def resolve_backend(
     return choice
 
 
-def _hinted(mapping: LoRAMapping) -> bool:
-    return mapping.tokens_per_slot is not None
+def _hinted(mapping: LoRAMapping, rank: int) -> bool:
+    """Whether the backend default may count on the host's hint (`resolve_backend`): the
+    mapping carries one, unless every mapped token has an adapter of its own and ``rank``
+    (the stacks' padded rank) is at least `PER_TOKEN_XLA_MIN_RANK`."""
+    tps = mapping.tokens_per_slot
+    return tps is not None and not (tps == 1 and rank >= PER_TOKEN_XLA_MIN_RANK)
 
 
 def _check_stacks(name: str, stacks: Sequence[jax.Array], mapping: LoRAMapping) -> None:
@@ -164,7 +178,8 @@ def lora_shrink(
     """
     lora_a = tuple(lora_a)
     _check_stacks("lora_a", lora_a, mapping)
-    if resolve_backend(backend, x.shape[0], _hinted(mapping)) in ("pallas", "pallas_fused"):
+    rank = lora_a[0].shape[1]
+    if resolve_backend(backend, x.shape[0], _hinted(mapping, rank)) in ("pallas", "pallas_fused"):
         return _kernels().lora_shrink(
             x,
             lora_a,
@@ -230,7 +245,8 @@ def lora_expand(
             raise ValueError(
                 f"lora_expand: slice {s} [{off}, {off + b.shape[1]}) exceeds y width {y.shape[-1]}"
             )
-    if resolve_backend(backend, y.shape[0], _hinted(mapping)) in ("pallas", "pallas_fused"):
+    hinted = _hinted(mapping, h.shape[-1])
+    if resolve_backend(backend, y.shape[0], hinted) in ("pallas", "pallas_fused"):
         return _kernels().lora_expand(
             y,
             h,
@@ -293,8 +309,9 @@ def add_lora_linear(
         >>> y = add_lora_linear(y, x, a_slices, b_slices, mapping)  # doctest: +SKIP
         >>> y = add_lora_linear(y, x, a, b, mapping, backend="pallas_fused")  # doctest: +SKIP
     """
-    if resolve_backend(backend, x.shape[0], _hinted(mapping)) == "pallas_fused":
-        lora_a, lora_b = tuple(lora_a), tuple(lora_b)
+    lora_a, lora_b = tuple(lora_a), tuple(lora_b)
+    hinted = bool(lora_a) and _hinted(mapping, lora_a[0].shape[1])
+    if resolve_backend(backend, x.shape[0], hinted) == "pallas_fused":
         _check_stacks("lora_a", lora_a, mapping)
         _check_stacks("lora_b", lora_b, mapping)
         if offsets is None:  # slices side by side from column 0

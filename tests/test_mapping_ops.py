@@ -98,8 +98,40 @@ def test_gpu_default_backend_by_tokens_and_host_hint(monkeypatch):
     assert ops.resolve_backend(None, hi) == "pallas"
     assert ops.resolve_backend("xla", hi, hinted=True) == "xla"
     hinted = lj.make_lora_mapping(np.zeros(lo, np.int32), 4)  # numpy indices: hint found
-    assert hinted.tokens_per_slot is not None and ops._hinted(hinted)
-    assert not ops._hinted(lj.make_lora_mapping(jnp.zeros(lo, jnp.int32), 4))
+    assert hinted.tokens_per_slot is not None and ops._hinted(hinted, 16)
+    assert not ops._hinted(lj.make_lora_mapping(jnp.zeros(lo, jnp.int32), 4), 16)
+
+
+def test_gpu_default_keeps_xla_for_a_token_an_adapter_from_rank_64(monkeypatch):
+    """With the hint that every mapped token has an adapter of its own, the GPU default
+    below PALLAS_MIN_TOKENS stays XLA from PER_TOKEN_XLA_MIN_RANK (the per-token kernels
+    below it, and every other hint's kernels at any rank)."""
+    monkeypatch.setattr(ops, "_default_backend", None)
+    monkeypatch.setattr(ops.jax, "default_backend", lambda: "gpu")
+    picked = []
+    monkeypatch.setattr(
+        ops, "_kernels", lambda: type("K", (), {"lora_shrink": lambda *a, **k: picked.append(1)})
+    )
+    rank_hi = ops.PER_TOKEN_XLA_MIN_RANK
+    t = ops.PALLAS_MIN_TOKENS_HINTED
+    own = lj.make_lora_mapping(np.arange(t, dtype=np.int32), t)  # a slot per token
+    shared = lj.make_lora_mapping(np.arange(t, dtype=np.int32) % 2, t)  # 8 tokens a slot
+    assert own.tokens_per_slot == 1 and shared.tokens_per_slot not in (None, 1)
+    assert ops._hinted(own, rank_hi // 2) and not ops._hinted(own, rank_hi)
+    assert ops._hinted(shared, rank_hi) and ops._hinted(shared, 2 * rank_hi)
+    x = jnp.ones((t, 8))
+    for mapping, rank, kernels in ((own, rank_hi, False), (own, 16, True), (shared, rank_hi, True)):
+        picked.clear()
+        out = ops.lora_shrink(x, [jnp.ones((t, rank, 8))], mapping)
+        assert bool(picked) == kernels, (mapping.tokens_per_slot, rank)
+        if not kernels:  # XLA's gather einsum ran: every row is 8.0
+            np.testing.assert_allclose(out, np.full((1, t, rank), 8.0))
+    # at PALLAS_MIN_TOKENS the kernels run, hint or not
+    big = ops.PALLAS_MIN_TOKENS
+    own_big = lj.make_lora_mapping(np.arange(big, dtype=np.int32), big)
+    picked.clear()
+    ops.lora_shrink(jnp.ones((big, 8)), [jnp.ones((big, rank_hi, 8))], own_big)
+    assert picked
 
 
 def test_backend_selection():

@@ -111,8 +111,9 @@ def decode_hint(max_loras: int | None, slots: np.ndarray) -> int | None:
     """The decode steps' tokens-per-slot hint (`LoRAMapping.tokens_per_slot`), found from
     the requests' slots on the host: on a GPU, where it picks the kernels (the Pallas ops
     from `lora_jax.ops.PALLAS_MIN_TOKENS_HINTED` tokens, a program per token where each
-    request has an adapter of its own), so a batch bucket compiles one decode program per
-    hint value (at most three); None elsewhere or without LoRA layers (one program).
+    request has an adapter of its own, below rank `lora_jax.ops.PER_TOKEN_XLA_MIN_RANK`),
+    so a batch bucket compiles one decode program per hint value (at most three); None
+    elsewhere or without LoRA layers (one program).
 
     Example:
         >>> decode_hint(None, np.array([0, 1, -1]))  # no LoRA layers
