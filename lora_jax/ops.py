@@ -65,9 +65,11 @@ its own (`tokens_per_slot` 1): there the default stays XLA below `PALLAS_MIN_TOK
 tokens, as without the hint. H200, session 41, 32-layer Llama-3-8B decode steps under the
 concurrent decode, a token an adapter, ms, XLA vs the hinted kernels: rank 64, 32 / 64
 tokens 9.02 / 12.75-12.93 (four runs) vs 9.33 / 13.37-13.41 (two), 16 tokens a tie (7.23 /
-7.52 vs 7.37); rank 128, 64 tokens 19.00 vs 20.42. The per-token kernels are the faster ops alone (the expand 1.8 x XLA's), but XLA's
-gathers overlap the base model's GEMMs more (benchmarks/RESULTS.md, session 41). At rank
-16 the hinted kernels won (session 25: 16 tokens 6.63 -> 6.03 ms, 64 tied)."""
+7.52 vs 7.37); rank 128, 64 tokens 19.00 vs 20.42. The per-token kernels are the faster
+ops alone (the expand 1.8 x XLA's), but XLA's gathers overlap the base model's GEMMs more
+(benchmarks/RESULTS.md, session 41). At rank 16 the hinted kernels won or tied (session
+25: 16 tokens 6.63 -> 6.03 ms; session 41: 64 tokens 8.86 vs 8.96), and with two tokens
+an adapter they win at rank 64 too (64 tokens over 32 adapters: 13.91 -> 11.53 ms)."""
 _default_backend: str | None = os.environ.get("LORA_JAX_OPS_BACKEND") or None
 PALLAS_INTERPRET = False
 """Run the Pallas backends in interpret mode (CPU tests of the kernel paths)."""
