@@ -227,7 +227,8 @@ def test_tp_small_runs_on_4_and_8_devices(tmp_path):
 
 def test_mosaic_probe_layouts_are_what_they_say():
     """The probe's token layouts (its timing needs a Hopper GPU): one adapter; prompts of
-    256-2048 tokens from 8 adapters, in order; 64 adapters shuffled, each equally often."""
+    256-2048 tokens from 8 adapters, in order; N adapters in equal runs; 64 adapters
+    shuffled, each equally often."""
     import mosaic_probe
 
     rng = np.random.default_rng(0)
@@ -240,7 +241,10 @@ def test_mosaic_probe_layouts_are_what_they_say():
     shuffled = mosaic_probe.layout("shuffled64", 4096, rng)
     assert (np.bincount(shuffled, minlength=64) == 64).all()
     assert (np.diff(shuffled) != 0).mean() > 0.9  # no long runs
-    with pytest.raises(ValueError, match="one, runs8 or shuffled64"):
+    even = mosaic_probe.layout("even8", 1024, rng)  # ops.py --layout runs: equal runs
+    assert len(set(even.tolist())) == 8
+    assert (even.reshape(8, 128) == even[::128, None]).all()
+    with pytest.raises(ValueError, match="one, runs8, evenN or shuffled64"):
         mosaic_probe.layout("sorted", 16, rng)
 
 
