@@ -160,9 +160,10 @@ def max_rel_err(
     bs: BlockSizes | None,
     prompt_tiles: str | None = None,
     tokens_per_slot: int | None = None,
+    whole_tiles: str | None = None,
 ) -> float:
     """Our kernel's first call vs the jnp oracle (evaluated in token chunks), relative
-    to the oracle's largest magnitude."""
+    to the oracle's largest magnitude (``whole_tiles``: the shrink's host hint)."""
     m, a = metas[0], w[0]
     chunk = max(1, min(c.tokens, REF_CHUNK_BYTES // (c.rank * c.hidden * 4)))
     idx = m["token_lora_indices"]
@@ -174,6 +175,7 @@ def max_rel_err(
             **m,
             block_sizes=bs,
             prompt_tiles=prompt_tiles,
+            whole_tiles=whole_tiles,
             tokens_per_slot=tokens_per_slot,
             interpret=INTERPRET,
         )[0]
@@ -259,11 +261,13 @@ def ours(
     prompt_tiles: str | None = None,
     tokens_per_slot: int | None = None,
     mosaic: bool | None = None,
+    whole_tiles: str | None = None,
 ):
     """Our kernels; ``ready_work_lists=False``: each call builds its own work list;
     ``prompt_tiles`` / ``tokens_per_slot``: what the host found (`host_prompt_tiles`,
     or for the expand `host_whole_tiles`; `host_tokens_per_slot`), None: not known;
-    ``mosaic``: the expand's Mosaic GPU switch (None: its default)."""
+    ``mosaic``: the expand's Mosaic GPU switch (None: its default); ``whole_tiles``: the
+    shrink's `host_whole_tiles`."""
 
     def meta_of(m):
         return m if ready_work_lists else {k: v for k, v in m.items() if k != "work_lists"}
@@ -275,6 +279,7 @@ def ours(
             **meta_of(m),
             block_sizes=bs,
             prompt_tiles=prompt_tiles,
+            whole_tiles=whole_tiles,
             tokens_per_slot=tokens_per_slot,
             interpret=INTERPRET,
         )
@@ -1441,14 +1446,27 @@ def main(argv=None):
         if c.op == "expand":  # the expand's hint: tiles wholly of one slot
             tiles = res["whole_tiles"] = host_whole_tiles(metas)
         per_slot = res["tokens_per_slot"] = host_tokens_per_slot(metas)
+        whole = None  # the shrink's whole tiles (the expand's are its `tiles`)
+        if c.op == "shrink":
+            whole = res["whole_tiles"] = host_whole_tiles(metas)
         if a.check:
             try:
-                res["max_rel_err"] = max_rel_err(c, inputs, w, metas, None, tiles, per_slot)
+                res["max_rel_err"] = max_rel_err(c, inputs, w, metas, None, tiles, per_slot, whole)
                 res["err_ok"] = res["max_rel_err"] <= ERR_BOUND[c.op]
             except Exception as e:  # noqa: BLE001
                 res["max_rel_err"], res["err_ok"] = float("nan"), False
                 print(f"accuracy check failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        variants = [("ours", ours(c, None, prompt_tiles=tiles, tokens_per_slot=per_slot), w)]
+        variants = [
+            (
+                "ours",
+                ours(c, None, prompt_tiles=tiles, tokens_per_slot=per_slot, whole_tiles=whole),
+                w,
+            )
+        ]
+        if "ours_nowhole" in impls and whole is not None:  # the shrink without that hint
+            variants.append(
+                ("ours_nowhole", ours(c, None, prompt_tiles=tiles, tokens_per_slot=per_slot), w)
+            )
         if "ours_blind" in impls:  # the mapping built on the device: neither is known
             variants.append(("ours_blind", ours(c, None), w))
         candidates = {}

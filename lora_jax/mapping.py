@@ -93,12 +93,14 @@ class LoRAMapping:
     def shrink_kwargs(self) -> dict:
         """`kernel_kwargs` plus the shrink's choice of kernels: a decode step
         (``is_prefill=False``) has no prompt tiles, so no Mosaic GPU launch; what the
-        host found (``prompt_tiles``) skips a kernel with nothing to do."""
+        host found (``prompt_tiles``) skips a kernel with nothing to do, and whole tiles of
+        one slot (``whole_tiles``) let rank 16 read x in rectangles."""
         mosaic = False if self.is_prefill is False else None
         return dict(
             self.kernel_kwargs(),
             mosaic=mosaic,
             prompt_tiles=self.prompt_tiles,
+            whole_tiles=self.whole_tiles,
             tokens_per_slot=self.tokens_per_slot,
         )
 

@@ -30,7 +30,7 @@ from lora_jax.kernels.shrink_expand import (
     routing,
     tuning_long_shrink,
 )
-from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes
+from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, next_pow2
 from lora_jax.kernels.shrink_expand.tuning_per_token import use_per_token
 from lora_jax.kernels.shrink_expand.work_list import PROMPT_TILES, get_work_list
 
@@ -42,6 +42,7 @@ from lora_jax.kernels.shrink_expand.work_list import PROMPT_TILES, get_work_list
         "block_sizes",
         "mosaic",
         "prompt_tiles",
+        "whole_tiles",
         "tokens_per_slot",
         "interpret",
     ),
@@ -62,6 +63,7 @@ def lora_shrink(
     block_sizes: BlockSizes | None = None,
     mosaic: bool | None = None,
     prompt_tiles: str | None = None,
+    whole_tiles: str | None = None,
     tokens_per_slot: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -87,6 +89,12 @@ def lora_shrink(
     launch). None: not known, both kernels run. A wrong "all" leaves the tokens outside
     prompt tiles at 0.
 
+    ``whole_tiles``: what the host knows of the step's tiles wholly of one slot
+    (`work_list.whole_tiles`, `LoRAMapping.whole_tiles`). Without ``block_sizes`` and
+    where the Mosaic kernel does not run, "all" runs rank 16 from 1024 tokens over
+    rectangles of x with no work list (`pallas_triton_shrink.rect_shrink`). A wrong "all"
+    computes a tile with its first token's adapter.
+
     ``tokens_per_slot``: what the host knows of the step's mapped tokens per active slot
     (`lora_jax.mapping.LoRAMapping.tokens_per_slot`). Without ``block_sizes``, a step
     where that is 1 (or 2 at rank 16 or up to 16 tokens: `use_per_token`) runs the
@@ -98,10 +106,11 @@ def lora_shrink(
         h = lora_shrink(x, (a_q, a_k, a_v), **meta)  # [3, T, R]
     """
     del active_slots, num_active  # the work list covers the same information
-    if prompt_tiles not in (None, *PROMPT_TILES):
-        raise ValueError(
-            f"lora_shrink: prompt_tiles={prompt_tiles!r}; expected None or one of {PROMPT_TILES}."
-        )
+    for name, hint in (("prompt_tiles", prompt_tiles), ("whole_tiles", whole_tiles)):
+        if hint not in (None, *PROMPT_TILES):
+            raise ValueError(
+                f"lora_shrink: {name}={hint!r}; expected None or one of {PROMPT_TILES}."
+            )
     lora_a = tuple(lora_a)
     if x.ndim != 2:
         raise ValueError(f"lora_shrink: x has shape {x.shape}; expected [T, H].")
@@ -143,6 +152,15 @@ def lora_shrink(
             interpret=interpret,
         )  # fmt: skip
     tiles = routing.segment_tiles(mosaic, x, lora_a, interpret, prompt_tiles)
+    rect = None
+    if defaulted and tiles is None and whole_tiles == "all":
+        rank_p = max(16, next_pow2(rank))
+        rect = tuning_long_shrink.rect_shrink_tiles(num_tokens, hidden, rank_p)
+    if rect is not None:
+        return pallas_triton_shrink.rect_shrink(
+            x, lora_a, token_lora_indices, ranks, scale=float(scale), bs=rect,
+            interpret=interpret,
+        )  # fmt: skip
     if tiles is not None and defaulted:
         block_sizes = tuning_long_shrink.segment_rest_shrink(block_sizes, num_tokens, hidden, rank)
     if tiles is None:

@@ -279,6 +279,106 @@ def _shrink_atomic_kernel(
                 do_item(s, pid, ks)
 
 
+def _rect_kernel(
+    idx_ref,  # [T] int32: token_lora_indices
+    *refs,
+    num_slices: int,
+    has_ranks: bool,
+    hidden: int,
+    rank: int,
+    scale: float,
+    compute_dtype,
+    bs: BlockSizes,
+    interpret: bool,
+):
+    """One (block of ``block_m`` consecutive tokens, slice, k range x rank block) item: x's
+    rows read as a rectangle, the block's slot read from its first token (every block is
+    one slot's or has no mapped token: `rect_shrink`), the partial added atomically."""
+    ranks_ref, x_ref, a_refs, (_, o_ref) = _shrink_refs(refs, has_ranks, num_slices)
+    bm, bk, br = bs.block_m, bs.block_k, bs.block_r
+    n_rb = max(16, 1 << (rank - 1).bit_length()) // br
+    blk, sid, ks, rb = _grid_ids(n_rb, rank_inner=False)
+    chunk = hidden // bk // bs.split_k  # k steps per item (rect_shrink: they divide)
+    precision = _dot_precision(compute_dtype)
+    row0 = pl.multiple_of(blk * bm, bm)
+    rows = pl.ds(row0, bm)
+    slot = idx_ref[row0]
+    safe = jnp.maximum(slot, 0)
+    r = rb * br + jnp.arange(br, dtype=jnp.int32)  # [br]
+    for s in range(num_slices):
+        r_lim = _true_rank(ranks_ref, s, slot, rank)
+        a_mask = jnp.broadcast_to((r < r_lim)[:, None], (br, bk))
+
+        @pl.when((sid == s) & (slot >= 0) & (rb * br < r_lim))
+        def _(s=s, a_mask=a_mask):
+            def body(kk, acc):
+                k0 = pl.multiple_of((ks * chunk + kk) * bk, bk)
+                xt = x_ref[rows, pl.ds(k0, bk)]  # [bm, bk]
+                k = k0 + jnp.arange(bk, dtype=jnp.int32)
+                at = plgpu.load(a_refs[s].at[safe, r[:, None], k[None, :]], mask=a_mask, other=0)
+                return acc + plgpu.dot(
+                    xt.astype(compute_dtype),
+                    at.astype(compute_dtype),
+                    trans_b=True,
+                    precision=precision,
+                )
+
+            acc = jax.lax.fori_loop(0, chunk, body, jnp.zeros((bm, br), jnp.float32))
+            ids = row0 + jnp.arange(bm, dtype=jnp.int32)
+            mask = jnp.broadcast_to((r < rank)[None, :], (bm, br))
+            idx = (s, ids[:, None], r[None, :])
+            _add_to(o_ref, idx, acc * jnp.float32(scale), mask, interpret)
+
+
+def rect_shrink(
+    x, lora_a, token_lora_indices, slot_ranks, *, scale: float, bs: BlockSizes, interpret: bool
+):
+    """f32 [S, T, R] where every block of ``bs.block_m`` consecutive tokens is wholly one
+    slot's or has no mapped token (the host's `work_list.whole_tiles` "all", whose tiles
+    ``block_m`` divides): no work list, x read in rectangles, each block's slot from its
+    first token. A block that breaks the rule is computed with its first token's slot.
+    ``bs.split_k`` k ranges (it must divide the hidden size's ``block_k`` steps), added
+    atomically into a zeroed output."""
+    num_tokens, hidden = x.shape
+    num_slices = len(lora_a)
+    rank = lora_a[0].shape[1]
+    rank_p = max(16, 1 << (rank - 1).bit_length())
+    compute_dtype = jnp.promote_types(x.dtype, lora_a[0].dtype)
+    if compute_dtype not in (jnp.bfloat16, jnp.float16):
+        compute_dtype = jnp.float32
+    bs = dataclasses.replace(bs, block_r=min(bs.block_r, rank_p))
+    if hidden % (bs.block_k * bs.split_k):
+        raise ValueError(
+            f"rect_shrink: hidden={hidden} is not a multiple of block_k x split_k = "
+            f"{bs.block_k} x {bs.split_k}."
+        )
+    has_ranks = slot_ranks is not None
+    kernel = functools.partial(
+        _rect_kernel,
+        num_slices=num_slices,
+        has_ranks=has_ranks,
+        hidden=hidden,
+        rank=rank,
+        scale=scale,
+        compute_dtype=compute_dtype,
+        bs=bs,
+        interpret=interpret,
+    )
+    inputs = [token_lora_indices.astype(jnp.int32)]
+    inputs += ([slot_ranks] if has_ranks else []) + [x, *lora_a]
+    zeros = jnp.zeros((num_slices, num_tokens, rank), jnp.float32)
+    blocks = -(-num_tokens // bs.block_m)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
+        grid=_grid(blocks, num_slices, bs.split_k, rank_p // bs.block_r, rank_inner=False),
+        input_output_aliases={len(inputs): 0},
+        compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+        interpret=interpret,
+        name="lora_shrink_rect",
+    )(*inputs, zeros)
+
+
 def shrink(x, lora_a, tab, slot_ranks, *, scale: float, bs: BlockSizes, interpret: bool):
     """f32 [S, T, R]. ``tab`` is the work list of work_list.build_work_list."""
     num_tokens, hidden = x.shape

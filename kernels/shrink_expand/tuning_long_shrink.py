@@ -25,6 +25,29 @@ DEEP_K_R64_PROGRAMS = 128
 an H200 (132 SMs): 2 k ranges at 4096 tokens, none from 8192."""
 
 
+RECT_MIN_TOKENS = 1024
+"""From this many tokens a rank-16 step whose host found every mapped token in whole tiles
+of one slot (`work_list.whole_tiles` "all": prompts) runs `rect_shrink_tiles`."""
+RECT_ITEMS = 256
+"""(64-token block, k range) items the rectangle shrink aims for (two an SM of an H200)."""
+
+
+def rect_shrink_tiles(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes | None:
+    """The tiles of `pallas_triton_shrink.rect_shrink` (x read in rectangles of 64 tokens,
+    no work list) for a rank-16 step whose tokens lie in whole tiles of one slot, or None
+    where the work-list kernels run. Session 36's probes (H200, T = 4096, one adapter,
+    benchmarks/RESULTS.md): over 64 x 128 rectangles split 4 ways 10.4 us, gathering the
+    rows through a work list as the library's kernel does 11.0, the library 11.6."""
+    if rank_p > 16 or num_tokens < RECT_MIN_TOKENS or hidden % 512:
+        return None
+    steps = hidden // 128
+    blocks = -(-num_tokens // 64)
+    split = 1
+    while split * 2 * blocks <= RECT_ITEMS and steps % (split * 2) == 0 and split < 8:
+        split *= 2
+    return BlockSizes(block_m=64, block_r=16, block_k=128, num_stages=3, num_warps=4, split_k=split)
+
+
 def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes | None:
     """Long-prompt shrink tiles from the session-8 and -9 H200 sweeps
     (benchmarks/RESULTS.md), or None for the general prefill rule. Those of ranks 64 and

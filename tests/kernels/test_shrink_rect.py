@@ -1,0 +1,159 @@
+"""The rank-16 shrink over rectangles of x (`pallas_triton_shrink.rect_shrink`), which
+`lora_shrink` runs where the host found every mapped token in whole tiles of one slot
+(``whole_tiles="all"``): interpret mode and CUDA lowering on CPU, real runs on GPU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from shrink_expand_test_base import abstract_gpu_context, make_metadata
+
+import lora_jax as lj
+from lora_jax import ops
+from lora_jax.kernels import BlockSizes, lora_shrink, lora_shrink_reference
+from lora_jax.kernels.shrink_expand.tuning_long_shrink import RECT_MIN_TOKENS, rect_shrink_tiles
+from lora_jax.kernels.shrink_expand.work_list import segment_block_m, whole_tiles
+
+
+def prompts(num_tokens: int, slots, *, unmapped_tiles=(), seed: int = 0) -> np.ndarray:
+    """Prompts of whole tiles (`segment_block_m`), each one of ``slots``, in random order and
+    lengths; the tiles in ``unmapped_tiles`` and the rows past the last whole tile -1."""
+    rng = np.random.default_rng(seed)
+    tile = segment_block_m(num_tokens)
+    tiles = num_tokens // tile
+    cuts = np.sort(rng.choice(np.arange(1, tiles), size=len(slots) - 1, replace=False))
+    per_tile = np.repeat(rng.permutation(np.asarray(slots)), np.diff([0, *cuts, tiles]))
+    per_tile[list(unmapped_tiles)] = -1
+    idx = np.full(num_tokens, -1, np.int32)
+    idx[: tiles * tile] = np.repeat(per_tile, tile)
+    return idx
+
+
+def _shrink(x, lora_a, idx, max_loras, *, hint="all", ranks=None, interpret=True):
+    return lora_shrink(
+        x,
+        lora_a,
+        **make_metadata(idx, max_loras),
+        slot_ranks=ranks,
+        scale=0.5,
+        whole_tiles=hint,
+        interpret=interpret,
+    )
+
+
+def _check(num_tokens, hidden, rank, widths, dtype, idx, max_loras, ranked, interpret):
+    k = jax.random.key(num_tokens + rank)
+    x = jax.random.normal(jax.random.fold_in(k, 0), (num_tokens, hidden), dtype)
+    lora_a = tuple(
+        jax.random.normal(jax.random.fold_in(k, 1 + s), (max_loras, rank, hidden), dtype)
+        * hidden**-0.5
+        for s in range(widths)
+    )
+    ranks = None
+    if ranked:  # true ranks under the padded one, per slice and slot
+        ranks = jnp.asarray(np.random.default_rng(1).integers(1, rank + 1, (widths, max_loras)))
+    assert whole_tiles(idx) == "all"
+    got = _shrink(x, lora_a, idx, max_loras, ranks=ranks, interpret=interpret)
+    want = lora_shrink_reference(
+        x, lora_a, token_lora_indices=jnp.asarray(idx), slot_ranks=ranks, scale=0.5
+    )
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=tol)
+    np.testing.assert_array_equal(np.asarray(got)[:, idx < 0], 0.0)  # unmapped rows: exactly 0
+
+
+@pytest.mark.parametrize(
+    "num_tokens, hidden, rank, widths, dtype, ranked, unmapped",
+    [
+        (1024, 512, 16, 1, jnp.bfloat16, False, (0,)),
+        # rank 8 padded to 16, true ranks, three slices, a tail of 36 unmapped rows
+        (1060, 1024, 8, 3, jnp.float16, True, (3, 4)),
+        (2048, 512, 12, 2, jnp.float32, True, ()),
+    ],
+    ids=str,
+)
+def test_rect_shrink_matches_reference(num_tokens, hidden, rank, widths, dtype, ranked, unmapped):
+    """Prompts in whole tiles (some tiles and the tail unmapped), every dtype, true ranks,
+    several slices: as the oracle, and the unmapped rows exactly 0."""
+    idx = prompts(num_tokens, [2, 5, 0, 7], unmapped_tiles=unmapped)
+    _check(num_tokens, hidden, rank, widths, dtype, idx, 8, ranked, interpret=True)
+
+
+def _kernel_names(num_tokens, hidden, rank, hint, block_sizes=None):
+    """The Pallas kernels `lora_shrink` lowers to for CUDA (on the CPU)."""
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    idx = prompts(num_tokens, [1, 3])
+    meta = make_metadata(idx, 4)
+    sds = jax.ShapeDtypeStruct
+    x = sds((num_tokens, hidden), jnp.bfloat16)
+    lora_a = (sds((4, rank, hidden), jnp.bfloat16),) * 2
+
+    def step(x, lora_a, meta):
+        return lora_shrink(
+            x, lora_a, **meta, whole_tiles=hint, mosaic=False, block_sizes=block_sizes
+        )
+
+    with abstract_gpu_context():
+        text = jax.jit(step).trace(x, lora_a, meta).lower(lowering_platforms=("cuda",)).as_text()
+    return {n for n in ("lora_shrink_rect", "lora_shrink_atomic", "lora_shrink") if n in text}
+
+
+def test_rect_shrink_lowers_for_cuda_where_the_host_says_all():
+    """Rank 16 with every token in whole tiles lowers to the rectangle kernel alone; any
+    other hint, rank 64, or tiles given by the caller keep the work-list kernels."""
+    t = RECT_MIN_TOKENS
+    assert _kernel_names(t, 4096, 16, "all") == {"lora_shrink", "lora_shrink_rect"}
+    assert "lora_shrink_rect" not in _kernel_names(t, 4096, 16, "some")
+    assert "lora_shrink_rect" not in _kernel_names(t, 4096, 16, None)
+    assert "lora_shrink_rect" not in _kernel_names(t, 4096, 64, "all")
+    assert "lora_shrink_rect" not in _kernel_names(t // 2, 4096, 16, "all")
+    given = BlockSizes(block_m=32, block_r=16, block_k=128, split_k=4, atomic_programs=528)
+    assert "lora_shrink_rect" not in _kernel_names(t, 4096, 16, "all", given)
+
+
+def test_rect_shrink_tiles():
+    """64-token rectangles, 128-column k steps; the hidden split fills ~256 items (4 at
+    4096 tokens, none from 16384), at most 8 ways; rank 16 only, from 1024 tokens."""
+    t4k = rect_shrink_tiles(4096, 4096, 16)
+    assert (t4k.block_m, t4k.block_k, t4k.split_k, t4k.num_stages) == (64, 128, 4, 3)
+    assert rect_shrink_tiles(1024, 4096, 16).split_k == 8
+    assert rect_shrink_tiles(16384, 8192, 16).split_k == 1
+    assert rect_shrink_tiles(4096, 4096, 32) is None
+    assert rect_shrink_tiles(RECT_MIN_TOKENS - 1, 4096, 16) is None
+    assert rect_shrink_tiles(4096, 1000, 16) is None  # not in whole 512-column k ranges
+    # the rectangles lie inside the host's whole tiles
+    assert all(segment_block_m(t) % t4k.block_m == 0 for t in (1024, 4096, 16384))
+
+
+def test_ops_pass_the_mappings_whole_tiles(monkeypatch):
+    """A mapping made from host indices carries whole_tiles, and `lj.ops.lora_shrink` on
+    the kernels hands it on: the rectangle kernel's result is the XLA backend's."""
+    monkeypatch.setattr(ops, "PALLAS_INTERPRET", True)
+    idx = prompts(1024, [0, 3, 6])
+    m = lj.make_lora_mapping(idx, 8)
+    assert m.whole_tiles == "all" and m.shrink_kwargs()["whole_tiles"] == "all"
+    x = jax.random.normal(jax.random.key(0), (1024, 512), jnp.float32)
+    a = jax.random.normal(jax.random.key(1), (8, 16, 512), jnp.float32)
+    got = ops.lora_shrink(x, [a], m, 0.5, backend="pallas")
+    want = ops.lora_shrink(x, [a], m, 0.5, backend="xla")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_tokens, hidden, rank, widths, dtype, ranked, slots",
+    [
+        (4096, 4096, 16, 1, jnp.bfloat16, False, [7]),
+        (4096, 4096, 16, 1, jnp.bfloat16, False, [3, 9, 12, 20, 33, 41, 50, 63]),
+        (16384, 4096, 16, 1, jnp.bfloat16, False, [3, 9, 12, 20, 33, 41, 50, 63]),
+        (3000, 2048, 8, 3, jnp.float16, True, [1, 2, 5]),
+        (1024, 4096, 16, 2, jnp.float32, True, [0, 4]),
+    ],
+    ids=str,
+)
+def test_rect_shrink_on_gpu(num_tokens, hidden, rank, widths, dtype, ranked, slots):
+    idx = prompts(num_tokens, slots, unmapped_tiles=(1,) if len(slots) > 1 else ())
+    _check(num_tokens, hidden, rank, widths, dtype, idx, 64, ranked, interpret=False)
