@@ -62,6 +62,7 @@ from lora_jax.kernels.shrink_expand.pallas_triton import (
     expand_tile,
 )
 from lora_jax.kernels.shrink_expand.pallas_triton_shrink import _shrink_tile
+from lora_jax.kernels.shrink_expand.pallas_triton_shrink import shrink_dtype as dot_dtype
 from lora_jax.kernels.shrink_expand.work_list import get_work_list
 
 
@@ -161,13 +162,10 @@ def _fused_kernel(
 
 
 def _compute_dtypes(x, lora_a, lora_b, y):
-    shrink_dtype = jnp.promote_types(x.dtype, lora_a[0].dtype)
-    if shrink_dtype not in (jnp.bfloat16, jnp.float16):
-        shrink_dtype = jnp.float32
     expand_dtype = lora_b[0].dtype
     if expand_dtype not in (jnp.bfloat16, jnp.float16) or y.dtype == jnp.float32:
         expand_dtype = jnp.float32
-    return jnp.dtype(shrink_dtype), jnp.dtype(expand_dtype)
+    return dot_dtype(x.dtype, lora_a[0].dtype), jnp.dtype(expand_dtype)
 
 
 def shrink_expand(

@@ -55,6 +55,13 @@ def fit_shrink_tiles(
     return dataclasses.replace(bs, num_stages=stages, block_k=bk)
 
 
+def shrink_dtype(x_dtype, a_dtype):
+    """The dtype the shrink's dots take: bf16 / fp16 where x and A promote to it, else f32
+    (accumulation is f32 either way)."""
+    dtype = jnp.promote_types(x_dtype, a_dtype)
+    return dtype if dtype in (jnp.bfloat16, jnp.float16) else jnp.dtype(jnp.float32)
+
+
 def _shrink_tile(x_ref, a_ref, rows, slot, r, r_mask, k, hidden: int | None, dtype, precision):
     """``x[rows, k] @ A[slot, r, k].T`` in f32 for one k step: x gathered by token row,
     columns past ``hidden`` (None: no step reaches past it, no mask) and rank rows
@@ -343,9 +350,7 @@ def rect_shrink(
     num_slices = len(lora_a)
     rank = lora_a[0].shape[1]
     rank_p = max(16, 1 << (rank - 1).bit_length())
-    compute_dtype = jnp.promote_types(x.dtype, lora_a[0].dtype)
-    if compute_dtype not in (jnp.bfloat16, jnp.float16):
-        compute_dtype = jnp.float32
+    compute_dtype = shrink_dtype(x.dtype, lora_a[0].dtype)
     bs = dataclasses.replace(bs, block_r=min(bs.block_r, rank_p))
     if hidden % (bs.block_k * bs.split_k):
         raise ValueError(
@@ -386,9 +391,7 @@ def shrink(x, lora_a, tab, slot_ranks, *, scale: float, bs: BlockSizes, interpre
     rank = lora_a[0].shape[1]
     rank_p = max(16, 1 << (rank - 1).bit_length())
     br = min(bs.block_r, rank_p)
-    compute_dtype = jnp.promote_types(x.dtype, lora_a[0].dtype)
-    if compute_dtype not in (jnp.bfloat16, jnp.float16):
-        compute_dtype = jnp.float32
+    compute_dtype = shrink_dtype(x.dtype, lora_a[0].dtype)
     # More splits than k steps would leave programs with nothing to reduce.
     split_k = max(1, min(bs.split_k, -(-hidden // bs.block_k)))
     bs = dataclasses.replace(bs, block_r=br, split_k=split_k)
