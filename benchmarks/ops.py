@@ -1010,6 +1010,74 @@ PREFILL_SWEEP = {
             live_split=False,
             split_inner=True,
         ),
+        # RECT0-RECT0+14 (session 42): the shrink over rectangles of x (`rect`: no work
+        # list, each 64-token block's slot from its first token; prompts only, the host's
+        # whole tiles) at ranks 64 / 128, where the Mosaic segment shrink runs 4096-token
+        # prompts at 57-67 % (x's TMA stream) and the rank-16 rectangles reached 75 %.
+        # Rank 64 at 4096 tokens (64 blocks): split 4 / 2 / 8, 4 or 8 warps, 64-column
+        # k steps, 32-token blocks
+        *(
+            BlockSizes(
+                block_m=bm,
+                block_r=64,
+                block_k=bk,
+                num_stages=st,
+                num_warps=w,
+                split_k=sk,
+                rect=True,
+            )
+            for bm, bk, st, w, sk in (
+                (64, 128, 3, 4, 4),
+                (64, 128, 3, 8, 4),
+                (64, 64, 4, 4, 4),
+                (64, 128, 4, 4, 2),
+                (64, 128, 3, 4, 8),
+                (32, 128, 3, 4, 4),
+            )
+        ),  # fmt: skip
+        # rank 128: the whole rank a block (8 or 4 warps, 64- or 128-column steps, split
+        # 4 / 2), or two 64-row rank blocks side by side (`rank_inner`)
+        BlockSizes(
+            block_m=64, block_r=128, block_k=128, num_stages=3, num_warps=8, split_k=4, rect=True
+        ),
+        BlockSizes(
+            block_m=64, block_r=128, block_k=64, num_stages=4, num_warps=8, split_k=4, rect=True
+        ),
+        BlockSizes(
+            block_m=64,
+            block_r=64,
+            block_k=128,
+            num_stages=3,
+            num_warps=4,
+            split_k=4,
+            rank_inner=True,
+            rect=True,
+        ),
+        BlockSizes(
+            block_m=64, block_r=128, block_k=128, num_stages=3, num_warps=4, split_k=4, rect=True
+        ),
+        BlockSizes(
+            block_m=64, block_r=128, block_k=128, num_stages=3, num_warps=8, split_k=2, rect=True
+        ),
+        # rank 64 at 1024 tokens, H = 8192 (16 blocks of 64 k steps): split 16 / 8, 32-token
+        # blocks split 8, 64-column steps split 16
+        *(
+            BlockSizes(
+                block_m=bm,
+                block_r=64,
+                block_k=bk,
+                num_stages=st,
+                num_warps=4,
+                split_k=sk,
+                rect=True,
+            )
+            for bm, bk, st, sk in (
+                (64, 128, 3, 16),
+                (64, 128, 3, 8),
+                (32, 128, 3, 8),
+                (64, 64, 4, 16),
+            )
+        ),  # fmt: skip
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
@@ -1473,7 +1541,8 @@ def main(argv=None):
         if a.sweep:
             candidates = {f"ours[{i}]": bs for i, bs in enumerate(sweep_set[c.op]) if bs}
             variants += [
-                (name, ours(c, bs, prompt_tiles=tiles), w) for name, bs in candidates.items()
+                (name, ours(c, bs, prompt_tiles=tiles, whole_tiles=whole), w)
+                for name, bs in candidates.items()
             ]
         if "ours_split" in impls:  # the expand's Mosaic + Triton split, the host silent
             variants.append(("ours_split", ours(c, None, mosaic=True), w))
@@ -1554,7 +1623,7 @@ def main(argv=None):
                 if err > ERR_BOUND[c.op]:
                     res["impls"][name] = {"skipped": f"wrong: max rel err {err:.1e}"}
             if a.check and name in candidates:  # a candidate must be right to count
-                err = max_rel_err(c, inputs, w, metas, candidates[name], tiles)
+                err = max_rel_err(c, inputs, w, metas, candidates[name], tiles, None, whole)
                 res["impls"][name]["max_rel_err"] = err
                 if err > ERR_BOUND[c.op]:
                     res["impls"][name] = {"skipped": f"wrong: max rel err {err:.1e}"}

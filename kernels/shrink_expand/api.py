@@ -32,7 +32,24 @@ from lora_jax.kernels.shrink_expand import (
 )
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, next_pow2
 from lora_jax.kernels.shrink_expand.tuning_per_token import use_per_token
-from lora_jax.kernels.shrink_expand.work_list import PROMPT_TILES, get_work_list
+from lora_jax.kernels.shrink_expand.work_list import (
+    PROMPT_TILES,
+    get_work_list,
+    segment_block_m,
+)
+
+
+def _check_rect(bs: BlockSizes, num_tokens: int, whole_tiles, mosaic) -> None:
+    """Tiles given with ``rect=True`` need the host's word that every mapped token lies in
+    whole tiles of one slot, tiles their ``block_m`` divides."""
+    tile = segment_block_m(num_tokens)
+    if whole_tiles != "all" or tile % bs.block_m or mosaic:
+        raise ValueError(
+            f"lora_shrink: block_sizes has rect=True (x read in rectangles of block_m="
+            f"{bs.block_m} tokens), which needs whole_tiles='all' (got {whole_tiles!r}), "
+            f"a block_m dividing the host's {tile}-token tiles and mosaic not True "
+            f"(got {mosaic!r})."
+        )
 
 
 @functools.partial(
@@ -152,8 +169,10 @@ def lora_shrink(
             interpret=interpret,
         )  # fmt: skip
     tiles = routing.segment_tiles(mosaic, x, lora_a, interpret, prompt_tiles)
-    rect = None
-    if defaulted and tiles is None and whole_tiles == "all":
+    rect = block_sizes if block_sizes.rect else None
+    if rect is not None:
+        _check_rect(rect, num_tokens, whole_tiles, mosaic)
+    elif defaulted and tiles is None and whole_tiles == "all":
         rank_p = max(16, next_pow2(rank))
         rect = tuning_long_shrink.rect_shrink_tiles(num_tokens, hidden, rank_p)
     if rect is not None:

@@ -134,6 +134,13 @@ class BlockSizes:
     products with x (h) on the CUDA cores; no work list and no token blocks. ``block_m``
     is not used. For decode steps where most tokens have an adapter of their own.
     """
+    rect: bool = False
+    """Shrink: x read in rectangles of ``block_m`` consecutive tokens, with no work list,
+    each block's slot read from its first token (`pallas_triton_shrink.rect_shrink`);
+    ``split_k`` k ranges (they must divide the hidden size's ``block_k`` steps) added
+    atomically. Right only where the host found every mapped token in whole tiles of one
+    slot (`lora_shrink(whole_tiles="all")`, which it then needs) and ``block_m`` divides
+    those tiles. ``rank_inner`` launches a block's rank blocks side by side."""
     split_n: int = 1
     """Fused shrink-expand: column groups per (work block, slice), at most.
 
@@ -180,6 +187,11 @@ class BlockSizes:
         if self.prefetch_rows < 0:
             raise ValueError(
                 f"BlockSizes.prefetch_rows={self.prefetch_rows}: must be >= 0 (0: every block)."
+            )
+        if self.rect and self.per_token:
+            raise ValueError(
+                "BlockSizes: rect=True (x in rectangles of block_m tokens) and per_token=True "
+                "(a program per token) exclude each other; pass one."
             )
         if self.num_stages < 1:
             raise ValueError(f"BlockSizes.num_stages={self.num_stages}: must be >= 1.")

@@ -304,7 +304,7 @@ def _rect_kernel(
     ranks_ref, x_ref, a_refs, (_, o_ref) = _shrink_refs(refs, has_ranks, num_slices)
     bm, bk, br = bs.block_m, bs.block_k, bs.block_r
     n_rb = max(16, 1 << (rank - 1).bit_length()) // br
-    blk, sid, ks, rb = _grid_ids(n_rb, rank_inner=False)
+    blk, sid, ks, rb = _grid_ids(n_rb, rank_inner=bs.rank_inner)
     chunk = hidden // bk // bs.split_k  # k steps per item (rect_shrink: they divide)
     precision = _dot_precision(compute_dtype)
     row0 = pl.multiple_of(blk * bm, bm)
@@ -345,7 +345,8 @@ def rect_shrink(
     ``block_m`` divides): no work list, x read in rectangles, each block's slot from its
     first token. A block that breaks the rule is computed with its first token's slot.
     ``bs.split_k`` k ranges (it must divide the hidden size's ``block_k`` steps), added
-    atomically into a zeroed output."""
+    atomically into a zeroed output; ``bs.rank_inner``: a block's rank blocks side by
+    side in launch order (the second reads x from L2)."""
     num_tokens, hidden = x.shape
     num_slices = len(lora_a)
     rank = lora_a[0].shape[1]
@@ -376,7 +377,7 @@ def rect_shrink(
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
-        grid=_grid(blocks, num_slices, bs.split_k, rank_p // bs.block_r, rank_inner=False),
+        grid=_grid(blocks, num_slices, bs.split_k, rank_p // bs.block_r, bs.rank_inner),
         input_output_aliases={len(inputs): 0},
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,

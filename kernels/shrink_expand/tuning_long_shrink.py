@@ -45,7 +45,9 @@ def rect_shrink_tiles(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes |
     split = 1
     while split * 2 * blocks <= RECT_ITEMS and steps % (split * 2) == 0 and split < 8:
         split *= 2
-    return BlockSizes(block_m=64, block_r=16, block_k=128, num_stages=3, num_warps=4, split_k=split)
+    return BlockSizes(
+        block_m=64, block_r=16, block_k=128, num_stages=3, num_warps=4, split_k=split, rect=True
+    )
 
 
 def long_prefill_shrink(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes | None:

@@ -31,7 +31,7 @@ def prompts(num_tokens: int, slots, *, unmapped_tiles=(), seed: int = 0) -> np.n
     return idx
 
 
-def _shrink(x, lora_a, idx, max_loras, *, hint="all", ranks=None, interpret=True):
+def _shrink(x, lora_a, idx, max_loras, *, hint="all", ranks=None, interpret=True, bs=None):
     return lora_shrink(
         x,
         lora_a,
@@ -39,11 +39,12 @@ def _shrink(x, lora_a, idx, max_loras, *, hint="all", ranks=None, interpret=True
         slot_ranks=ranks,
         scale=0.5,
         whole_tiles=hint,
+        block_sizes=bs,
         interpret=interpret,
     )
 
 
-def _check(num_tokens, hidden, rank, widths, dtype, idx, max_loras, ranked, interpret):
+def _check(num_tokens, hidden, rank, widths, dtype, idx, max_loras, ranked, interpret, bs=None):
     k = jax.random.key(num_tokens + rank)
     x = jax.random.normal(jax.random.fold_in(k, 0), (num_tokens, hidden), dtype)
     lora_a = tuple(
@@ -55,7 +56,7 @@ def _check(num_tokens, hidden, rank, widths, dtype, idx, max_loras, ranked, inte
     if ranked:  # true ranks under the padded one, per slice and slot
         ranks = jnp.asarray(np.random.default_rng(1).integers(1, rank + 1, (widths, max_loras)))
     assert whole_tiles(idx) == "all"
-    got = _shrink(x, lora_a, idx, max_loras, ranks=ranks, interpret=interpret)
+    got = _shrink(x, lora_a, idx, max_loras, ranks=ranks, interpret=interpret, bs=bs)
     want = lora_shrink_reference(
         x, lora_a, token_lora_indices=jnp.asarray(idx), slot_ranks=ranks, scale=0.5
     )
@@ -79,6 +80,49 @@ def test_rect_shrink_matches_reference(num_tokens, hidden, rank, widths, dtype, 
     several slices: as the oracle, and the unmapped rows exactly 0."""
     idx = prompts(num_tokens, [2, 5, 0, 7], unmapped_tiles=unmapped)
     _check(num_tokens, hidden, rank, widths, dtype, idx, 8, ranked, interpret=True)
+
+
+RECT_WIDE = [  # ranks 64 / 128 over rectangles, given by the caller (`BlockSizes.rect`)
+    BlockSizes(block_m=64, block_r=64, block_k=128, split_k=2, rect=True),
+    BlockSizes(block_m=32, block_r=128, block_k=64, num_warps=8, split_k=4, rect=True),
+    BlockSizes(block_m=64, block_r=64, block_k=128, split_k=1, rank_inner=True, rect=True),
+]
+
+
+@pytest.mark.parametrize(
+    "rank, widths, dtype, ranked, bs",
+    [
+        (64, 1, jnp.bfloat16, False, RECT_WIDE[0]),
+        (128, 2, jnp.float16, True, RECT_WIDE[1]),
+        (100, 3, jnp.float32, True, RECT_WIDE[2]),  # 100 padded to 128: two rank blocks
+    ],
+    ids=str,
+)
+def test_rect_shrink_given_tiles_match_reference(rank, widths, dtype, ranked, bs):
+    """Rectangle tiles given by the caller at ranks 64-128: whole-rank and split rank
+    blocks (side by side), k splits, true ranks under the padded one: as the oracle."""
+    idx = prompts(1024, [6, 1, 3], unmapped_tiles=(2,))
+    _check(1024, 512, rank, widths, dtype, idx, 8, ranked, interpret=True, bs=bs)
+
+
+def test_rect_tiles_need_the_hosts_whole_tiles():
+    """``rect=True`` without the host's "all", with rectangles wider than its tiles, or
+    with the Mosaic kernel asked for, is refused before anything runs."""
+    idx = prompts(1024, [0, 1])
+    x = jnp.zeros((1024, 256), jnp.bfloat16)
+    a = (jnp.zeros((2, 64, 256), jnp.bfloat16),)
+    meta = make_metadata(idx, 2)
+    bs = RECT_WIDE[0]
+    for hint in (None, "some", "none"):
+        with pytest.raises(ValueError, match="rect=True.*whole_tiles='all'"):
+            lora_shrink(x, a, **meta, whole_tiles=hint, block_sizes=bs, interpret=True)
+    wide = BlockSizes(block_m=128, block_r=64, block_k=128, rect=True)  # tiles of 64 rows
+    with pytest.raises(ValueError, match="block_m=128"):
+        lora_shrink(x, a, **meta, whole_tiles="all", block_sizes=wide, interpret=True)
+    with pytest.raises(ValueError, match="mosaic"):
+        lora_shrink(x, a, **meta, whole_tiles="all", block_sizes=bs, mosaic=True, interpret=True)
+    with pytest.raises(ValueError, match="rect=True.*per_token=True"):
+        BlockSizes(rect=True, per_token=True)
 
 
 def _kernel_names(num_tokens, hidden, rank, hint, block_sizes=None):
@@ -112,6 +156,8 @@ def test_rect_shrink_lowers_for_cuda_where_the_host_says_all():
     assert "lora_shrink_rect" not in _kernel_names(t // 2, 4096, 16, "all")
     given = BlockSizes(block_m=32, block_r=16, block_k=128, split_k=4, atomic_programs=528)
     assert "lora_shrink_rect" not in _kernel_names(t, 4096, 16, "all", given)
+    assert _kernel_names(t, 4096, 64, "all", RECT_WIDE[0]) == {"lora_shrink", "lora_shrink_rect"}
+    assert _kernel_names(t, 4096, 128, "all", RECT_WIDE[2]) == {"lora_shrink", "lora_shrink_rect"}
 
 
 def test_rect_shrink_tiles():
@@ -157,3 +203,18 @@ def test_ops_pass_the_mappings_whole_tiles(monkeypatch):
 def test_rect_shrink_on_gpu(num_tokens, hidden, rank, widths, dtype, ranked, slots):
     idx = prompts(num_tokens, slots, unmapped_tiles=(1,) if len(slots) > 1 else ())
     _check(num_tokens, hidden, rank, widths, dtype, idx, 64, ranked, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_tokens, hidden, rank, widths, dtype, ranked, slots, bs",
+    [
+        (4096, 4096, 64, 1, jnp.bfloat16, False, [3, 9, 12, 20, 33, 41, 50, 63], RECT_WIDE[0]),
+        (4096, 4096, 128, 1, jnp.bfloat16, False, [7], RECT_WIDE[1]),
+        (2048, 4096, 128, 3, jnp.float16, True, [1, 2, 5], RECT_WIDE[2]),
+    ],
+    ids=str,
+)
+def test_rect_shrink_given_tiles_on_gpu(num_tokens, hidden, rank, widths, dtype, ranked, slots, bs):
+    idx = prompts(num_tokens, slots, unmapped_tiles=(1,) if len(slots) > 1 else ())
+    _check(num_tokens, hidden, rank, widths, dtype, idx, 64, ranked, interpret=False, bs=bs)
