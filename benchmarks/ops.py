@@ -1078,6 +1078,36 @@ PREFILL_SWEEP = {
                 (64, 64, 4, 16),
             )
         ),  # fmt: skip
+        # 120-132 (session 42, after run 1: at 4096 tokens, rank 64, [108] (split 2, 4
+        # stages) ran 11.9 / 12.7 us over 1 / 8 adapters against the Mosaic shrink's 12.9 /
+        # 13.5; the 1024-token H = 8192 cell 9.4 against 10.1): around [108], and the
+        # tiles stored whole with no k split (no zeroed output, no atomics)
+        *(
+            BlockSizes(
+                block_m=bm,
+                block_r=64,
+                block_k=bk,
+                num_stages=st,
+                num_warps=w,
+                split_k=sk,
+                rect=True,
+            )
+            for bm, bk, st, w, sk in (
+                (64, 128, 4, 8, 2),
+                (64, 128, 5, 4, 2),
+                (64, 256, 3, 4, 2),
+                (64, 64, 6, 4, 2),
+                (32, 128, 4, 4, 1),
+                (64, 128, 4, 4, 1),
+                (32, 128, 4, 4, 2),
+                (64, 128, 4, 4, 4),
+                (64, 128, 4, 4, 8),
+                (64, 128, 4, 4, 16),
+                (32, 128, 4, 4, 8),
+                (64, 256, 3, 4, 8),
+                (64, 128, 5, 4, 8),
+            )
+        ),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),

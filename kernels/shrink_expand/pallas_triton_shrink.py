@@ -300,7 +300,9 @@ def _rect_kernel(
 ):
     """One (block of ``block_m`` consecutive tokens, slice, k range x rank block) item: x's
     rows read as a rectangle, the block's slot read from its first token (every block is
-    one slot's or has no mapped token: `rect_shrink`), the partial added atomically."""
+    one slot's or has no mapped token: `rect_shrink`), the partial added atomically; with
+    ``split_k`` 1 the tile is stored whole (zeros where the block or rank block has no
+    work), so the output needs no zeroing first."""
     ranks_ref, x_ref, a_refs, (_, o_ref) = _shrink_refs(refs, has_ranks, num_slices)
     bm, bk, br = bs.block_m, bs.block_k, bs.block_r
     n_rb = max(16, 1 << (rank - 1).bit_length()) // br
@@ -312,11 +314,21 @@ def _rect_kernel(
     slot = idx_ref[row0]
     safe = jnp.maximum(slot, 0)
     r = rb * br + jnp.arange(br, dtype=jnp.int32)  # [br]
+    ids = row0 + jnp.arange(bm, dtype=jnp.int32)
+    plain = bs.split_k == 1
     for s in range(num_slices):
         r_lim = _true_rank(ranks_ref, s, slot, rank)
         a_mask = jnp.broadcast_to((r < r_lim)[:, None], (br, bk))
+        live = (slot >= 0) & (rb * br < r_lim)
+        if plain:  # rows past the tokens only in a tail block, which has no slot
+            out_mask = (ids < o_ref.shape[1])[:, None] & (r < rank)[None, :]
 
-        @pl.when((sid == s) & (slot >= 0) & (rb * br < r_lim))
+            @pl.when((sid == s) & jnp.logical_not(live))
+            def _(s=s, out_mask=out_mask):
+                idx = (s, ids[:, None], r[None, :])
+                plgpu.store(o_ref.at[idx], jnp.zeros((bm, br), jnp.float32), mask=out_mask)
+
+        @pl.when((sid == s) & live)
         def _(s=s, a_mask=a_mask):
             def body(kk, acc):
                 k0 = pl.multiple_of((ks * chunk + kk) * bk, bk)
@@ -331,10 +343,12 @@ def _rect_kernel(
                 )
 
             acc = jax.lax.fori_loop(0, chunk, body, jnp.zeros((bm, br), jnp.float32))
-            ids = row0 + jnp.arange(bm, dtype=jnp.int32)
             mask = jnp.broadcast_to((r < rank)[None, :], (bm, br))
             idx = (s, ids[:, None], r[None, :])
-            _add_to(o_ref, idx, acc * jnp.float32(scale), mask, interpret)
+            if plain:  # a live block is whole: every row is a token
+                plgpu.store(o_ref.at[idx], acc * jnp.float32(scale), mask=mask)
+            else:
+                _add_to(o_ref, idx, acc * jnp.float32(scale), mask, interpret)
 
 
 def rect_shrink(
@@ -372,17 +386,28 @@ def rect_shrink(
     )
     inputs = [token_lora_indices.astype(jnp.int32)]
     inputs += ([slot_ranks] if has_ranks else []) + [x, *lora_a]
-    zeros = jnp.zeros((num_slices, num_tokens, rank), jnp.float32)
+    shape = (num_slices, num_tokens, rank)
+    aliases = {}
+    if bs.split_k > 1:  # the k ranges add into zeros
+        aliases = {len(inputs): 0}
+        inputs.append(jnp.zeros(shape, jnp.float32))
+    else:  # every tile is stored whole: the kernel's signature has a placeholder input
+        kernel = functools.partial(_without_zeros, kernel)
     blocks = -(-num_tokens // bs.block_m)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
+        out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
         grid=_grid(blocks, num_slices, bs.split_k, rank_p // bs.block_r, bs.rank_inner),
-        input_output_aliases={len(inputs): 0},
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name="lora_shrink_rect",
-    )(*inputs, zeros)
+    )(*inputs)
+
+
+def _without_zeros(kernel, *refs):
+    """``kernel`` (which reads its refs as (..., zeros, out)) on refs with no zeros input."""
+    return kernel(*refs[:-1], None, refs[-1])
 
 
 def shrink(x, lora_a, tab, slot_ranks, *, scale: float, bs: BlockSizes, interpret: bool):
