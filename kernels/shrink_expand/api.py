@@ -108,9 +108,10 @@ def lora_shrink(
 
     ``whole_tiles``: what the host knows of the step's tiles wholly of one slot
     (`work_list.whole_tiles`, `LoRAMapping.whole_tiles`). Without ``block_sizes`` and
-    where the Mosaic kernel does not run, "all" runs rank 16 from 1024 tokens over
-    rectangles of x with no work list (`pallas_triton_shrink.rect_shrink`). A wrong "all"
-    computes a tile with its first token's adapter.
+    unless ``mosaic`` is True, "all" runs rank 16 from 1024 tokens and rank 64 from 1024 to
+    4096 over rectangles of x with no work list (`pallas_triton_shrink.rect_shrink`,
+    `tuning_long_shrink.rect_shrink_tiles`), ahead of the Mosaic kernel. Tiles given with
+    ``rect=True`` need "all". A wrong "all" computes a tile with its first token's adapter.
 
     ``tokens_per_slot``: what the host knows of the step's mapped tokens per active slot
     (`lora_jax.mapping.LoRAMapping.tokens_per_slot`). Without ``block_sizes``, a step
@@ -168,11 +169,10 @@ def lora_shrink(
             x, lora_a, token_lora_indices, ranks, scale=float(scale), bs=block_sizes,
             interpret=interpret,
         )  # fmt: skip
-    tiles = routing.segment_tiles(mosaic, x, lora_a, interpret, prompt_tiles)
     rect = block_sizes if block_sizes.rect else None
     if rect is not None:
         _check_rect(rect, num_tokens, whole_tiles, mosaic)
-    elif defaulted and tiles is None and whole_tiles == "all":
+    elif defaulted and not mosaic and whole_tiles == "all":  # ahead of the Mosaic kernel
         rank_p = max(16, next_pow2(rank))
         rect = tuning_long_shrink.rect_shrink_tiles(num_tokens, hidden, rank_p)
     if rect is not None:
@@ -180,6 +180,7 @@ def lora_shrink(
             x, lora_a, token_lora_indices, ranks, scale=float(scale), bs=rect,
             interpret=interpret,
         )  # fmt: skip
+    tiles = routing.segment_tiles(mosaic, x, lora_a, interpret, prompt_tiles)
     if tiles is not None and defaulted:
         block_sizes = tuning_long_shrink.segment_rest_shrink(block_sizes, num_tokens, hidden, rank)
     if tiles is None:

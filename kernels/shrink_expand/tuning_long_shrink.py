@@ -26,27 +26,59 @@ an H200 (132 SMs): 2 k ranges at 4096 tokens, none from 8192."""
 
 
 RECT_MIN_TOKENS = 1024
-"""From this many tokens a rank-16 step whose host found every mapped token in whole tiles
-of one slot (`work_list.whole_tiles` "all": prompts) runs `rect_shrink_tiles`."""
+"""From this many tokens a rank-16 or -64 step whose host found every mapped token in
+whole tiles of one slot (`work_list.whole_tiles` "all": prompts) runs `rect_shrink_tiles`."""
 RECT_ITEMS = 256
-"""(64-token block, k range) items the rectangle shrink aims for (two an SM of an H200)."""
+"""(64-token block, k range) items the rank-16 rectangle shrink aims for (two an SM of an
+H200)."""
+RECT_R64_MAX_TOKENS = 4096
+"""Up to this many tokens rank 64 takes the rectangles too (measured from 1024 to 4096
+tokens, session 42; past 4096 the work-list kernels run, unmeasured against them)."""
+RECT_R64_ITEMS = 128
+"""(64-token block, k range) items the rank-64 rectangle shrink aims for (one an SM of an
+H200 at 4 stages: 128 KiB of shared memory a program)."""
 
 
 def rect_shrink_tiles(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes | None:
     """The tiles of `pallas_triton_shrink.rect_shrink` (x read in rectangles of 64 tokens,
-    no work list) for a rank-16 step whose tokens lie in whole tiles of one slot, or None
-    where the work-list kernels run. Session 36's probes (H200, T = 4096, one adapter,
-    benchmarks/RESULTS.md): over 64 x 128 rectangles split 4 ways 10.4 us, gathering the
-    rows through a work list as the library's kernel does 11.0, the library 11.6."""
-    if rank_p > 16 or num_tokens < RECT_MIN_TOKENS or hidden % 512:
+    no work list) for a rank-16 or -64 step whose tokens lie in whole tiles of one slot,
+    or None where the other kernels run. The hidden reduction is split to fill about
+    ``RECT_ITEMS`` (rank 16) or ``RECT_R64_ITEMS`` (rank 64) items; a split of 1 stores
+    each tile whole.
+
+    H200 (benchmarks/RESULTS.md): rank 16, session 36's probes at T = 4096, one adapter:
+    over 64 x 128 rectangles split 4 ways 10.4 us, gathering the rows through a work list
+    as the library's kernel does 11.0, the library 11.6; session 42, T = 16384 stored
+    whole (no zeroed output, no atomics) 33.0 us against the work-list kernel's 35.2.
+    Rank 64, session 42, prompts as runs over 1 / 8 adapters against the Mosaic segment
+    shrink: T = 4096 (split 2) 12.9 / 13.6 -> 11.9 / 12.7-12.9 us, T = 1024, H = 8192 over
+    8 (split 8) 9.8 -> 8.9; 3 stages, 8 warps, 256-column steps, 32-token blocks and
+    splits to 256 items were slower, tiles stored whole (64 programs) 15 % slower."""
+    if num_tokens < RECT_MIN_TOKENS or hidden % 512:
         return None
     steps = hidden // 128
     blocks = -(-num_tokens // 64)
+    if rank_p <= 16:
+        items, stages = RECT_ITEMS, 3
+    elif rank_p == 64 and num_tokens <= RECT_R64_MAX_TOKENS:
+        from lora_jax.kernels.shrink_expand.pallas_triton import opt_in_smem_budget
+
+        items, stages = RECT_R64_ITEMS, 4
+        if opt_in_smem_budget() < stages * (64 + 64) * 128 * 2:
+            return None
+    else:
+        return None
     split = 1
-    while split * 2 * blocks <= RECT_ITEMS and steps % (split * 2) == 0 and split < 8:
+    while split * 2 * blocks <= items and steps % (split * 2) == 0 and split < 8:
         split *= 2
     return BlockSizes(
-        block_m=64, block_r=16, block_k=128, num_stages=3, num_warps=4, split_k=split, rect=True
+        block_m=64,
+        block_r=rank_p,
+        block_k=128,
+        num_stages=stages,
+        num_warps=4,
+        split_k=split,
+        rect=True,
     )
 
 

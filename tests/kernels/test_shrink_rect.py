@@ -13,8 +13,24 @@ from shrink_expand_test_base import abstract_gpu_context, make_metadata
 import lora_jax as lj
 from lora_jax import ops
 from lora_jax.kernels import BlockSizes, lora_shrink, lora_shrink_reference
-from lora_jax.kernels.shrink_expand.tuning_long_shrink import RECT_MIN_TOKENS, rect_shrink_tiles
+from lora_jax.kernels.shrink_expand.tuning_long_shrink import (
+    RECT_MIN_TOKENS,
+    RECT_R64_MAX_TOKENS,
+    rect_shrink_tiles,
+)
 from lora_jax.kernels.shrink_expand.work_list import segment_block_m, whole_tiles
+
+
+@pytest.fixture
+def h200_smem(monkeypatch):
+    """`opt_in_smem_budget` as on an H200 (200 KiB), on a machine with no GPU."""
+    from lora_jax.kernels.shrink_expand import pallas_triton
+
+    monkeypatch.setenv("LORA_JAX_TRITON_SMEM_BUDGET", str(200 * 1024))
+    pallas_triton.opt_in_smem_budget.cache_clear()
+    yield
+    monkeypatch.undo()
+    pallas_triton.opt_in_smem_budget.cache_clear()
 
 
 def prompts(num_tokens: int, slots, *, unmapped_tiles=(), seed: int = 0) -> np.ndarray:
@@ -148,14 +164,16 @@ def _kernel_names(num_tokens, hidden, rank, hint, block_sizes=None):
     return {n for n in ("lora_shrink_rect", "lora_shrink_atomic", "lora_shrink") if n in text}
 
 
-def test_rect_shrink_lowers_for_cuda_where_the_host_says_all():
+def test_rect_shrink_lowers_for_cuda_where_the_host_says_all(h200_smem):
     """Rank 16 with every token in whole tiles lowers to the rectangle kernel alone; any
     other hint, rank 64, or tiles given by the caller keep the work-list kernels."""
     t = RECT_MIN_TOKENS
     assert _kernel_names(t, 4096, 16, "all") == {"lora_shrink", "lora_shrink_rect"}
     assert "lora_shrink_rect" not in _kernel_names(t, 4096, 16, "some")
     assert "lora_shrink_rect" not in _kernel_names(t, 4096, 16, None)
-    assert "lora_shrink_rect" not in _kernel_names(t, 4096, 64, "all")
+    assert _kernel_names(t, 4096, 64, "all") == {"lora_shrink", "lora_shrink_rect"}
+    assert "lora_shrink_rect" not in _kernel_names(t, 4096, 128, "all")
+    assert "lora_shrink_rect" not in _kernel_names(2 * RECT_R64_MAX_TOKENS, 4096, 64, "all")
     assert "lora_shrink_rect" not in _kernel_names(t // 2, 4096, 16, "all")
     given = BlockSizes(block_m=32, block_r=16, block_k=128, split_k=4, atomic_programs=528)
     assert "lora_shrink_rect" not in _kernel_names(t, 4096, 16, "all", given)
@@ -163,7 +181,7 @@ def test_rect_shrink_lowers_for_cuda_where_the_host_says_all():
     assert _kernel_names(t, 4096, 128, "all", RECT_WIDE[2]) == {"lora_shrink", "lora_shrink_rect"}
 
 
-def test_rect_shrink_tiles():
+def test_rect_shrink_tiles(h200_smem, monkeypatch):
     """64-token rectangles, 128-column k steps; the hidden split fills ~256 items (4 at
     4096 tokens, none from 16384), at most 8 ways; rank 16 only, from 1024 tokens."""
     t4k = rect_shrink_tiles(4096, 4096, 16)
@@ -171,6 +189,18 @@ def test_rect_shrink_tiles():
     assert rect_shrink_tiles(1024, 4096, 16).split_k == 8
     assert rect_shrink_tiles(16384, 8192, 16).split_k == 1
     assert rect_shrink_tiles(4096, 4096, 32) is None
+    assert rect_shrink_tiles(4096, 4096, 128) is None
+    # rank 64: 4 stages, the split fills ~128 items (8 ways at 1024 tokens, 2 at 4096)
+    r64 = rect_shrink_tiles(4096, 4096, 64)
+    assert (r64.block_r, r64.num_stages, r64.split_k, r64.rect) == (64, 4, 2, True)
+    assert rect_shrink_tiles(1024, 8192, 64).split_k == 8
+    assert rect_shrink_tiles(RECT_R64_MAX_TOKENS + 64, 4096, 64) is None
+    from lora_jax.kernels.shrink_expand import pallas_triton
+
+    monkeypatch.setenv("LORA_JAX_TRITON_SMEM_BUDGET", str(96 * 1024))  # 4 stages do not fit
+    pallas_triton.opt_in_smem_budget.cache_clear()
+    assert rect_shrink_tiles(4096, 4096, 64) is None
+    assert rect_shrink_tiles(4096, 4096, 16) is not None
     assert rect_shrink_tiles(RECT_MIN_TOKENS - 1, 4096, 16) is None
     assert rect_shrink_tiles(4096, 1000, 16) is None  # not in whole 512-column k ranges
     # the rectangles lie inside the host's whole tiles
@@ -200,6 +230,8 @@ def test_ops_pass_the_mappings_whole_tiles(monkeypatch):
         (16384, 4096, 16, 1, jnp.bfloat16, False, [3, 9, 12, 20, 33, 41, 50, 63]),
         (3000, 2048, 8, 3, jnp.float16, True, [1, 2, 5]),
         (1024, 4096, 16, 2, jnp.float32, True, [0, 4]),
+        (4096, 4096, 64, 1, jnp.bfloat16, False, [7]),
+        (1024, 8192, 64, 2, jnp.bfloat16, True, [3, 9, 12, 20, 33, 41, 50, 63]),
     ],
     ids=str,
 )
