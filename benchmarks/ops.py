@@ -1108,6 +1108,33 @@ PREFILL_SWEEP = {
                 (64, 128, 5, 4, 8),
             )
         ),
+        # 133-142 (session 42, after run 3): blocks of two 64-row host tiles (`rect_shrink`'s
+        # pairs: one 128-row rectangle where both tiles are one slot's, so A's tile is
+        # loaded once for 128 tokens, not 64): rank 64 at 4096 tokens (32 pairs), 1024
+        # tokens at H = 8192 (8 pairs), rank 128 at 4096
+        *(
+            BlockSizes(
+                block_m=128,
+                block_r=br,
+                block_k=bk,
+                num_stages=st,
+                num_warps=w,
+                split_k=sk,
+                rect=True,
+            )
+            for br, bk, st, w, sk in (
+                (64, 128, 4, 8, 4),
+                (64, 128, 3, 8, 4),
+                (64, 128, 4, 4, 4),
+                (64, 64, 6, 8, 4),
+                (64, 128, 3, 8, 2),
+                (64, 128, 4, 8, 16),
+                (64, 128, 3, 8, 16),
+                (64, 128, 4, 8, 8),
+                (128, 64, 4, 8, 4),
+                (128, 64, 3, 8, 4),
+            )
+        ),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),

@@ -43,12 +43,13 @@ def _check_rect(bs: BlockSizes, num_tokens: int, whole_tiles, mosaic) -> None:
     """Tiles given with ``rect=True`` need the host's word that every mapped token lies in
     whole tiles of one slot, tiles their ``block_m`` divides."""
     tile = segment_block_m(num_tokens)
-    if whole_tiles != "all" or tile % bs.block_m or mosaic:
+    pair = bs.block_m == 2 * tile and bs.split_k > 1
+    if whole_tiles != "all" or (tile % bs.block_m and not pair) or mosaic:
         raise ValueError(
             f"lora_shrink: block_sizes has rect=True (x read in rectangles of block_m="
             f"{bs.block_m} tokens), which needs whole_tiles='all' (got {whole_tiles!r}), "
-            f"a block_m dividing the host's {tile}-token tiles and mosaic not True "
-            f"(got {mosaic!r})."
+            f"a block_m dividing the host's {tile}-token tiles (or twice them with "
+            f"split_k > 1) and mosaic not True (got {mosaic!r})."
         )
 
 
@@ -178,7 +179,7 @@ def lora_shrink(
     if rect is not None:
         return pallas_triton_shrink.rect_shrink(
             x, lora_a, token_lora_indices, ranks, scale=float(scale), bs=rect,
-            interpret=interpret,
+            interpret=interpret, tile=segment_block_m(num_tokens),
         )  # fmt: skip
     tiles = routing.segment_tiles(mosaic, x, lora_a, interpret, prompt_tiles)
     if tiles is not None and defaulted:

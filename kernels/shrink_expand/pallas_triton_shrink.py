@@ -296,13 +296,16 @@ def _rect_kernel(
     scale: float,
     compute_dtype,
     bs: BlockSizes,
+    pair: int,
     interpret: bool,
 ):
     """One (block of ``block_m`` consecutive tokens, slice, k range x rank block) item: x's
     rows read as a rectangle, the block's slot read from its first token (every block is
     one slot's or has no mapped token: `rect_shrink`), the partial added atomically; with
     ``split_k`` 1 the tile is stored whole (zeros where the block or rank block has no
-    work), so the output needs no zeroing first."""
+    work), so the output needs no zeroing first. ``pair`` > 0: the block is two host tiles
+    of ``pair`` rows; where both are one slot's, their rows make one rectangle (A's tile
+    loaded once for both), else each tile is its own (added atomically: ``split_k`` > 1)."""
     ranks_ref, x_ref, a_refs, (_, o_ref) = _shrink_refs(refs, has_ranks, num_slices)
     bm, bk, br = bs.block_m, bs.block_k, bs.block_r
     n_rb = max(16, 1 << (rank - 1).bit_length()) // br
@@ -310,29 +313,32 @@ def _rect_kernel(
     chunk = hidden // bk // bs.split_k  # k steps per item (rect_shrink: they divide)
     precision = _dot_precision(compute_dtype)
     row0 = pl.multiple_of(blk * bm, bm)
-    rows = pl.ds(row0, bm)
     slot = idx_ref[row0]
-    safe = jnp.maximum(slot, 0)
     r = rb * br + jnp.arange(br, dtype=jnp.int32)  # [br]
-    ids = row0 + jnp.arange(bm, dtype=jnp.int32)
     plain = bs.split_k == 1
-    for s in range(num_slices):
+    num_tokens = o_ref.shape[1]
+
+    def rectangle(s, start, rows: int, slot, when):
+        """Rows [start, start + rows) of slot ``slot`` (-1: none) where ``when``."""
         r_lim = _true_rank(ranks_ref, s, slot, rank)
         a_mask = jnp.broadcast_to((r < r_lim)[:, None], (br, bk))
         live = (slot >= 0) & (rb * br < r_lim)
+        ids = start + jnp.arange(rows, dtype=jnp.int32)
+        idx = (s, ids[:, None], r[None, :])
         if plain:  # rows past the tokens only in a tail block, which has no slot
-            out_mask = (ids < o_ref.shape[1])[:, None] & (r < rank)[None, :]
 
-            @pl.when((sid == s) & jnp.logical_not(live))
-            def _(s=s, out_mask=out_mask):
-                idx = (s, ids[:, None], r[None, :])
-                plgpu.store(o_ref.at[idx], jnp.zeros((bm, br), jnp.float32), mask=out_mask)
+            @pl.when(when & jnp.logical_not(live))
+            def _():
+                out_mask = (ids < num_tokens)[:, None] & (r < rank)[None, :]
+                plgpu.store(o_ref.at[idx], jnp.zeros((rows, br), jnp.float32), mask=out_mask)
 
-        @pl.when((sid == s) & live)
-        def _(s=s, a_mask=a_mask):
+        @pl.when(when & live)
+        def _():
+            safe = jnp.maximum(slot, 0)
+
             def body(kk, acc):
                 k0 = pl.multiple_of((ks * chunk + kk) * bk, bk)
-                xt = x_ref[rows, pl.ds(k0, bk)]  # [bm, bk]
+                xt = x_ref[pl.ds(start, rows), pl.ds(k0, bk)]  # [rows, bk]
                 k = k0 + jnp.arange(bk, dtype=jnp.int32)
                 at = plgpu.load(a_refs[s].at[safe, r[:, None], k[None, :]], mask=a_mask, other=0)
                 return acc + plgpu.dot(
@@ -342,17 +348,35 @@ def _rect_kernel(
                     precision=precision,
                 )
 
-            acc = jax.lax.fori_loop(0, chunk, body, jnp.zeros((bm, br), jnp.float32))
-            mask = jnp.broadcast_to((r < rank)[None, :], (bm, br))
-            idx = (s, ids[:, None], r[None, :])
+            acc = jax.lax.fori_loop(0, chunk, body, jnp.zeros((rows, br), jnp.float32))
+            mask = jnp.broadcast_to((r < rank)[None, :], (rows, br))
             if plain:  # a live block is whole: every row is a token
                 plgpu.store(o_ref.at[idx], acc * jnp.float32(scale), mask=mask)
             else:
                 _add_to(o_ref, idx, acc * jnp.float32(scale), mask, interpret)
 
+    for s in range(num_slices):
+        if not pair:
+            rectangle(s, row0, bm, slot, sid == s)
+            continue
+        second = row0 + pair  # a tail past the tokens has no slot
+        slot2 = jnp.where(second < num_tokens, idx_ref[jnp.minimum(second, num_tokens - 1)], -1)
+        same = slot == slot2
+        rectangle(s, row0, bm, slot, (sid == s) & same)
+        rectangle(s, row0, pair, slot, (sid == s) & jnp.logical_not(same))
+        rectangle(s, second, pair, slot2, (sid == s) & jnp.logical_not(same))
+
 
 def rect_shrink(
-    x, lora_a, token_lora_indices, slot_ranks, *, scale: float, bs: BlockSizes, interpret: bool
+    x,
+    lora_a,
+    token_lora_indices,
+    slot_ranks,
+    *,
+    scale: float,
+    bs: BlockSizes,
+    interpret: bool,
+    tile: int | None = None,
 ):
     """f32 [S, T, R] where every block of ``bs.block_m`` consecutive tokens is wholly one
     slot's or has no mapped token (the host's `work_list.whole_tiles` "all", whose tiles
@@ -360,7 +384,9 @@ def rect_shrink(
     first token. A block that breaks the rule is computed with its first token's slot.
     ``bs.split_k`` k ranges (it must divide the hidden size's ``block_k`` steps), added
     atomically into a zeroed output; ``bs.rank_inner``: a block's rank blocks side by
-    side in launch order (the second reads x from L2)."""
+    side in launch order (the second reads x from L2). ``tile``: the host's whole tiles'
+    rows, where ``bs.block_m`` is twice them (blocks of two tiles, `_rect_kernel`'s
+    ``pair``; it needs ``split_k`` > 1)."""
     num_tokens, hidden = x.shape
     num_slices = len(lora_a)
     rank = lora_a[0].shape[1]
@@ -372,9 +398,16 @@ def rect_shrink(
             f"rect_shrink: hidden={hidden} is not a multiple of block_k x split_k = "
             f"{bs.block_k} x {bs.split_k}."
         )
+    pair = tile if tile is not None and bs.block_m == 2 * tile else 0
+    if pair and bs.split_k == 1:
+        raise ValueError(
+            f"rect_shrink: block_m={bs.block_m} is two {tile}-row tiles, which add their "
+            f"partial sums atomically; it needs split_k > 1 (got 1)."
+        )
     has_ranks = slot_ranks is not None
     kernel = functools.partial(
         _rect_kernel,
+        pair=pair,
         num_slices=num_slices,
         has_ranks=has_ranks,
         hidden=hidden,

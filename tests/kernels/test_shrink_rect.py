@@ -103,6 +103,8 @@ RECT_WIDE = [  # ranks 64 / 128 over rectangles, given by the caller (`BlockSize
     BlockSizes(block_m=32, block_r=128, block_k=64, num_warps=8, split_k=4, rect=True),
     BlockSizes(block_m=64, block_r=64, block_k=128, split_k=1, rank_inner=True, rect=True),
     BlockSizes(block_m=32, block_r=16, block_k=128, split_k=1, rect=True),
+    # two 64-row host tiles a block (one rectangle where both are one slot's)
+    BlockSizes(block_m=128, block_r=64, block_k=128, split_k=2, rect=True),
 ]
 
 
@@ -113,6 +115,7 @@ RECT_WIDE = [  # ranks 64 / 128 over rectangles, given by the caller (`BlockSize
         (1024, 128, 2, jnp.float16, True, RECT_WIDE[1]),
         (1024, 100, 3, jnp.float32, True, RECT_WIDE[2]),  # 100 padded to 128: 2 rank blocks
         (1060, 16, 2, jnp.bfloat16, True, RECT_WIDE[3]),  # stored whole, an unmapped tail
+        (1060, 64, 2, jnp.bfloat16, True, RECT_WIDE[4]),  # tile pairs, some of two slots
     ],
     ids=str,
 )
@@ -121,6 +124,10 @@ def test_rect_shrink_given_tiles_match_reference(num_tokens, rank, widths, dtype
     blocks (side by side), k splits added atomically or one range stored whole, true
     ranks under the padded one, unmapped tiles and tails: as the oracle."""
     idx = prompts(num_tokens, [6, 1, 3], unmapped_tiles=(2,))
+    if bs.block_m == 128:  # pairs of one slot and pairs of two
+        idx = prompts(num_tokens, [6, 1, 3, 4, 0], unmapped_tiles=(2, 9))
+        pairs = idx[: num_tokens // 128 * 128].reshape(-1, 2, 64)[:, :, 0]
+        assert (pairs[:, 0] == pairs[:, 1]).any() and (pairs[:, 0] != pairs[:, 1]).any()
     _check(num_tokens, 512, rank, widths, dtype, idx, 8, ranked, interpret=True, bs=bs)
 
 
@@ -248,6 +255,7 @@ def test_rect_shrink_on_gpu(num_tokens, hidden, rank, widths, dtype, ranked, slo
         (4096, 4096, 128, 1, jnp.bfloat16, False, [7], RECT_WIDE[1]),
         (2048, 4096, 128, 3, jnp.float16, True, [1, 2, 5], RECT_WIDE[2]),
         (3000, 4096, 16, 2, jnp.bfloat16, True, [4, 8], RECT_WIDE[3]),
+        (4096, 4096, 64, 1, jnp.bfloat16, False, [3, 9, 12, 20, 33, 41, 50, 63], RECT_WIDE[4]),
     ],
     ids=str,
 )
