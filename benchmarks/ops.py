@@ -1135,6 +1135,23 @@ PREFILL_SWEEP = {
                 (128, 64, 3, 8, 4),
             )
         ),
+        # 143-148 (session 42, after run 4: the pairs lost 8-12 %): rank 64 split into
+        # 32- or 16-row rank blocks side by side (`rank_inner`: x from HBM once, then L2),
+        # so that a split of 1 (tiles stored whole: no zeroed output, no atomics) still
+        # makes 128-256 programs at 4096 tokens; the 1024-token H = 8192 cell with k splits
+        *(
+            BlockSizes(
+                block_m=64,
+                block_r=br,
+                block_k=128,
+                num_stages=4,
+                num_warps=4,
+                split_k=sk,
+                rank_inner=True,
+                rect=True,
+            )
+            for br, sk in ((32, 1), (16, 1), (32, 2), (32, 4), (32, 8), (16, 2))
+        ),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
