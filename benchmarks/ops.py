@@ -707,6 +707,14 @@ PREFILL_R16 = BlockSizes(
     block_m=32, block_r=16, block_k=128, num_stages=3, split_k=8, atomic_programs=528
 )
 
+
+def rect_tiles(fields: str, rows, **fixed) -> list[BlockSizes]:
+    """Candidates of the rectangle shrink (`BlockSizes.rect`): one a row of ``rows``, the
+    row's values for the space-separated ``fields``, the rest from ``fixed``."""
+    names = fields.split()
+    return [BlockSizes(rect=True, **fixed, **dict(zip(names, row, strict=True))) for row in rows]
+
+
 # Prefill / mid-size tile candidates for `--sweep --sweep-set prefill` (T > 256): the
 # prefill shrink had no split-K, so at T = 1024 it ran ~40 programs on 132 SMs.
 PREFILL_SWEEP = {
@@ -1010,89 +1018,49 @@ PREFILL_SWEEP = {
             live_split=False,
             split_inner=True,
         ),
-        # RECT0-RECT0+14 (session 42): the shrink over rectangles of x (`rect`: no work
-        # list, each 64-token block's slot from its first token; prompts only, the host's
-        # whole tiles) at ranks 64 / 128, where the Mosaic segment shrink runs 4096-token
-        # prompts at 57-67 % (x's TMA stream) and the rank-16 rectangles reached 75 %.
-        # Rank 64 at 4096 tokens (64 blocks): split 4 / 2 / 8, 4 or 8 warps, 64-column
-        # k steps, 32-token blocks
-        *(
-            BlockSizes(
-                block_m=bm,
-                block_r=64,
-                block_k=bk,
-                num_stages=st,
-                num_warps=w,
-                split_k=sk,
-                rect=True,
-            )
-            for bm, bk, st, w, sk in (
-                (64, 128, 3, 4, 4),
-                (64, 128, 3, 8, 4),
-                (64, 64, 4, 4, 4),
-                (64, 128, 4, 4, 2),
-                (64, 128, 3, 4, 8),
-                (32, 128, 3, 4, 4),
-            )
-        ),  # fmt: skip
+        # 105-119 (session 42): the shrink over rectangles of x (`rect`: no work list, each
+        # 64-token block's slot from its first token; prompts only, the host's whole
+        # tiles) at ranks 64 / 128, where the Mosaic segment shrink runs 4096-token prompts
+        # at 57-67 % (x's TMA stream) and the rank-16 rectangles reached 75 %. Rank 64 at
+        # 4096 tokens (64 blocks): split 4 / 2 / 8, 4 or 8 warps, 64-column k steps,
+        # 32-token blocks
+        *rect_tiles(
+            "block_m block_k num_stages num_warps split_k",
+            [(64, 128, 3, 4, 4), (64, 128, 3, 8, 4), (64, 64, 4, 4, 4), (64, 128, 4, 4, 2)],
+            block_r=64,
+        ),
+        *rect_tiles(
+            "block_m block_k num_stages num_warps split_k",
+            [(64, 128, 3, 4, 8), (32, 128, 3, 4, 4)],
+            block_r=64,
+        ),
         # rank 128: the whole rank a block (8 or 4 warps, 64- or 128-column steps, split
         # 4 / 2), or two 64-row rank blocks side by side (`rank_inner`)
-        BlockSizes(
-            block_m=64, block_r=128, block_k=128, num_stages=3, num_warps=8, split_k=4, rect=True
-        ),
-        BlockSizes(
-            block_m=64, block_r=128, block_k=64, num_stages=4, num_warps=8, split_k=4, rect=True
-        ),
-        BlockSizes(
+        *rect_tiles(
+            "block_r block_k num_stages num_warps split_k rank_inner",
+            [
+                (128, 128, 3, 8, 4, False),
+                (128, 64, 4, 8, 4, False),
+                (64, 128, 3, 4, 4, True),
+                (128, 128, 3, 4, 4, False),
+                (128, 128, 3, 8, 2, False),
+            ],
             block_m=64,
-            block_r=64,
-            block_k=128,
-            num_stages=3,
-            num_warps=4,
-            split_k=4,
-            rank_inner=True,
-            rect=True,
-        ),
-        BlockSizes(
-            block_m=64, block_r=128, block_k=128, num_stages=3, num_warps=4, split_k=4, rect=True
-        ),
-        BlockSizes(
-            block_m=64, block_r=128, block_k=128, num_stages=3, num_warps=8, split_k=2, rect=True
         ),
         # rank 64 at 1024 tokens, H = 8192 (16 blocks of 64 k steps): split 16 / 8, 32-token
         # blocks split 8, 64-column steps split 16
-        *(
-            BlockSizes(
-                block_m=bm,
-                block_r=64,
-                block_k=bk,
-                num_stages=st,
-                num_warps=4,
-                split_k=sk,
-                rect=True,
-            )
-            for bm, bk, st, sk in (
-                (64, 128, 3, 16),
-                (64, 128, 3, 8),
-                (32, 128, 3, 8),
-                (64, 64, 4, 16),
-            )
-        ),  # fmt: skip
+        *rect_tiles(
+            "block_m block_k num_stages split_k",
+            [(64, 128, 3, 16), (64, 128, 3, 8), (32, 128, 3, 8), (64, 64, 4, 16)],
+            block_r=64,
+        ),
         # 120-132 (session 42, after run 1: at 4096 tokens, rank 64, [108] (split 2, 4
         # stages) ran 11.9 / 12.7 us over 1 / 8 adapters against the Mosaic shrink's 12.9 /
         # 13.5; the 1024-token H = 8192 cell 9.4 against 10.1): around [108], and the
         # tiles stored whole with no k split (no zeroed output, no atomics)
-        *(
-            BlockSizes(
-                block_m=bm,
-                block_r=64,
-                block_k=bk,
-                num_stages=st,
-                num_warps=w,
-                split_k=sk,
-                rect=True,
-            )
-            for bm, bk, st, w, sk in (
+        *rect_tiles(
+            "block_m block_k num_stages num_warps split_k",
+            [
                 (64, 128, 4, 8, 2),
                 (64, 128, 5, 4, 2),
                 (64, 256, 3, 4, 2),
@@ -1106,23 +1074,16 @@ PREFILL_SWEEP = {
                 (32, 128, 4, 4, 8),
                 (64, 256, 3, 4, 8),
                 (64, 128, 5, 4, 8),
-            )
+            ],
+            block_r=64,
         ),
         # 133-142 (session 42, after run 3): blocks of two 64-row host tiles (`rect_shrink`'s
         # pairs: one 128-row rectangle where both tiles are one slot's, so A's tile is
         # loaded once for 128 tokens, not 64): rank 64 at 4096 tokens (32 pairs), 1024
         # tokens at H = 8192 (8 pairs), rank 128 at 4096
-        *(
-            BlockSizes(
-                block_m=128,
-                block_r=br,
-                block_k=bk,
-                num_stages=st,
-                num_warps=w,
-                split_k=sk,
-                rect=True,
-            )
-            for br, bk, st, w, sk in (
+        *rect_tiles(
+            "block_r block_k num_stages num_warps split_k",
+            [
                 (64, 128, 4, 8, 4),
                 (64, 128, 3, 8, 4),
                 (64, 128, 4, 4, 4),
@@ -1133,24 +1094,20 @@ PREFILL_SWEEP = {
                 (64, 128, 4, 8, 8),
                 (128, 64, 4, 8, 4),
                 (128, 64, 3, 8, 4),
-            )
+            ],
+            block_m=128,
         ),
         # 143-148 (session 42, after run 4: the pairs lost 8-12 %): rank 64 split into
         # 32- or 16-row rank blocks side by side (`rank_inner`: x from HBM once, then L2),
         # so that a split of 1 (tiles stored whole: no zeroed output, no atomics) still
         # makes 128-256 programs at 4096 tokens; the 1024-token H = 8192 cell with k splits
-        *(
-            BlockSizes(
-                block_m=64,
-                block_r=br,
-                block_k=128,
-                num_stages=4,
-                num_warps=4,
-                split_k=sk,
-                rank_inner=True,
-                rect=True,
-            )
-            for br, sk in ((32, 1), (16, 1), (32, 2), (32, 4), (32, 8), (16, 2))
+        *rect_tiles(
+            "block_r split_k",
+            [(32, 1), (16, 1), (32, 2), (32, 4), (32, 8), (16, 2)],
+            block_m=64,
+            block_k=128,
+            num_stages=4,
+            rank_inner=True,
         ),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
