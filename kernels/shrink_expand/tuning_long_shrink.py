@@ -34,6 +34,10 @@ H200)."""
 RECT_R64_MAX_TOKENS = 4096
 """Up to this many tokens rank 64 takes the rectangles too (measured from 1024 to 4096
 tokens, session 42; past 4096 the work-list kernels run, unmeasured against them)."""
+RECT_WIDE_RANKS = (64,)
+"""Padded ranks past 16 that take the rectangles (up to ``RECT_R64_MAX_TOKENS`` tokens, on
+``RECT_R64_ITEMS`` items, 4 stages); rank 32 and 128 are not among them (session 42: rank
+128 lost to the Mosaic shrink, rank 32 unmeasured)."""
 RECT_R64_ITEMS = 128
 """(64-token block, k range) items the rank-64 rectangle shrink aims for (one an SM of an
 H200 at 4 stages: 128 KiB of shared memory a program)."""
@@ -60,11 +64,11 @@ def rect_shrink_tiles(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes |
     blocks = -(-num_tokens // 64)
     if rank_p <= 16:
         items, stages = RECT_ITEMS, 3
-    elif rank_p == 64 and num_tokens <= RECT_R64_MAX_TOKENS:
+    elif rank_p in RECT_WIDE_RANKS and num_tokens <= RECT_R64_MAX_TOKENS:
         from lora_jax.kernels.shrink_expand.pallas_triton import opt_in_smem_budget
 
         items, stages = RECT_R64_ITEMS, 4
-        if opt_in_smem_budget() < stages * (64 + 64) * 128 * 2:
+        if opt_in_smem_budget() < stages * (64 + rank_p) * 128 * 2:
             return None
     else:
         return None
