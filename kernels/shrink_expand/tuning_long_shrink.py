@@ -31,13 +31,14 @@ whole tiles of one slot (`work_list.whole_tiles` "all": prompts) runs `rect_shri
 RECT_ITEMS = 256
 """(64-token block, k range) items the rank-16 rectangle shrink aims for (two an SM of an
 H200)."""
-RECT_R64_MAX_TOKENS = 4096
-"""Up to this many tokens rank 64 takes the rectangles too (measured from 1024 to 4096
-tokens, session 42; past 4096 the work-list kernels run, unmeasured against them)."""
-RECT_WIDE_RANKS = (64,)
+RECT_R64_MAX_TOKENS = 8192
+"""Up to this many tokens ranks 32 and 64 take the rectangles too (session 42: from 1024
+to 8192 tokens 5-11 % faster than the Mosaic or work-list kernels; at 16384 tokens rank
+64 lost 2-3 % to the work-list kernel)."""
+RECT_WIDE_RANKS = (32, 64)
 """Padded ranks past 16 that take the rectangles (up to ``RECT_R64_MAX_TOKENS`` tokens, on
-``RECT_R64_ITEMS`` items, 4 stages); rank 32 and 128 are not among them (session 42: rank
-128 lost to the Mosaic shrink, rank 32 unmeasured)."""
+``RECT_R64_ITEMS`` items, 4 stages); rank 128 is not among them (session 42: it lost to
+the Mosaic shrink, 15.3 vs 14.8 us at 4096 tokens)."""
 RECT_R64_ITEMS = 128
 """(64-token block, k range) items the rank-64 rectangle shrink aims for (one an SM of an
 H200 at 4 stages: 128 KiB of shared memory a program)."""

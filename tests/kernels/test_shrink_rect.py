@@ -195,7 +195,8 @@ def test_rect_shrink_tiles(h200_smem, monkeypatch):
     assert (t4k.block_m, t4k.block_k, t4k.split_k, t4k.num_stages) == (64, 128, 4, 3)
     assert rect_shrink_tiles(1024, 4096, 16).split_k == 8
     assert rect_shrink_tiles(16384, 8192, 16).split_k == 1
-    assert rect_shrink_tiles(4096, 4096, 32) is None
+    assert rect_shrink_tiles(4096, 4096, 32).block_r == 32
+    assert rect_shrink_tiles(8192, 4096, 64).split_k == 1  # 128 blocks: stored whole
     assert rect_shrink_tiles(4096, 4096, 128) is None
     # rank 64: 4 stages, the split fills ~128 items (8 ways at 1024 tokens, 2 at 4096)
     r64 = rect_shrink_tiles(4096, 4096, 64)
@@ -239,6 +240,8 @@ def test_ops_pass_the_mappings_whole_tiles(monkeypatch):
         (1024, 4096, 16, 2, jnp.float32, True, [0, 4]),
         (4096, 4096, 64, 1, jnp.bfloat16, False, [7]),
         (1024, 8192, 64, 2, jnp.bfloat16, True, [3, 9, 12, 20, 33, 41, 50, 63]),
+        (2048, 4096, 32, 3, jnp.bfloat16, True, [5, 6, 7]),
+        (8192, 4096, 64, 1, jnp.bfloat16, False, [3, 9, 12, 20, 33, 41, 50, 63]),
     ],
     ids=str,
 )
