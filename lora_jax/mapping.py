@@ -94,7 +94,7 @@ class LoRAMapping:
         """`kernel_kwargs` plus the shrink's choice of kernels: a decode step
         (``is_prefill=False``) has no prompt tiles, so no Mosaic GPU launch; what the
         host found (``prompt_tiles``) skips a kernel with nothing to do, and whole tiles of
-        one slot (``whole_tiles``) let rank 16 read x in rectangles."""
+        one slot (``whole_tiles``) let ranks 16-64 read x in rectangles."""
         mosaic = False if self.is_prefill is False else None
         return dict(
             self.kernel_kwargs(),

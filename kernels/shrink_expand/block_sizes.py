@@ -143,7 +143,7 @@ class BlockSizes:
     those tiles, or is twice them with ``split_k`` > 1 (pairs of tiles: one rectangle
     where both are one slot's; H200, session 42: 8-12 % slower than 64-row blocks at rank
     64, no default uses them). ``rank_inner`` launches a block's rank blocks side by
-    side. Defaults: ranks 16 and 64 (`tuning_long_shrink.rect_shrink_tiles`)."""
+    side. Defaults: ranks 16, 32 and 64 (`tuning_long_shrink.rect_shrink_tiles`)."""
     split_n: int = 1
     """Fused shrink-expand: column groups per (work block, slice), at most.
 

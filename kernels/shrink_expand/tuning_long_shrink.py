@@ -26,7 +26,7 @@ an H200 (132 SMs): 2 k ranges at 4096 tokens, none from 8192."""
 
 
 RECT_MIN_TOKENS = 1024
-"""From this many tokens a rank-16 or -64 step whose host found every mapped token in
+"""From this many tokens a rank-16, -32 or -64 step whose host found every mapped token in
 whole tiles of one slot (`work_list.whole_tiles` "all": prompts) runs `rect_shrink_tiles`."""
 RECT_ITEMS = 256
 """(64-token block, k range) items the rank-16 rectangle shrink aims for (two an SM of an
@@ -46,10 +46,10 @@ H200 at 4 stages: 128 KiB of shared memory a program)."""
 
 def rect_shrink_tiles(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes | None:
     """The tiles of `pallas_triton_shrink.rect_shrink` (x read in rectangles of 64 tokens,
-    no work list) for a rank-16 or -64 step whose tokens lie in whole tiles of one slot,
-    or None where the other kernels run. The hidden reduction is split to fill about
-    ``RECT_ITEMS`` (rank 16) or ``RECT_R64_ITEMS`` (rank 64) items; a split of 1 stores
-    each tile whole.
+    no work list) for a rank-16, -32 or -64 step whose tokens lie in whole tiles of one
+    slot, or None where the other kernels run. The hidden reduction is split to fill
+    about ``RECT_ITEMS`` (rank 16) or ``RECT_R64_ITEMS`` (ranks 32 / 64) items; a split of
+    1 stores each tile whole.
 
     H200 (benchmarks/RESULTS.md): rank 16, session 36's probes at T = 4096, one adapter:
     over 64 x 128 rectangles split 4 ways 10.4 us, gathering the rows through a work list
@@ -58,7 +58,11 @@ def rect_shrink_tiles(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes |
     Rank 64, session 42, prompts as runs over 1 / 8 adapters against the Mosaic segment
     shrink: T = 4096 (split 2) 12.9 / 13.6 -> 11.9 / 12.7-12.9 us, T = 1024, H = 8192 over
     8 (split 8) 9.8 -> 8.9; 3 stages, 8 warps, 256-column steps, 32-token blocks and
-    splits to 256 items were slower, tiles stored whole (64 programs) 15 % slower."""
+    splits to 256 items were slower, tiles stored whole (64 programs) 15 % slower. The
+    same rule at rank 32, T = 1024 / 2048 / 4096 over 1 / 8 adapters: 5.3 / 5.6, 7.6 / 8.0,
+    12.2 / 12.6 -> 4.7 / 5.1, 6.9 / 7.3, 11.2 / 11.7 us; rank 64 at 8192 tokens (128 blocks,
+    stored whole) against the work-list kernel over 1 / 8 / 64 adapters 21.2 / 22.0 / 28.1
+    -> 20.1 / 20.8 / 27.1, at 16384 tokens 37.4 / 38.2 / 44.4 -> 38.5 / 39.1 / 45.1 (lost)."""
     if num_tokens < RECT_MIN_TOKENS or hidden % 512:
         return None
     steps = hidden // 128
