@@ -31,24 +31,24 @@ whole tiles of one slot (`work_list.whole_tiles` "all": prompts) runs `rect_shri
 RECT_ITEMS = 256
 """(64-token block, k range) items the rank-16 rectangle shrink aims for (two an SM of an
 H200)."""
-RECT_R64_MAX_TOKENS = 8192
+RECT_WIDE_MAX_TOKENS = 8192
 """Up to this many tokens ranks 32 and 64 take the rectangles too (session 42: from 1024
 to 8192 tokens 5-11 % faster than the Mosaic or work-list kernels; at 16384 tokens rank
 64 lost 2-3 % to the work-list kernel)."""
 RECT_WIDE_RANKS = (32, 64)
-"""Padded ranks past 16 that take the rectangles (up to ``RECT_R64_MAX_TOKENS`` tokens, on
-``RECT_R64_ITEMS`` items, 4 stages); rank 128 is not among them (session 42: it lost to
+"""Padded ranks past 16 that take the rectangles (up to ``RECT_WIDE_MAX_TOKENS`` tokens, on
+``RECT_WIDE_ITEMS`` items, 4 stages); rank 128 is not among them (session 42: it lost to
 the Mosaic shrink, 15.3 vs 14.8 us at 4096 tokens)."""
-RECT_R64_ITEMS = 128
-"""(64-token block, k range) items the rank-64 rectangle shrink aims for (one an SM of an
-H200 at 4 stages: 128 KiB of shared memory a program)."""
+RECT_WIDE_ITEMS = 128
+"""(64-token block, k range) items the rank-32 / -64 rectangle shrink aims for (one an SM
+of an H200 at 4 stages: 128 KiB of shared memory a program at rank 64)."""
 
 
 def rect_shrink_tiles(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes | None:
     """The tiles of `pallas_triton_shrink.rect_shrink` (x read in rectangles of 64 tokens,
     no work list) for a rank-16, -32 or -64 step whose tokens lie in whole tiles of one
     slot, or None where the other kernels run. The hidden reduction is split to fill
-    about ``RECT_ITEMS`` (rank 16) or ``RECT_R64_ITEMS`` (ranks 32 / 64) items; a split of
+    about ``RECT_ITEMS`` (rank 16) or ``RECT_WIDE_ITEMS`` (ranks 32 / 64) items; a split of
     1 stores each tile whole.
 
     H200 (benchmarks/RESULTS.md): rank 16, session 36's probes at T = 4096, one adapter:
@@ -69,10 +69,10 @@ def rect_shrink_tiles(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes |
     blocks = -(-num_tokens // 64)
     if rank_p <= 16:
         items, stages = RECT_ITEMS, 3
-    elif rank_p in RECT_WIDE_RANKS and num_tokens <= RECT_R64_MAX_TOKENS:
+    elif rank_p in RECT_WIDE_RANKS and num_tokens <= RECT_WIDE_MAX_TOKENS:
         from lora_jax.kernels.shrink_expand.pallas_triton import opt_in_smem_budget
 
-        items, stages = RECT_R64_ITEMS, 4
+        items, stages = RECT_WIDE_ITEMS, 4
         if opt_in_smem_budget() < stages * (64 + rank_p) * 128 * 2:
             return None
     else:
