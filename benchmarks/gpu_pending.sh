@@ -1488,7 +1488,7 @@ runpy.run_path('benchmarks/tp.py', run_name='__main__')" "$OUT/pre41_old/tp1.jso
   s42d)  # session 42, after run 2: the new default, rank 64 over rectangles from 1024 to
     # 4096 tokens (`tuning_long_shrink.rect_shrink_tiles`): its GPU tests; the library with
     # and without the hint (ours_nowhole: the Mosaic segment shrink, the old default); the
-    # rank-64 model's hinted prefill with it and without it (RECT_WIDE_MAX_TOKENS = 0)
+    # rank-64 model's hinted prefill with it and without it (no rank-64 rectangles)
     JAX_DEFAULT_MATMUL_PRECISION=highest step rect42d_tests 120 \
       python3 -P -m pytest tests/kernels/test_shrink_rect.py -m gpu -q -p no:cacheprovider
     step rect42f 170 "${OPS[@]}" --layout runs --ops shrink --tokens 1024,2048,4096 \
@@ -1498,7 +1498,7 @@ runpy.run_path('benchmarks/tp.py', run_name='__main__')" "$OUT/pre41_old/tp1.jso
       --hinted-prefill --no-sharded --reps 3 --variants base,lora --out "$OUT/pre42/tp1.json"
     step pre42_old 75 python3 -P -c "import runpy, sys
 from lora_jax.kernels.shrink_expand import tuning_long_shrink
-tuning_long_shrink.RECT_WIDE_MAX_TOKENS = 0  # no rank-64 rectangles: the old default
+tuning_long_shrink.RECT_WIDE_RANKS = {}  # no rank-64 rectangles: the old default
 sys.argv = ['tp.py', '--tp', '1', '--batches', '', '--prefill', '4x512', '--rank', '64',
             '--hinted-prefill', '--no-sharded', '--reps', '3', '--variants', 'lora',
             '--out', sys.argv[1]]
@@ -1526,11 +1526,11 @@ runpy.run_path('benchmarks/tp.py', run_name='__main__')" "$OUT/pre42_old/tp1.jso
       --adapters 1,8 --impls ours --time-budget 80 --out "$OUT/rb42b" ;;
   s42g)  # session 42, after run 5: would the rectangles pay at rank 32 (1024-4096 tokens,
     # against the Mosaic shrink) and at rank 64 past 4096 tokens (against the work-list
-    # kernel)? The rule patched in the process (RECT_WIDE_RANKS, RECT_WIDE_MAX_TOKENS);
+    # kernel)? The rule patched in the process (RECT_WIDE_RANKS);
     # ours_nowhole, the same call without the host's hint, is the default's kernel
     step r32_42 120 python3 -P -c "import runpy, sys
 from lora_jax.kernels.shrink_expand import tuning_long_shrink as t
-t.RECT_WIDE_RANKS = (32, 64)
+t.RECT_WIDE_RANKS = {32: 4096, 64: 4096}
 sys.argv = ['ops.py', '--timer', 'trace', '--compile-budget', '15', '--layout', 'runs',
             '--ops', 'shrink', '--tokens', '1024,2048,4096', '--hiddens', '4096',
             '--ranks', '32', '--adapters', '1,8', '--impls', 'ours,ours_nowhole',
@@ -1538,7 +1538,7 @@ sys.argv = ['ops.py', '--timer', 'trace', '--compile-budget', '15', '--layout', 
 runpy.run_path('benchmarks/ops.py', run_name='__main__')" "$OUT/r32_42"
     step long42 120 python3 -P -c "import runpy, sys
 from lora_jax.kernels.shrink_expand import tuning_long_shrink as t
-t.RECT_WIDE_MAX_TOKENS = 1 << 30
+t.RECT_WIDE_RANKS = {64: 1 << 30}
 sys.argv = ['ops.py', '--timer', 'trace', '--compile-budget', '15', '--layout', 'runs',
             '--ops', 'shrink', '--tokens', '8192,16384', '--hiddens', '4096',
             '--ranks', '64', '--adapters', '1,8,64', '--impls', 'ours,ours_nowhole',

@@ -31,14 +31,11 @@ whole tiles of one slot (`work_list.whole_tiles` "all": prompts) runs `rect_shri
 RECT_ITEMS = 256
 """(64-token block, k range) items the rank-16 rectangle shrink aims for (two an SM of an
 H200)."""
-RECT_WIDE_MAX_TOKENS = 8192
-"""Up to this many tokens ranks 32 and 64 take the rectangles too (session 42: from 1024
-to 8192 tokens 5-11 % faster than the Mosaic or work-list kernels; at 16384 tokens rank
-64 lost 2-3 % to the work-list kernel)."""
-RECT_WIDE_RANKS = (32, 64)
-"""Padded ranks past 16 that take the rectangles (up to ``RECT_WIDE_MAX_TOKENS`` tokens, on
-``RECT_WIDE_ITEMS`` items, 4 stages); rank 128 is not among them (session 42: it lost to
-the Mosaic shrink, 15.3 vs 14.8 us at 4096 tokens)."""
+RECT_WIDE_RANKS = {32: 4096, 64: 8192}
+"""Padded ranks past 16 that take the rectangles, each up to the tokens it was measured
+at (on ``RECT_WIDE_ITEMS`` items, 4 stages). Session 42: from 1024 tokens 5-11 % faster
+than the Mosaic or work-list kernels (rank 32 measured up to 4096 tokens); rank 64 lost
+2-3 % at 16384 tokens, and rank 128 lost to the Mosaic shrink (15.3 vs 14.8 us at 4096)."""
 RECT_WIDE_ITEMS = 128
 """(64-token block, k range) items the rank-32 / -64 rectangle shrink aims for (one an SM
 of an H200 at 4 stages: 128 KiB of shared memory a program at rank 64)."""
@@ -69,7 +66,7 @@ def rect_shrink_tiles(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes |
     blocks = -(-num_tokens // 64)
     if rank_p <= 16:
         items, stages = RECT_ITEMS, 3
-    elif rank_p in RECT_WIDE_RANKS and num_tokens <= RECT_WIDE_MAX_TOKENS:
+    elif num_tokens <= RECT_WIDE_RANKS.get(rank_p, 0):
         from lora_jax.kernels.shrink_expand.pallas_triton import opt_in_smem_budget
 
         items, stages = RECT_WIDE_ITEMS, 4

@@ -16,7 +16,7 @@ from lora_jax import ops
 from lora_jax.kernels import BlockSizes, lora_shrink, lora_shrink_reference
 from lora_jax.kernels.shrink_expand.tuning_long_shrink import (
     RECT_MIN_TOKENS,
-    RECT_WIDE_MAX_TOKENS,
+    RECT_WIDE_RANKS,
     rect_shrink_tiles,
 )
 from lora_jax.kernels.shrink_expand.work_list import segment_block_m, whole_tiles
@@ -181,7 +181,7 @@ def test_rect_shrink_lowers_for_cuda_where_the_host_says_all(h200_smem):
     assert "lora_shrink_rect" not in _kernel_names(t, 4096, 16, None)
     assert _kernel_names(t, 4096, 64, "all") == {"lora_shrink", "lora_shrink_rect"}
     assert "lora_shrink_rect" not in _kernel_names(t, 4096, 128, "all")
-    assert "lora_shrink_rect" not in _kernel_names(2 * RECT_WIDE_MAX_TOKENS, 4096, 64, "all")
+    assert "lora_shrink_rect" not in _kernel_names(2 * RECT_WIDE_RANKS[64], 4096, 64, "all")
     assert "lora_shrink_rect" not in _kernel_names(t // 2, 4096, 16, "all")
     given = BlockSizes(block_m=32, block_r=16, block_k=128, split_k=4, atomic_programs=528)
     assert "lora_shrink_rect" not in _kernel_names(t, 4096, 16, "all", given)
@@ -203,7 +203,8 @@ def test_rect_shrink_tiles(h200_smem, monkeypatch):
     r64 = rect_shrink_tiles(4096, 4096, 64)
     assert (r64.block_r, r64.num_stages, r64.split_k, r64.rect) == (64, 4, 2, True)
     assert rect_shrink_tiles(1024, 8192, 64).split_k == 8
-    assert rect_shrink_tiles(RECT_WIDE_MAX_TOKENS + 64, 4096, 64) is None
+    assert rect_shrink_tiles(RECT_WIDE_RANKS[64] + 64, 4096, 64) is None
+    assert rect_shrink_tiles(RECT_WIDE_RANKS[32] + 64, 4096, 32) is None  # measured to 4096
     from lora_jax.kernels.shrink_expand import pallas_triton
 
     monkeypatch.setenv("LORA_JAX_TRITON_SMEM_BUDGET", str(96 * 1024))  # 4 stages do not fit
