@@ -24,7 +24,8 @@ known (a mapping built on the device), "ours_pt" the per-token tiles forced, "ou
 (expand) the default tiles with ``prefetch`` (the next column tile's y loaded ahead),
 "ours_s25" (prefill expand) session 25's default tiles (before the ahead-loads), "ours_ri"
 (shrink) the default tiles with ``rank_inner`` (a token block's rank blocks launched side
-by side).
+by side), "ours_xf" (shrink, prompts as runs) the default rectangle tiles with
+``x_first`` (x's first tiles requested before the block's slot is read back).
 (Session 29's cache-hint variants "ours_es" / "ours_ew" / "ours_eb" are in commit 819b5fc.)
 Token order (``--layout``): "shuffled" (default) puts every batch's tokens in random rows;
 "runs" gives each adapter's tokens one run, as a batch of prompts arrives (the issue's
@@ -71,6 +72,8 @@ from lora_jax.kernels import (
     lora_shrink_expand,
     lora_shrink_reference,
 )
+from lora_jax.kernels.shrink_expand import tuning_long_shrink
+from lora_jax.kernels.shrink_expand.block_sizes import next_pow2
 from lora_jax.kernels.shrink_expand.work_list import prompt_tiles, whole_tiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -1109,6 +1112,15 @@ PREFILL_SWEEP = {
             num_stages=4,
             rank_inner=True,
         ),
+        # 149-152 (session 43): rank 64 over rectangles on many small programs, x loaded
+        # with little or no software pipeline (Triton's plain loads read x at XLA's rate
+        # over 512-1024 programs: session 35), against the 128 one-an-SM items of 4 stages
+        *rect_tiles(
+            "block_k num_stages num_warps split_k",
+            [(128, 1, 4, 8), (64, 1, 4, 16), (128, 2, 4, 4), (128, 2, 8, 8)],
+            block_m=64,
+            block_r=64,
+        ),
     ],
     "expand": [  # column tiles per program (h loaded once), then token-block sizes
         BlockSizes(block_m=64, block_n=128, num_stages=1, tiles_n=2),
@@ -1600,6 +1612,18 @@ def main(argv=None):
                 rank_inner=True,
             )
             variants.append(("ours_ri", ours(c, candidates["ours_ri"], prompt_tiles=tiles), w))
+        if "ours_xf" in impls and c.op == "shrink" and whole == "all":
+            # the default rectangle tiles with x's first tiles in flight before the slot
+            rect_bs = tuning_long_shrink.rect_shrink_tiles(c.tokens, c.hidden, next_pow2(c.rank))
+            if rect_bs is not None:
+                candidates["ours_xf"] = dataclasses.replace(rect_bs, x_first=True)
+                variants.append(
+                    (
+                        "ours_xf",
+                        ours(c, candidates["ours_xf"], prompt_tiles=tiles, whole_tiles=whole),
+                        w,
+                    )
+                )
         if "ours_s25" in impls and c.op == "expand" and c.tokens > 256:
             candidates["ours_s25"] = session25_prefill_expand(c.tokens, c.rank)
             variants.append(

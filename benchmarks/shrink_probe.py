@@ -13,7 +13,15 @@ per call, ``calls`` different calls inside one jit, each with its own x and weig
 * ``no_a``: the adapter tiles not loaded: what reading A costs;
 * ``no_xa``: neither loaded: what is left (launch, work list, dots, adds);
 * ``partials``: the default tiles with the split's partials written to [split, S, T, R]
-  and summed by XLA (no atomics, a second kernel), a real alternative.
+  and summed by XLA (no atomics, a second kernel), a real alternative;
+* ``static_slot`` (the rectangle shrink: ``--layout runs``): every block's slot a
+  constant 0 instead of its first token's, read from memory (what waiting on that read
+  costs before x's tiles are requested);
+* ``x_first``: the rectangle tiles with `BlockSizes.x_first`, a real alternative.
+
+``--layout runs`` gives each adapter's tokens one run (prompts), and the shrink then runs
+as the library does with the host's whole-tiles hint (the rectangle kernel where its rule
+takes it).
 
 ``--op expand`` (`lora_expand`, y updated in place as in the ops benchmark): ``default``;
 ``no_y`` (y's tiles not loaded: the delta stored alone), ``no_b`` (B's tiles not loaded),
@@ -40,10 +48,21 @@ import ops as ops_bench  # noqa: E402  (cells, inputs, the oracle check and the 
 
 from lora_jax.kernels.shrink_expand import pallas_triton as ptx  # noqa: E402
 from lora_jax.kernels.shrink_expand import pallas_triton_shrink as pts  # noqa: E402
-from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes  # noqa: E402
+from lora_jax.kernels.shrink_expand import tuning_long_shrink  # noqa: E402
+from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, next_pow2  # noqa: E402
 
 VARIANTS = {
-    "shrink": ("default", "acq_rel", "store", "no_x", "no_a", "no_xa", "partials"),
+    "shrink": (
+        "default",
+        "acq_rel",
+        "store",
+        "no_x",
+        "no_a",
+        "no_xa",
+        "partials",
+        "static_slot",
+        "x_first",
+    ),
     "expand": ("default", "no_y", "no_b", "no_yb"),
 }
 
@@ -103,10 +122,25 @@ def _expand_tile_without(part: str):
     return tile
 
 
+class _SlotZero:
+    """An index ref whose every read is slot 0 (no load)."""
+
+    def __getitem__(self, i):
+        return jnp.int32(0)
+
+
+def _rect_static_slot(rect_kernel):
+    def kernel(idx_ref, *refs, **kw):
+        del idx_ref
+        return rect_kernel(_SlotZero(), *refs, **kw)
+
+    return kernel
+
+
 @contextlib.contextmanager
 def patched(variant: str):
     """The kernel module with ``variant``'s part taken out, while tracing."""
-    saved = pts._add_to, pts._shrink_tile, ptx.expand_tile
+    saved = pts._add_to, pts._shrink_tile, ptx.expand_tile, pts._rect_kernel
     env = os.environ.get("LORA_JAX_RELAXED_ATOMICS")
     if variant == "acq_rel":
         os.environ["LORA_JAX_RELAXED_ATOMICS"] = "0"
@@ -116,11 +150,13 @@ def patched(variant: str):
         pts._shrink_tile = _tile_without(variant[3:])
     elif variant in ("no_y", "no_b", "no_yb"):
         ptx.expand_tile = _expand_tile_without(variant[3:])
+    elif variant == "static_slot":
+        pts._rect_kernel = _rect_static_slot(saved[3])
     jax.clear_caches()  # the public op is jitted: trace it again under the patch
     try:
         yield
     finally:
-        pts._add_to, pts._shrink_tile, ptx.expand_tile = saved
+        pts._add_to, pts._shrink_tile, ptx.expand_tile, pts._rect_kernel = saved
         if env is None:
             os.environ.pop("LORA_JAX_RELAXED_ATOMICS", None)
         else:
@@ -128,7 +164,13 @@ def patched(variant: str):
         jax.clear_caches()
 
 
-def default_tiles(c: ops_bench.Case) -> BlockSizes:
+def default_tiles(c: ops_bench.Case, whole: str | None = None) -> BlockSizes:
+    """The library's tiles for ``c``; with the host's ``whole`` "all", the rectangle
+    shrink's where its rule takes the cell."""
+    if c.op == "shrink" and whole == "all":
+        rect = tuning_long_shrink.rect_shrink_tiles(c.tokens, c.hidden, next_pow2(c.rank))
+        if rect is not None:
+            return rect
     return BlockSizes.get_default(c.op, num_tokens=c.tokens, hidden=c.hidden, rank=c.rank)
 
 
@@ -138,10 +180,12 @@ def main():
     p.add_argument("--cells", default="4096x4096x16x64,4096x4096x64x64,1024x8192x64x8")
     p.add_argument("--variants", default="", help="comma-separated; default: all of --op's")
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke)")
+    p.add_argument("--layout", default="shuffled", choices=("shuffled", "runs"))
     p.add_argument("--out", default="")
     args = p.parse_args()
     ops_bench.TIMER = "trace"
     ops_bench.INTERPRET = args.interpret
+    ops_bench.LAYOUT = args.layout
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     variants = args.variants.split(",") if args.variants else list(VARIANTS[args.op])
     unknown = set(variants) - set(VARIANTS[args.op])
@@ -155,8 +199,9 @@ def main():
         c = ops_bench.Case(args.op, t, h, r, n)
         calls = 2 if args.interpret else 8 if t >= 4096 else 32
         inputs, w, metas = ops_bench.build(c, calls)
-        bs = default_tiles(c)
-        err = ops_bench.max_rel_err(c, inputs, w, metas, None, "none")
+        whole = ops_bench.host_whole_tiles(metas) if args.op == "shrink" else None
+        bs = default_tiles(c, whole)
+        err = ops_bench.max_rel_err(c, inputs, w, metas, None, "none", whole_tiles=whole)
         row = dict(dataclasses.asdict(c), ideal_us=ops_bench.ideal_bytes(c) / 4.3e6)
         row.update(tiles=str(bs), max_rel_err=err, us={}, kernels_us={})
         donate = args.op == "expand"  # y is updated in place, as in the ops benchmark
@@ -167,8 +212,13 @@ def main():
                     row["us"][v] = float("nan")
                     continue
                 tiles = dataclasses.replace(bs, atomic_programs=0)
+            if v in ("static_slot", "x_first") and not bs.rect:
+                row["us"][v] = float("nan")
+                continue
+            if v == "x_first":
+                tiles = dataclasses.replace(bs, x_first=True)
             # Triton alone ("none"): the Mosaic segment kernel is not what is probed here.
-            fn = ops_bench.ours(c, tiles, prompt_tiles="none")
+            fn = ops_bench.ours(c, tiles, prompt_tiles="none", whole_tiles=whole)
             fresh = jax.tree.map(jnp.copy, inputs) if donate else inputs
             with patched(v):
                 jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())

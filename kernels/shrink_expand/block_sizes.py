@@ -144,6 +144,13 @@ class BlockSizes:
     where both are one slot's; H200, session 42: 8-12 % slower than 64-row blocks at rank
     64, no default uses them). ``rank_inner`` launches a block's rank blocks side by
     side. Defaults: ranks 16, 32 and 64 (`tuning_long_shrink.rect_shrink_tiles`)."""
+    x_first: bool = False
+    """Shrink over rectangles (``rect``): the k loop runs whatever the block's slot, so
+    x's first tiles are requested while the slot's load (the program's first read, which
+    A's tiles wait on) is still in flight, instead of after it. A's tiles are masked (no
+    bytes) where the block has no live slot, and such a block stores zeros; but its x is
+    read for nothing: a block of unmapped tokens (or a rank block past its slot's true
+    rank) costs its x bytes."""
     split_n: int = 1
     """Fused shrink-expand: column groups per (work block, slice), at most.
 
@@ -195,6 +202,10 @@ class BlockSizes:
             raise ValueError(
                 "BlockSizes: rect=True (x in rectangles of block_m tokens) and per_token=True "
                 "(a program per token) exclude each other; pass one."
+            )
+        if self.x_first and not self.rect:
+            raise ValueError(
+                "BlockSizes.x_first=True: only for the shrink over rectangles (rect=True)."
             )
         if self.num_stages < 1:
             raise ValueError(f"BlockSizes.num_stages={self.num_stages}: must be >= 1.")

@@ -316,31 +316,41 @@ def _rect_kernel(
     slot = idx_ref[row0]
     r = rb * br + jnp.arange(br, dtype=jnp.int32)  # [br]
     plain = bs.split_k == 1
+    x_first = bs.x_first
     num_tokens = o_ref.shape[1]
 
     def rectangle(s, start, rows: int, slot, when):
         """Rows [start, start + rows) of slot ``slot`` (-1: none) where ``when``."""
         r_lim = _true_rank(ranks_ref, s, slot, rank)
-        a_mask = jnp.broadcast_to((r < r_lim)[:, None], (br, bk))
         live = (slot >= 0) & (rb * br < r_lim)
+        a_mask = jnp.broadcast_to((r < r_lim)[:, None], (br, bk))
         ids = start + jnp.arange(rows, dtype=jnp.int32)
         idx = (s, ids[:, None], r[None, :])
-        if plain:  # rows past the tokens only in a tail block, which has no slot
+        out_mask = (ids < num_tokens)[:, None] & (r < rank)[None, :]
+        # x_first: the loop does not wait on the slot (only A's tiles do); rows past the
+        # tokens exist only in a tail block, whose x is masked
+        x_rows = (ids < num_tokens)[:, None] if x_first and num_tokens % rows else None
+        if plain and not x_first:  # rows past the tokens only in a tail block, which has no slot
 
             @pl.when(when & jnp.logical_not(live))
             def _():
-                out_mask = (ids < num_tokens)[:, None] & (r < rank)[None, :]
                 plgpu.store(o_ref.at[idx], jnp.zeros((rows, br), jnp.float32), mask=out_mask)
 
-        @pl.when(when & live)
+        @pl.when(when if x_first else when & live)
         def _():
             safe = jnp.maximum(slot, 0)
+            mask_a = a_mask & live if x_first else a_mask
 
             def body(kk, acc):
                 k0 = pl.multiple_of((ks * chunk + kk) * bk, bk)
-                xt = x_ref[pl.ds(start, rows), pl.ds(k0, bk)]  # [rows, bk]
+                if x_rows is None:
+                    xt = x_ref[pl.ds(start, rows), pl.ds(k0, bk)]  # [rows, bk]
+                else:
+                    xt = plgpu.load(
+                        x_ref.at[pl.ds(start, rows), pl.ds(k0, bk)], mask=x_rows, other=0
+                    )
                 k = k0 + jnp.arange(bk, dtype=jnp.int32)
-                at = plgpu.load(a_refs[s].at[safe, r[:, None], k[None, :]], mask=a_mask, other=0)
+                at = plgpu.load(a_refs[s].at[safe, r[:, None], k[None, :]], mask=mask_a, other=0)
                 return acc + plgpu.dot(
                     xt.astype(compute_dtype),
                     at.astype(compute_dtype),
@@ -349,11 +359,21 @@ def _rect_kernel(
                 )
 
             acc = jax.lax.fori_loop(0, chunk, body, jnp.zeros((rows, br), jnp.float32))
-            mask = jnp.broadcast_to((r < rank)[None, :], (rows, br))
-            if plain:  # a live block is whole: every row is a token
-                plgpu.store(o_ref.at[idx], acc * jnp.float32(scale), mask=mask)
+            val = acc * jnp.float32(scale)
+            # a live block is whole (every row is a token); x_first runs a tail block too
+            mask = out_mask if x_first else jnp.broadcast_to((r < rank)[None, :], (rows, br))
+            if x_first:  # a dead block's x may hold inf: its zeros stay zeros
+                val = jnp.where(live, val, 0.0)
+            if plain:
+                plgpu.store(o_ref.at[idx], val, mask=mask)
+            elif x_first:
+
+                @pl.when(live)
+                def _():
+                    _add_to(o_ref, idx, val, mask, interpret)
+
             else:
-                _add_to(o_ref, idx, acc * jnp.float32(scale), mask, interpret)
+                _add_to(o_ref, idx, val, mask, interpret)
 
     for s in range(num_slices):
         if not pair:
@@ -399,6 +419,11 @@ def rect_shrink(
             f"{bs.block_k} x {bs.split_k}."
         )
     pair = tile if tile is not None and bs.block_m == 2 * tile else 0
+    if pair and bs.x_first:
+        raise ValueError(
+            f"rect_shrink: block_m={bs.block_m} is two {tile}-row tiles; x_first=True is for "
+            f"blocks of one tile only."
+        )
     if pair and bs.split_k == 1:
         raise ValueError(
             f"rect_shrink: block_m={bs.block_m} is two {tile}-row tiles, which add their "

@@ -106,6 +106,9 @@ RECT_WIDE = [  # ranks 64 / 128 over rectangles, given by the caller (`BlockSize
     BlockSizes(block_m=32, block_r=16, block_k=128, split_k=1, rect=True),
     # two 64-row host tiles a block (one rectangle where both are one slot's)
     BlockSizes(block_m=128, block_r=64, block_k=128, split_k=2, rect=True),
+    # x's first tiles requested before the slot is read back (`BlockSizes.x_first`)
+    BlockSizes(block_m=64, block_r=64, block_k=128, split_k=2, rect=True, x_first=True),
+    BlockSizes(block_m=32, block_r=16, block_k=128, split_k=1, rect=True, x_first=True),
 ]
 
 
@@ -117,6 +120,8 @@ RECT_WIDE = [  # ranks 64 / 128 over rectangles, given by the caller (`BlockSize
         (1024, 100, 3, jnp.float32, True, RECT_WIDE[2]),  # 100 padded to 128: 2 rank blocks
         (1060, 16, 2, jnp.bfloat16, True, RECT_WIDE[3]),  # stored whole, an unmapped tail
         (1060, 64, 2, jnp.bfloat16, True, RECT_WIDE[4]),  # tile pairs, some of two slots
+        (1024, 100, 2, jnp.bfloat16, True, RECT_WIDE[5]),  # x_first, dead rank blocks
+        (1060, 16, 3, jnp.float32, True, RECT_WIDE[6]),  # x_first stored whole, a tail
     ],
     ids=str,
 )
@@ -130,6 +135,24 @@ def test_rect_shrink_given_tiles_match_reference(num_tokens, rank, widths, dtype
         pairs = idx[: num_tokens // 128 * 128].reshape(-1, 2, 64)[:, :, 0]
         assert (pairs[:, 0] == pairs[:, 1]).any() and (pairs[:, 0] != pairs[:, 1]).any()
     _check(num_tokens, 512, rank, widths, dtype, idx, 8, ranked, interpret=True, bs=bs)
+
+
+@pytest.mark.parametrize("bs", [RECT_WIDE[5], RECT_WIDE[6]], ids=str)
+def test_rect_shrink_x_first_keeps_unmapped_rows_zero(bs):
+    """With ``x_first`` the loop runs over blocks of unmapped tokens too: where their x
+    holds inf or NaN, their rows still come out exactly 0 and the others as the oracle."""
+    num_tokens, hidden, rank = 1060, 512, 64
+    idx = prompts(num_tokens, [6, 1, 3], unmapped_tiles=(2, 5))
+    k = jax.random.key(3)
+    x = jax.random.normal(k, (num_tokens, hidden), jnp.bfloat16)
+    bad = np.flatnonzero(idx < 0)
+    x = x.at[bad[::2]].set(jnp.inf).at[bad[1::2]].set(jnp.nan)
+    a = (jax.random.normal(jax.random.fold_in(k, 1), (8, rank, hidden), jnp.bfloat16) * 0.05,)
+    got = np.asarray(_shrink(x, a, idx, 8, bs=bs))
+    want = lora_shrink_reference(x, a, token_lora_indices=jnp.asarray(idx), scale=0.5)
+    np.testing.assert_array_equal(got[:, idx < 0], 0.0)
+    mapped = idx >= 0
+    np.testing.assert_allclose(got[:, mapped], np.asarray(want)[:, mapped], atol=2e-2, rtol=2e-2)
 
 
 def test_rect_tiles_need_the_hosts_whole_tiles():
@@ -150,6 +173,11 @@ def test_rect_tiles_need_the_hosts_whole_tiles():
         lora_shrink(x, a, **meta, whole_tiles="all", block_sizes=bs, mosaic=True, interpret=True)
     with pytest.raises(ValueError, match="rect=True.*per_token=True"):
         BlockSizes(rect=True, per_token=True)
+    with pytest.raises(ValueError, match="x_first=True.*rect=True"):
+        BlockSizes(x_first=True)
+    pairs = BlockSizes(block_m=128, block_r=64, block_k=128, split_k=2, rect=True, x_first=True)
+    with pytest.raises(ValueError, match="x_first=True is for blocks of one tile"):
+        lora_shrink(x, a, **meta, whole_tiles="all", block_sizes=pairs, interpret=True)
 
 
 def _kernel_names(num_tokens, hidden, rank, hint, block_sizes=None):
@@ -261,6 +289,9 @@ def test_rect_shrink_on_gpu(num_tokens, hidden, rank, widths, dtype, ranked, slo
         (2048, 4096, 128, 3, jnp.float16, True, [1, 2, 5], RECT_WIDE[2]),
         (3000, 4096, 16, 2, jnp.bfloat16, True, [4, 8], RECT_WIDE[3]),
         (4096, 4096, 64, 1, jnp.bfloat16, False, [3, 9, 12, 20, 33, 41, 50, 63], RECT_WIDE[4]),
+        (4096, 4096, 64, 1, jnp.bfloat16, False, [7], RECT_WIDE[5]),
+        (2048, 4096, 100, 2, jnp.bfloat16, True, [3, 9, 12], RECT_WIDE[5]),
+        (3000, 4096, 16, 2, jnp.float16, True, [4, 8], RECT_WIDE[6]),
     ],
     ids=str,
 )
