@@ -146,11 +146,10 @@ class BlockSizes:
     side. Defaults: ranks 16, 32 and 64 (`tuning_long_shrink.rect_shrink_tiles`)."""
     x_first: bool = False
     """Shrink over rectangles (``rect``): the k loop runs whatever the block's slot, so
-    x's first tiles are requested while the slot's load (the program's first read, which
-    A's tiles wait on) is still in flight, instead of after it. A's tiles are masked (no
-    bytes) where the block has no live slot, and such a block stores zeros; but its x is
-    read for nothing: a block of unmapped tokens (or a rank block past its slot's true
-    rank) costs its x bytes."""
+    the first k step's x tile is requested while the slot's load (the program's first
+    read, which A's tiles wait on) is still in flight, instead of after it. A block with
+    no live slot (unmapped tokens, or a rank block past its slot's true rank) reads that
+    one x tile and no A, runs its dots on zeros and stores zeros."""
     split_n: int = 1
     """Fused shrink-expand: column groups per (work block, slice), at most.
 

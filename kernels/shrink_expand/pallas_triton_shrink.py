@@ -327,8 +327,9 @@ def _rect_kernel(
         ids = start + jnp.arange(rows, dtype=jnp.int32)
         idx = (s, ids[:, None], r[None, :])
         out_mask = (ids < num_tokens)[:, None] & (r < rank)[None, :]
-        # x_first: the loop does not wait on the slot (only A's tiles do); rows past the
-        # tokens exist only in a tail block, whose x is masked
+        # x_first: the loop does not wait on the slot (A's tiles do): the first k step's x
+        # tile is requested at once, the others only where the block is live; rows past
+        # the tokens exist only in a tail block, whose x is masked
         x_rows = (ids < num_tokens)[:, None] if x_first and num_tokens % rows else None
         if plain and not x_first:  # rows past the tokens only in a tail block, which has no slot
 
@@ -343,11 +344,14 @@ def _rect_kernel(
 
             def body(kk, acc):
                 k0 = pl.multiple_of((ks * chunk + kk) * bk, bk)
-                if x_rows is None:
+                if not x_first:
                     xt = x_ref[pl.ds(start, rows), pl.ds(k0, bk)]  # [rows, bk]
-                else:
+                else:  # a constant mask in the pipeline's first step: no wait on the slot
+                    x_mask = jnp.broadcast_to(live | (kk == 0), (rows, bk))
+                    if x_rows is not None:
+                        x_mask = x_mask & x_rows
                     xt = plgpu.load(
-                        x_ref.at[pl.ds(start, rows), pl.ds(k0, bk)], mask=x_rows, other=0
+                        x_ref.at[pl.ds(start, rows), pl.ds(k0, bk)], mask=x_mask, other=0
                     )
                 k = k0 + jnp.arange(bk, dtype=jnp.int32)
                 at = plgpu.load(a_refs[s].at[safe, r[:, None], k[None, :]], mask=mask_a, other=0)
