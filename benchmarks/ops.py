@@ -24,8 +24,9 @@ known (a mapping built on the device), "ours_pt" the per-token tiles forced, "ou
 (expand) the default tiles with ``prefetch`` (the next column tile's y loaded ahead),
 "ours_s25" (prefill expand) session 25's default tiles (before the ahead-loads), "ours_ri"
 (shrink) the default tiles with ``rank_inner`` (a token block's rank blocks launched side
-by side), "ours_xf" (shrink, prompts as runs) the default rectangle tiles with
-``x_first`` (x's first tiles requested before the block's slot is read back).
+by side), "ours_s42" (shrink, prompts as runs) the default rectangle tiles without
+``x_first`` (session 42's: x's first tile requested only once the block's slot is read
+back; session 43's run 1 named the opposite, x_first on, "ours_xf", at commit 2517e6d).
 (Session 29's cache-hint variants "ours_es" / "ours_ew" / "ours_eb" are in commit 819b5fc.)
 Token order (``--layout``): "shuffled" (default) puts every batch's tokens in random rows;
 "runs" gives each adapter's tokens one run, as a batch of prompts arrives (the issue's
@@ -1612,15 +1613,15 @@ def main(argv=None):
                 rank_inner=True,
             )
             variants.append(("ours_ri", ours(c, candidates["ours_ri"], prompt_tiles=tiles), w))
-        if "ours_xf" in impls and c.op == "shrink" and whole == "all":
-            # the default rectangle tiles with x's first tiles in flight before the slot
+        if "ours_s42" in impls and c.op == "shrink" and whole == "all":
+            # the default rectangle tiles, x's first tile requested after the slot's read
             rect_bs = tuning_long_shrink.rect_shrink_tiles(c.tokens, c.hidden, next_pow2(c.rank))
             if rect_bs is not None:
-                candidates["ours_xf"] = dataclasses.replace(rect_bs, x_first=True)
+                candidates["ours_s42"] = dataclasses.replace(rect_bs, x_first=False)
                 variants.append(
                     (
-                        "ours_xf",
-                        ours(c, candidates["ours_xf"], prompt_tiles=tiles, whole_tiles=whole),
+                        "ours_s42",
+                        ours(c, candidates["ours_s42"], prompt_tiles=tiles, whole_tiles=whole),
                         w,
                     )
                 )

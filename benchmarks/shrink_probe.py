@@ -17,7 +17,8 @@ per call, ``calls`` different calls inside one jit, each with its own x and weig
 * ``static_slot`` (the rectangle shrink: ``--layout runs``): every block's slot a
   constant 0 instead of its first token's, read from memory (what waiting on that read
   costs before x's tiles are requested);
-* ``x_first``: the rectangle tiles with `BlockSizes.x_first`, a real alternative.
+* ``x_first``: the rectangle tiles with `BlockSizes.x_first` (their default since
+  session 43), ``x_later`` without it (session 42's default): real alternatives.
 
 ``--layout runs`` gives each adapter's tokens one run (prompts), and the shrink then runs
 as the library does with the host's whole-tiles hint (the rectangle kernel where its rule
@@ -62,6 +63,7 @@ VARIANTS = {
         "partials",
         "static_slot",
         "x_first",
+        "x_later",
     ),
     "expand": ("default", "no_y", "no_b", "no_yb"),
 }
@@ -212,11 +214,11 @@ def main():
                     row["us"][v] = float("nan")
                     continue
                 tiles = dataclasses.replace(bs, atomic_programs=0)
-            if v in ("static_slot", "x_first") and not bs.rect:
+            if v in ("static_slot", "x_first", "x_later") and not bs.rect:
                 row["us"][v] = float("nan")
                 continue
-            if v == "x_first":
-                tiles = dataclasses.replace(bs, x_first=True)
+            if v in ("x_first", "x_later"):
+                tiles = dataclasses.replace(bs, x_first=v == "x_first")
             # Triton alone ("none"): the Mosaic segment kernel is not what is probed here.
             fn = ops_bench.ours(c, tiles, prompt_tiles="none", whole_tiles=whole)
             fresh = jax.tree.map(jnp.copy, inputs) if donate else inputs

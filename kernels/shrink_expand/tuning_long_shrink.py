@@ -59,7 +59,14 @@ def rect_shrink_tiles(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes |
     same rule at rank 32, T = 1024 / 2048 / 4096 over 1 / 8 adapters: 5.3 / 5.6, 7.6 / 8.0,
     12.2 / 12.6 -> 4.7 / 5.1, 6.9 / 7.3, 11.2 / 11.7 us; rank 64 at 8192 tokens (128 blocks,
     stored whole) against the work-list kernel over 1 / 8 / 64 adapters 21.2 / 22.0 / 28.1
-    -> 20.1 / 20.8 / 27.1, at 16384 tokens 37.4 / 38.2 / 44.4 -> 38.5 / 39.1 / 45.1 (lost)."""
+    -> 20.1 / 20.8 / 27.1, at 16384 tokens 37.4 / 38.2 / 44.4 -> 38.5 / 39.1 / 45.1 (lost).
+    Session 43: x's first tile requested before the block's slot is read back (``x_first``;
+    a block of unmapped tokens then reads one x tile an item, 1/4-1/32 of its x), prompts
+    as runs, us: rank 16 T = 1024 / 2048 / 4096 / 16384 over 1 / 8 / 8 / 8 adapters 4.7 /
+    6.7 / 10.8 / 33.8 -> 4.5 / 6.4 / 10.5 / 33.5, rank 32 T = 4096 11.1 -> 10.7, rank 64 T =
+    4096 over 1 / 8 11.9 / 12.8 -> 11.8 / 12.7, 1024 tokens at H = 8192 8.9 -> 8.8, 8192
+    tokens (stored whole) 20.6 both; with the slot a constant (a probe) rank 64 at 4096 tokens
+    over one adapter took 11.7, so the wait on that read is ~0.3 us of it."""
     if num_tokens < RECT_MIN_TOKENS or hidden % 512:
         return None
     steps = hidden // 128
@@ -85,6 +92,7 @@ def rect_shrink_tiles(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes |
         num_warps=4,
         split_k=split,
         rect=True,
+        x_first=True,
     )
 
 

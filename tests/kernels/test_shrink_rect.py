@@ -230,6 +230,7 @@ def test_rect_shrink_tiles(h200_smem, monkeypatch):
     # rank 64: 4 stages, the split fills ~128 items (8 ways at 1024 tokens, 2 at 4096)
     r64 = rect_shrink_tiles(4096, 4096, 64)
     assert (r64.block_r, r64.num_stages, r64.split_k, r64.rect) == (64, 4, 2, True)
+    assert r64.x_first and t4k.x_first  # x's first tile before the slot (session 43)
     assert rect_shrink_tiles(1024, 8192, 64).split_k == 8
     assert rect_shrink_tiles(RECT_WIDE_RANKS[64] + 64, 4096, 64) is None
     assert rect_shrink_tiles(RECT_WIDE_RANKS[32] + 64, 4096, 32) is None  # measured to 4096
