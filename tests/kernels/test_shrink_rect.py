@@ -273,6 +273,7 @@ def test_ops_pass_the_mappings_whole_tiles(monkeypatch):
         (1024, 8192, 64, 2, jnp.bfloat16, True, [3, 9, 12, 20, 33, 41, 50, 63]),
         (2048, 4096, 32, 3, jnp.bfloat16, True, [5, 6, 7]),
         (8192, 4096, 64, 1, jnp.bfloat16, False, [3, 9, 12, 20, 33, 41, 50, 63]),
+        (16384, 4096, 32, 2, jnp.bfloat16, True, [3, 9, 12, 20, 33, 41, 50, 63]),
     ],
     ids=str,
 )
