@@ -110,7 +110,7 @@ def lora_shrink(
     ``whole_tiles``: what the host knows of the step's tiles wholly of one slot
     (`work_list.whole_tiles`, `LoRAMapping.whole_tiles`). Without ``block_sizes`` and
     unless ``mosaic`` is True, "all" runs rank 16 from 1024 tokens and ranks 32 / 64 from
-    1024 to 4096 / 8192 over rectangles of x with no work list (`pallas_triton_shrink.rect_shrink`,
+    1024 to 16384 / 8192 over rectangles of x with no work list (`pallas_triton_shrink.rect_shrink`,
     `tuning_long_shrink.rect_shrink_tiles`), ahead of the Mosaic kernel. Tiles given with
     ``rect=True`` need "all". A wrong "all" computes a tile with its first token's adapter.
 

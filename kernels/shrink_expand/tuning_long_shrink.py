@@ -31,11 +31,13 @@ whole tiles of one slot (`work_list.whole_tiles` "all": prompts) runs `rect_shri
 RECT_ITEMS = 256
 """(64-token block, k range) items the rank-16 rectangle shrink aims for (two an SM of an
 H200)."""
-RECT_WIDE_RANKS = {32: 4096, 64: 8192}
+RECT_WIDE_RANKS = {32: 16384, 64: 8192}
 """Padded ranks past 16 that take the rectangles, each up to the tokens it was measured
 at (on ``RECT_WIDE_ITEMS`` items, 4 stages). Session 42: from 1024 tokens 5-11 % faster
-than the Mosaic or work-list kernels (rank 32 measured up to 4096 tokens); rank 64 lost
-2-3 % at 16384 tokens, and rank 128 lost to the Mosaic shrink (15.3 vs 14.8 us at 4096)."""
+than the Mosaic or work-list kernels; rank 64 lost 2-3 % at 16384 tokens, and rank 128
+lost to the Mosaic shrink (15.3 vs 14.8 us at 4096). Session 43 (with ``x_first``): rank
+32 at 8192 / 16384 tokens over 1 / 8 / 64 adapters 23.5 / 23.9 / 25.9 and 42.0 / 42.1 /
+43.8 us on the work-list kernel -> 19.0 / 19.0 / 21.9 and 33.6 / 34.2 / 37.2."""
 RECT_WIDE_ITEMS = 128
 """(64-token block, k range) items the rank-32 / -64 rectangle shrink aims for (one an SM
 of an H200 at 4 stages: 128 KiB of shared memory a program at rank 64)."""

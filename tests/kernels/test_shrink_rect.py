@@ -233,7 +233,8 @@ def test_rect_shrink_tiles(h200_smem, monkeypatch):
     assert r64.x_first and t4k.x_first  # x's first tile before the slot (session 43)
     assert rect_shrink_tiles(1024, 8192, 64).split_k == 8
     assert rect_shrink_tiles(RECT_WIDE_RANKS[64] + 64, 4096, 64) is None
-    assert rect_shrink_tiles(RECT_WIDE_RANKS[32] + 64, 4096, 32) is None  # measured to 4096
+    assert rect_shrink_tiles(RECT_WIDE_RANKS[32] + 64, 4096, 32) is None  # measured to 16384
+    assert rect_shrink_tiles(16384, 4096, 32).split_k == 1  # 256 blocks: stored whole
     from lora_jax.kernels.shrink_expand import pallas_triton
 
     monkeypatch.setenv("LORA_JAX_TRITON_SMEM_BUDGET", str(96 * 1024))  # 4 stages do not fit
