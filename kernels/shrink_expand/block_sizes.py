@@ -150,8 +150,8 @@ class BlockSizes:
     read, which A's tiles wait on) is still in flight, instead of after it. A block with
     no live slot (unmapped tokens, or a rank block past its slot's true rank) reads that
     one x tile and no A, runs its dots on zeros and stores zeros. Default of the rectangle
-    tiles (`tuning_long_shrink.rect_shrink_tiles`; H200, session 43: 2-4 % faster at ranks
-    16 / 32, ~1 % at 64)."""
+    tiles (`tuning_long_shrink.rect_shrink_tiles`; H200, session 43: 2-8 % faster at ranks
+    16 / 32, 2-4 % at rank 64 with 1024 tokens, a tie from 4096)."""
     split_n: int = 1
     """Fused shrink-expand: column groups per (work block, slice), at most.
 

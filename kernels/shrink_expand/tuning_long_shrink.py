@@ -66,9 +66,10 @@ def rect_shrink_tiles(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes |
     a block of unmapped tokens then reads one x tile an item, 1/4-1/32 of its x), prompts
     as runs, us: rank 16 T = 1024 / 2048 / 4096 / 16384 over 1 / 8 / 8 / 8 adapters 4.7 /
     6.7 / 10.8 / 33.8 -> 4.5 / 6.4 / 10.5 / 33.5, rank 32 T = 4096 11.1 -> 10.7, rank 64 T =
-    4096 over 1 / 8 11.9 / 12.8 -> 11.8 / 12.7, 1024 tokens at H = 8192 8.9 -> 8.8, 8192
-    tokens (stored whole) 20.6 both; with the slot a constant (a probe) rank 64 at 4096 tokens
-    over one adapter took 11.7, so the wait on that read is ~0.3 us of it."""
+    1024 over 1 / 8 5.4 / 6.1 -> 5.2 / 5.9, at H = 8192 7.4 / 8.9 -> 7.3 / 8.8; from 4096
+    tokens rank 64 ties (11.9 / 12.7 / 19.0 over 1 / 8 / 64 either way; 8192 tokens 19.9-20.0).
+    With the slot a constant (a probe) rank 64 at 4096 tokens over one adapter took 11.7: the
+    wait on that read is ~0.3 us of its 11.9-12.0."""
     if num_tokens < RECT_MIN_TOKENS or hidden % 512:
         return None
     steps = hidden // 128
