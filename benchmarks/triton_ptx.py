@@ -153,12 +153,33 @@ def main(argv=None):
         def fn(y, lora_h, lora_b):
             return lora_expand(y, lora_h, (lora_b,), offsets=(0,), **kw, block_sizes=tiles)
 
-    if a.op == "shrink" and not os.environ.get("LORA_JAX_TRITON_SMEM_BUDGET"):
-        # The shrink's tiles on an H200 use the shared memory its SMs opt in to; off a GPU
-        # the library falls back to 48 KiB, and would pick other tiles. (The expand keeps
-        # 48 KiB on the GPU too unless the variable is set.)
-        os.environ["LORA_JAX_TRITON_SMEM_BUDGET"] = str(pallas_triton._OPT_IN_SMEM[(9, 0)])
+    with _h200_smem_budget(a.op == "shrink"):
+        _write_modules(a, fn, args)
+
+
+@contextlib.contextmanager
+def _h200_smem_budget(wanted: bool):
+    """The shrink's tiles on an H200 use the shared memory its SMs opt in to; off a GPU the
+    library falls back to 48 KiB, and would pick other tiles (the expand keeps 48 KiB on
+    the GPU too unless the variable is set). Sets LORA_JAX_TRITON_SMEM_BUDGET to an
+    H200's while inside (unless it is set), then puts it back: called in-process (the
+    tests), the rest of the process keeps its own budget."""
+    if not wanted or os.environ.get("LORA_JAX_TRITON_SMEM_BUDGET"):
+        yield
+        return
+    os.environ["LORA_JAX_TRITON_SMEM_BUDGET"] = str(pallas_triton._OPT_IN_SMEM[(9, 0)])
+    pallas_triton.opt_in_smem_budget.cache_clear()
+    try:
+        yield
+    finally:
+        del os.environ["LORA_JAX_TRITON_SMEM_BUDGET"]
         pallas_triton.opt_in_smem_budget.cache_clear()
+
+
+def _write_modules(a, fn, args):
+    """Each Triton module of ``fn(*args)``: its IR and, with PyPI's triton, PTX and a
+    summary of how it moves data."""
+    t, h, r = a.tokens, a.hidden, a.rank
     print(f"jax {jax.__version__}; {a.op} T={t} H={h} R={r} n={a.adapters}")
     for i, (name, ir, warps, stages) in enumerate(triton_modules(fn, *args)):
         path = os.path.join(a.out, f"{i}_{name}.ttir")

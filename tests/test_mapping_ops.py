@@ -229,26 +229,33 @@ def test_prompt_tiles_found_on_the_host_only():
     [("prompts", {"mosaic_gpu"}), ("shuffled", {"triton"}), ("mixed", {"mosaic_gpu", "triton"})],
 )
 def test_host_prompt_tiles_launch_only_kernels_with_work(monkeypatch, layout, kernels):
-    """On a Hopper GPU (faked; lowered for CUDA on this CPU) a mapping built from numpy
-    indices launches only the shrink kernels that have tokens: prompts whose tiles are
-    one adapter's run the Mosaic GPU kernel alone (no Triton launch), a shuffled batch
-    the Triton kernel alone, a mix both."""
+    """On a Hopper GPU (faked, with an H200's shared memory; lowered for CUDA on this CPU)
+    a mapping built from numpy indices launches only the shrink kernels that have tokens:
+    rank-128 prompts whose tiles are one adapter's run the Mosaic GPU kernel alone (no
+    Triton launch; ranks 16-64 take the Triton rectangles there), a shuffled batch the
+    Triton kernel alone, a mix both."""
     if not hasattr(jax.jit(lambda v: v), "trace"):
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
-    from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink
+    from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink, pallas_triton
     from lora_jax.kernels.shrink_expand.work_list import SEGMENTS_KEY
     from tests.kernels.shrink_expand_test_base import abstract_gpu_context
 
     monkeypatch.setattr(mosaic_gpu_shrink, "available", lambda: True)
     monkeypatch.setattr(ops, "PALLAS_INTERPRET", False)
-    tokens, hidden, rank = 2048, 1024, 64
+    monkeypatch.setenv("LORA_JAX_TRITON_SMEM_BUDGET", str(200 * 1024))
+    tokens, hidden, rank = 2048, 1024, 128
     m = lj.make_lora_mapping(_prompt_step(layout, tokens), 4)
     assert (SEGMENTS_KEY in m.work_lists) == ("mosaic_gpu" in kernels)
     x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
     a = jax.ShapeDtypeStruct((4, rank, hidden), jnp.bfloat16)
-    with abstract_gpu_context():
-        lowered = jax.jit(lambda x, a: ops.lora_shrink(x, [a], m, backend="pallas")).trace(x, a)
-        text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    pallas_triton.opt_in_smem_budget.cache_clear()
+    try:
+        with abstract_gpu_context():
+            shrink = jax.jit(lambda x, a: ops.lora_shrink(x, [a], m, backend="pallas"))
+            text = shrink.trace(x, a).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        monkeypatch.delenv("LORA_JAX_TRITON_SMEM_BUDGET")
+        pallas_triton.opt_in_smem_budget.cache_clear()
     assert {k for k in ("mosaic_gpu", "triton") if k in text} == kernels
 
 
