@@ -28,6 +28,10 @@ by side), "ours_s42" (shrink, prompts as runs) the default rectangle tiles witho
 ``x_first`` (session 42's: x's first tile requested only once the block's slot is read
 back; session 43's run 1 named the opposite, x_first on, "ours_xf", at commit 2517e6d).
 (Session 29's cache-hint variants "ours_es" / "ours_ew" / "ours_eb" are in commit 819b5fc.)
+"xla" is the library's own XLA backend (`lora_jax.ops` with ``backend="xla"``, what a
+CPU or TPU runs and a GPU runs when asked), "xla_gather" / "xla_onehot" the same with its
+rule (`ops.ONE_HOT_TOKENS_PER_SLOT`) forced to the per-token gather / the matmul against
+every slot.
 Token order (``--layout``): "shuffled" (default) puts every batch's tokens in random rows;
 "runs" gives each adapter's tokens one run, as a batch of prompts arrives (the issue's
 prefill regime: session 40 timed the prefill cells both ways, benchmarks/RESULTS.md).
@@ -303,6 +307,38 @@ def ours(
         )
 
     return per_call(c, shrink_one, expand_one)
+
+
+XLA_RULES = {"xla": None, "xla_gather": float("inf"), "xla_onehot": 0.0}
+"""The library XLA backend's impls: `lora_jax.ops.ONE_HOT_TOKENS_PER_SLOT` while tracing
+(None: the library's own)."""
+
+
+def library_xla(c: Case, name: str):
+    """The library's XLA backend (`lora_jax.ops` with ``backend="xla"``) on the step's
+    mapping, its one-hot rule set as ``XLA_RULES[name]`` says while the call is traced."""
+    from lora_jax import ops as lops
+
+    def shrink_one(x, a, m):
+        return lops.lora_shrink(x, (a,), mapping_lib.LoRAMapping(**m), backend="xla")
+
+    def expand_one(y, h, b, m):
+        mapping = mapping_lib.LoRAMapping(**m)
+        return lops.lora_expand(y, h, (b,), mapping, offsets=(0,), backend="xla")
+
+    inner = per_call(c, shrink_one, expand_one)
+    rule = XLA_RULES[name]
+
+    def run(*args):
+        old = lops.ONE_HOT_TOKENS_PER_SLOT
+        if rule is not None:
+            lops.ONE_HOT_TOKENS_PER_SLOT = rule
+        try:
+            return inner(*args)
+        finally:
+            lops.ONE_HOT_TOKENS_PER_SLOT = old
+
+    return run
 
 
 def _valid(m):
@@ -1636,6 +1672,7 @@ def main(argv=None):
                 res["impls"]["gather"] = {"skipped": f"gathered weights {gathered / 1e9:.0f} GB"}
             else:
                 variants.append(("gather", gather_einsum(c), w))
+        variants += [(n, library_xla(c, n), w) for n in XLA_RULES if n in impls]
         if "ours_inline" in impls:
             variants.append(("ours_inline", ours(c, None, ready_work_lists=False), w))
         if "onehot" in impls:
@@ -1729,7 +1766,7 @@ def fmt_row(r, sweep=False):
 
 def table(rows):
     """The issue's table; the floors (`dense`, `stream`) add a column each where run."""
-    extras = [k for k in ("dense", "stream", "ours_blind") if any(k in r["impls"] for r in rows)]
+    extras = [k for k in ("dense", "stream", "ours_blind", *XLA_RULES) if any(k in r["impls"] for r in rows)]
     extras += sorted(
         {k for r in rows for k in r["impls"] if k.startswith(("rect", "mexp", "rexp"))}
     )
