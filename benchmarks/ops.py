@@ -1766,7 +1766,11 @@ def fmt_row(r, sweep=False):
 
 def table(rows):
     """The issue's table; the floors (`dense`, `stream`) add a column each where run."""
-    extras = [k for k in ("dense", "stream", "ours_blind", *XLA_RULES) if any(k in r["impls"] for r in rows)]
+    extras = [
+        k
+        for k in ("dense", "stream", "ours_blind", *XLA_RULES)
+        if any(k in r["impls"] for r in rows)
+    ]
     extras += sorted(
         {k for r in rows for k in r["impls"] if k.startswith(("rect", "mexp", "rexp"))}
     )
