@@ -134,7 +134,8 @@ def test_ops_runs_layout_is_one_run_per_adapter(tmp_path, monkeypatch):
 @pytest.mark.parametrize("op", ["shrink", "expand"])
 def test_ops_impls_agree_and_calls_share_nothing(op, monkeypatch):
     """Every impl that benchmarks/ops.py times computes the same calls (ours, the work
-    lists built per call, gather, one-hot, ragged_dot); every call has its own x / h, and
+    lists built per call, gather, one-hot, ragged_dot, the library's XLA backend with its
+    one-hot rule either way); every call has its own x / h, and
     the expand's rotated y buffers each take exactly their calls' updates."""
     import cells
     import jax.numpy as jnp
@@ -159,6 +160,20 @@ def test_ops_impls_agree_and_calls_share_nothing(op, monkeypatch):
         "onehot": ops.one_hot_einsum(c)(inputs, w, metas),
         "ragged": ops.ragged(c)(inputs, wt, metas),
     }
+    from lora_jax import ops as lops
+
+    rule, use_one_hot, seen = lops.ONE_HOT_TOKENS_PER_SLOT, lops._use_one_hot, []
+
+    def spy(num_tokens, num_slots):  # the rule each call of the backend ran under
+        seen.append(lops.ONE_HOT_TOKENS_PER_SLOT)
+        return use_one_hot(num_tokens, num_slots)
+
+    monkeypatch.setattr(lops, "_use_one_hot", spy)
+    for name, forced in ops.XLA_RULES.items():  # the library's XLA backend, rule as named
+        seen.clear()
+        outs[name] = ops.library_xla(c, name)(inputs, w, metas)
+        assert seen == [rule if forced is None else forced] * calls, name
+        assert lops.ONE_HOT_TOKENS_PER_SLOT == rule  # put back after the calls
     if op == "expand":  # the y buffers after all calls, vs the updates applied in numpy
         hs, ys = inputs
         want = [np.asarray(y, np.float32) for y in ys]
