@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ops as ops_bench  # noqa: E402  (cells, inputs, the oracle check and the trace timer)
 
 from lora_jax.kernels.shrink_expand import pallas_triton as ptx  # noqa: E402
+from lora_jax.kernels.shrink_expand import pallas_triton_rect as prect  # noqa: E402
 from lora_jax.kernels.shrink_expand import pallas_triton_shrink as pts  # noqa: E402
 from lora_jax.kernels.shrink_expand import tuning_long_shrink  # noqa: E402
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, next_pow2  # noqa: E402
@@ -142,7 +143,7 @@ def _rect_static_slot(rect_kernel):
 @contextlib.contextmanager
 def patched(variant: str):
     """The kernel module with ``variant``'s part taken out, while tracing."""
-    saved = pts._add_to, pts._shrink_tile, ptx.expand_tile, pts._rect_kernel
+    saved = pts._add_to, pts._shrink_tile, ptx.expand_tile, prect._rect_kernel
     env = os.environ.get("LORA_JAX_RELAXED_ATOMICS")
     if variant == "acq_rel":
         os.environ["LORA_JAX_RELAXED_ATOMICS"] = "0"
@@ -153,12 +154,12 @@ def patched(variant: str):
     elif variant in ("no_y", "no_b", "no_yb"):
         ptx.expand_tile = _expand_tile_without(variant[3:])
     elif variant == "static_slot":
-        pts._rect_kernel = _rect_static_slot(saved[3])
+        prect._rect_kernel = _rect_static_slot(saved[3])
     jax.clear_caches()  # the public op is jitted: trace it again under the patch
     try:
         yield
     finally:
-        pts._add_to, pts._shrink_tile, ptx.expand_tile, pts._rect_kernel = saved
+        pts._add_to, pts._shrink_tile, ptx.expand_tile, prect._rect_kernel = saved
         if env is None:
             os.environ.pop("LORA_JAX_RELAXED_ATOMICS", None)
         else:

@@ -2,7 +2,8 @@
 
 One folder per op, Tokamax style: ``reference.py`` is the jnp oracle,
 ``pallas_triton.py`` the Pallas Triton backend's shared pieces and expand,
-``pallas_triton_shrink.py`` its shrink, ``pallas_triton_bgmv.py`` the per-token
+``pallas_triton_shrink.py`` its shrink over a work list, ``pallas_triton_rect.py`` its
+shrink over rectangles of x (prompts), ``pallas_triton_bgmv.py`` the per-token
 (Punica BGMV) shrink and expand for steps where tokens have adapters of their own,
 ``mosaic_gpu_shrink.py`` the Mosaic GPU
 (Hopper TMA + WGMMA) shrink for prompts' tiles of x, ``mosaic_gpu_expand.py`` the Mosaic

@@ -26,6 +26,7 @@ from lora_jax.kernels.shrink_expand import (
     mosaic_gpu_shrink,
     pallas_triton,
     pallas_triton_bgmv,
+    pallas_triton_rect,
     pallas_triton_shrink,
     routing,
     tuning_long_shrink,
@@ -110,7 +111,7 @@ def lora_shrink(
     ``whole_tiles``: what the host knows of the step's tiles wholly of one slot
     (`work_list.whole_tiles`, `LoRAMapping.whole_tiles`). Without ``block_sizes`` and
     unless ``mosaic`` is True, "all" runs rank 16 from 1024 tokens and ranks 32 / 64 from
-    1024 to 16384 / 8192 over rectangles of x with no work list (`pallas_triton_shrink.rect_shrink`,
+    1024 to 16384 / 8192 over rectangles of x with no work list (`pallas_triton_rect.rect_shrink`,
     `tuning_long_shrink.rect_shrink_tiles`), ahead of the Mosaic kernel. Tiles given with
     ``rect=True`` need "all". A wrong "all" computes a tile with its first token's adapter.
 
@@ -177,7 +178,7 @@ def lora_shrink(
         rank_p = max(16, next_pow2(rank))
         rect = tuning_long_shrink.rect_shrink_tiles(num_tokens, hidden, rank_p)
     if rect is not None:
-        return pallas_triton_shrink.rect_shrink(
+        return pallas_triton_rect.rect_shrink(
             x, lora_a, token_lora_indices, ranks, scale=float(scale), bs=rect,
             interpret=interpret, tile=segment_block_m(num_tokens),
         )  # fmt: skip

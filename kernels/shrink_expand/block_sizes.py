@@ -136,7 +136,7 @@ class BlockSizes:
     """
     rect: bool = False
     """Shrink: x read in rectangles of ``block_m`` consecutive tokens, with no work list,
-    each block's slot read from its first token (`pallas_triton_shrink.rect_shrink`);
+    each block's slot read from its first token (`pallas_triton_rect.rect_shrink`);
     ``split_k`` k ranges (they must divide the hidden size's ``block_k`` steps) added
     atomically. Right only where the host found every mapped token in whole tiles of one
     slot (`lora_shrink(whole_tiles="all")`, which it then needs) and ``block_m`` divides

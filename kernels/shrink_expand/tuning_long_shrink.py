@@ -44,7 +44,7 @@ of an H200 at 4 stages: 128 KiB of shared memory a program at rank 64)."""
 
 
 def rect_shrink_tiles(num_tokens: int, hidden: int, rank_p: int) -> BlockSizes | None:
-    """The tiles of `pallas_triton_shrink.rect_shrink` (x read in rectangles of 64 tokens,
+    """The tiles of `pallas_triton_rect.rect_shrink` (x read in rectangles of 64 tokens,
     no work list) for a rank-16, -32 or -64 step whose tokens lie in whole tiles of one
     slot, or None where the other kernels run. The hidden reduction is split to fill
     about ``RECT_ITEMS`` (rank 16) or ``RECT_WIDE_ITEMS`` (ranks 32 / 64) items; a split of

@@ -1,4 +1,4 @@
-"""The shrink over rectangles of x (`pallas_triton_shrink.rect_shrink`), which
+"""The shrink over rectangles of x (`pallas_triton_rect.rect_shrink`), which
 `lora_shrink` runs at ranks 16-64 where the host found every mapped token in whole tiles
 of one slot (``whole_tiles="all"``), and any rank with tiles a caller gives
 (`BlockSizes.rect`): interpret mode and CUDA lowering on CPU, real runs on GPU."""
