@@ -112,16 +112,26 @@ def random_adapter(layer, rank, seed):
     return Adapter(a, b)
 
 
-def build(kind: Kind, rules, dtype=jnp.float32, *, adapters=None, seed=0):
-    """Base + LoRA layer with fixed random weights and adapters {slot: rank}."""
+def build(
+    kind: Kind,
+    rules,
+    dtype=jnp.float32,
+    *,
+    adapters=None,
+    seed=0,
+    max_loras=MAX_LORAS,
+    lora_dtype=None,
+):
+    """Base + LoRA layer with fixed random weights and adapters {slot: rank}; the adapters
+    are stored in ``lora_dtype`` (default: the base's ``dtype``)."""
     base = kind.make_base(rules, dtype)
     ks, bs = random_weights(base, seed)
     base.load_kernel(ks, bs)
-    cfg = lj.LoRAConfig(max_loras=MAX_LORAS, max_lora_rank=MAX_RANK, lora_dtype=dtype)
+    cfg = lj.LoRAConfig(max_loras=max_loras, max_lora_rank=MAX_RANK, lora_dtype=lora_dtype or dtype)
     layer = kind.lora_cls(base, cfg, lj.LoRAContext(None))
     written = {}
     for slot, rank in (adapters or {}).items():
-        ad = random_adapter(layer, rank, slot)
+        ad = random_adapter(layer, rank, slot + 1000 * seed)
         layer.set_lora(slot, ad.a, ad.b)
         written[slot] = ad
     return layer, (ks, bs), written
