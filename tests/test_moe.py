@@ -128,6 +128,8 @@ def build(
     renormalize=True,
     dtype=None,
     param_dtype=jnp.float32,
+    ops_backend=None,
+    tokens=T,
 ):
     rules = ShardingRules(mesh)
     base = FusedMoE(
@@ -144,10 +146,10 @@ def build(
         base.load_weights(w1=w["w1"], w2=w["w2"])
     cls = FusedMoE3DWithLoRA if fused_w13 else FusedMoEWithLoRA
     cfg = LoRAConfig(max_loras=L, max_lora_rank=R, fully_sharded_loras=fully_sharded)
-    layer = cls(base, cfg, lora_impl=lora_impl)
+    layer = cls(base, cfg, lora_impl=lora_impl, ops_backend=ops_backend)
     # A mapping from the start keeps the context's pytree structure fixed: no retrace
     # on the second call of `forward`.
-    layer.lora_context.set_value(make_lora_mapping(jnp.full((T,), -1, jnp.int32), L))
+    layer.lora_context.set_value(make_lora_mapping(jnp.full((tokens,), -1, jnp.int32), L))
     return layer, w
 
 
@@ -237,6 +239,46 @@ def test_lora_matches_oracle(gated, layout, fused_w13, impl, lora_impl):
     x, logits = inputs(rng)
     y = forward(layer, x, logits, IDX)
     ref = oracle(x, logits, w, ads, IDX, gated=gated, layout=layout)
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-4)
+
+
+KERNEL_CASES = [
+    # gated, layout, fused_w13, impl, mesh (dp, tp, ep), fully_sharded, tokens
+    (True, "concat", False, "grouped", None, False, T),
+    (True, "interleaved", True, "dense", None, False, T),
+    (False, "concat", False, "grouped", None, False, T),
+    (True, "concat", True, "grouped", None, False, 64),  # 128 (token, expert) rows
+    pytest.param(
+        True, "interleaved", False, "grouped", (1, 2, 2), False, T, marks=pytest.mark.slow
+    ),
+    (True, "concat", True, "grouped", (2, 2, 2), True, T),
+]
+
+
+@pytest.mark.parametrize("gated,layout,fused_w13,impl,mesh,fully_sharded,tokens", KERNEL_CASES)
+def test_lora_through_the_kernels(monkeypatch, gated, layout, fused_w13, impl, mesh,
+                                  fully_sharded, tokens):  # fmt: skip
+    """The GPU path: the (token, expert) rows' shrink and expand on the Pallas kernels
+    (interpret mode, `ops_backend="pallas"`), gated or not, fused w13 or not, grouped or
+    dense, on one device and on tp x ep meshes (fully sharded too), against the oracle."""
+    from lora_jax import kernels, ops
+
+    monkeypatch.setattr(ops, "PALLAS_INTERPRET", True)
+    calls = []
+    for name in ("lora_shrink", "lora_expand"):
+        fn = getattr(kernels, name)
+        spy = lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k)
+        monkeypatch.setattr(kernels, name, spy)
+    rng = np.random.default_rng(4)
+    mesh = None if mesh is None else make_mesh(*mesh)
+    layer, w = build(rng, gated=gated, layout=layout, fused_w13=fused_w13, impl=impl, mesh=mesh,
+                     fully_sharded=fully_sharded, ops_backend="pallas", tokens=tokens)  # fmt: skip
+    ads = fill(layer, rng, gated=gated, fused_w13=fused_w13)
+    idx = IDX if tokens == T else rng.integers(-1, L, tokens).astype(np.int32)
+    x, logits = inputs(rng, tokens)
+    y = forward(layer, x, logits, idx)
+    assert {"lora_shrink", "lora_expand"} <= set(calls), calls
+    ref = oracle(x, logits, w, ads, idx, gated=gated, layout=layout)
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-4)
 
 
