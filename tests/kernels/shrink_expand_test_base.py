@@ -82,6 +82,7 @@ class Case:
     max_loras: int = 4
     ranked: bool = False  # pass slot_ranks below R
     block_sizes: BlockSizes | None = None
+    lead: int = 0  # columns of y before the first slice (its offset), untouched
 
     def __str__(self):
         name = jnp.dtype(self.dtype).name
@@ -98,6 +99,8 @@ class Case:
             f"{'-fixed_split' if self.block_sizes and not self.block_sizes.live_split else ''}"
             f"{'-split_inner' if self.block_sizes and self.block_sizes.split_inner else ''}"
             f"{'-cols_inner' if self.block_sizes and self.block_sizes.cols_inner else ''}"
+            f"{'-one_slot' if self.max_loras == 1 else ''}"
+            f"{f'-lead{self.lead}' if self.lead else ''}"
         )
 
 
@@ -229,6 +232,16 @@ CPU_CASES = [
     # tiles' width, true ranks, unmapped tokens, the ahead-load
     Case(24, 64, 16, (48, 20, 20), jnp.bfloat16, "unsorted", block_sizes=_TILES2_CI),
     Case(50, 64, 32, (40, 70), jnp.float32, "sorted", 3, True, _TILES4_PF_CI),
+    # vLLM's rank list beyond the above: 1 and 4 (padded to 16), 320 (to 512); one slot
+    # with unmapped tokens (a -1 row's key, max_loras, must not alias slot 0); slices that
+    # start past y's first columns
+    Case(6, 64, 1, (16,), jnp.float32, "unsorted"),
+    Case(10, 64, 4, (24, 8), jnp.bfloat16, "unsorted", ranked=True),
+    Case(5, 48, 320, (40,), jnp.float32, "unsorted", max_loras=2),
+    Case(8, 64, 16, (32,), jnp.float32, "unsorted", max_loras=1),
+    Case(12, 64, 16, (24, 8), jnp.bfloat16, "unsorted", max_loras=1, block_sizes=_ATOMIC8),
+    Case(16, 64, 16, (24, 16), jnp.float32, "unsorted", lead=5),
+    Case(24, 64, 16, (48, 20), jnp.bfloat16, "sorted", lead=16, block_sizes=_TILES2_PF),
 ]
 
 # Cases whose kernel path another case already takes (tiles, mapping kind, dtype): they
@@ -262,9 +275,9 @@ class ShrinkExpandTestBase:
             jnp.asarray(rng.standard_normal((case.max_loras, n, case.rank)), case.dtype)
             for n in case.widths
         )
-        width = sum(case.widths) + 3  # a few columns no slice touches
+        width = case.lead + sum(case.widths) + 3  # a few columns no slice touches
         y = jnp.asarray(rng.standard_normal((case.num_tokens, width)), case.dtype)
-        offsets = tuple(int(o) for o in np.cumsum((0,) + case.widths[:-1]))
+        offsets = tuple(case.lead + int(o) for o in np.cumsum((0,) + case.widths[:-1]))
         slot_ranks = None
         if case.ranked:
             slot_ranks = jnp.asarray(
@@ -317,7 +330,9 @@ class ShrinkExpandTestBase:
         # unmapped rows and untouched columns are bit-identical to the input
         y_np, out_np = np.asarray(y), np.asarray(out)
         assert np.array_equal(out_np[idx < 0], y_np[idx < 0])
-        assert np.array_equal(out_np[:, sum(case.widths) :], y_np[:, sum(case.widths) :])
+        end = case.lead + sum(case.widths)
+        assert np.array_equal(out_np[:, end:], y_np[:, end:])
+        assert np.array_equal(out_np[:, : case.lead], y_np[:, : case.lead])
 
     def test_shrink_then_expand_in_one_jit(self):
         case = CPU_CASES[4]
