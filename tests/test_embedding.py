@@ -42,9 +42,9 @@ def make_adapters(seed=0, vocab=V, dim=D):
     }
 
 
-def make_layer(rules, dtype=jnp.float32, adapters=None):
-    base = VocabParallelEmbedding(V, D, rules=rules, param_dtype=dtype, rngs=nnx.Rngs(0))
-    table = np.random.default_rng(1).normal(size=(V, D)).astype(np.float32)
+def make_layer(rules, dtype=jnp.float32, adapters=None, vocab=V):
+    base = VocabParallelEmbedding(vocab, D, rules=rules, param_dtype=dtype, rngs=nnx.Rngs(0))
+    table = np.random.default_rng(1).normal(size=(vocab, D)).astype(np.float32)
     base.load_table(table)
     layer = lj.VocabParallelEmbeddingWithLoRA(
         base, lj.LoRAConfig(max_loras=MAX_LORAS, max_lora_rank=MAX_RANK)
@@ -64,10 +64,10 @@ def dense(table, adapters, ids, slots):
     return out
 
 
-def token_case(T=24, seed=2):
+def token_case(T=24, seed=2, vocab=V):
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, V, size=T).astype(np.int32)
-    ids[:3] = [0, V - 1, 63]  # both ends and a shard boundary
+    ids = rng.integers(0, vocab, size=T).astype(np.int32)
+    ids[:3] = [0, vocab - 1, 63]  # both ends and a shard boundary
     slots = rng.choice([-1, 0, 1, 2, 3], size=T).astype(np.int32)
     slots[:5] = [-1, 0, 1, 2, 3]
     return ids, slots
@@ -98,6 +98,48 @@ def test_matches_dense(mesh_cfg):
     base = np.asarray(layer.base_layer(jnp.asarray(ids)))
     plain = (slots == -1) | (slots == 2)
     np.testing.assert_array_equal(got[plain], base[plain])
+
+
+# vLLM's vocabulary sizes: Llama-2's 32000, one that no shard count divides, Gemma's
+# 256000 and the largest it takes (258048), padded to 64 x the vocab shards.
+REAL_VOCABS = [
+    (32000, (1, 2, True)),
+    (32003, (1, 8, True)),
+    pytest.param(256000, (1, 4, True), marks=pytest.mark.slow),
+    (258048, (2, 4, False)),
+]
+
+
+@pytest.mark.parametrize("vocab,mesh_cfg", REAL_VOCABS, ids=str)
+def test_real_vocab_sizes_match_dense(vocab, mesh_cfg):
+    """The LoRA lookup at real vocabulary sizes: ids at both ends, on every vocab shard's
+    edges, and in the padding's last shard, against the oracle."""
+    adapters = make_adapters(seed=3, vocab=vocab)
+    layer, table = make_layer(make_rules(mesh_cfg), adapters=adapters, vocab=vocab)
+    padded = layer.base_layer.num_embeddings_padded
+    assert padded >= vocab and padded % 64 == 0
+    ids, slots = token_case(T=40, seed=4, vocab=vocab)
+    shards = mesh_cfg[1]
+    edges = [k * padded // shards + d for k in range(1, shards) for d in (-1, 0)]
+    edges = [e for e in edges if e < vocab][: len(ids) - 3]
+    ids[3 : 3 + len(edges)] = edges
+    got = run(layer, ids, slots)
+    np.testing.assert_allclose(got, dense(table, adapters, ids, slots), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("zero", ["a", "b"])
+def test_zero_a_or_b_gives_the_base_exactly(zero):
+    """An adapter whose A (or B) is all zeros adds nothing: the base embedding, bit for bit
+    (vLLM's embedding test writes such adapters too)."""
+    adapters = make_adapters(seed=6)
+    a, b = adapters[1]
+    adapters[1] = (np.zeros_like(a), b) if zero == "a" else (a, np.zeros_like(b))
+    layer, table = make_layer(make_rules((1, 4, True)), adapters=adapters)
+    ids, slots = token_case(seed=8)
+    got = run(layer, ids, slots)
+    base = run(make_layer(make_rules((1, 4, True)))[0], ids, np.full_like(slots, -1))
+    np.testing.assert_array_equal(got[slots == 1], base[slots == 1])
+    np.testing.assert_allclose(got, dense(table, adapters, ids, slots), rtol=1e-5, atol=1e-5)
 
 
 def test_sharded_equals_unsharded_2d_ids():

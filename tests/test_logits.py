@@ -31,25 +31,25 @@ def make_rules(mesh_cfg):
     return lj.ShardingRules(mesh)
 
 
-def make_adapters(seed=0):
+def make_adapters(seed=0, vocab=V):
     rng = np.random.default_rng(seed)
     return {
         s: (
             0.3 * rng.normal(size=(r, D)).astype(np.float32),
-            0.3 * rng.normal(size=(V, r)).astype(np.float32),
+            0.3 * rng.normal(size=(vocab, r)).astype(np.float32),
         )
         for s, r in RANKS.items()
     }
 
 
-def make_layer(rules, adapters=None, tied=False, dtype=jnp.float32, **lp_kw):
+def make_layer(rules, adapters=None, tied=False, dtype=jnp.float32, vocab=V, **lp_kw):
     cls = VocabParallelEmbedding if tied else ParallelLMHead
-    head = cls(V, D, rules=rules, param_dtype=dtype, rngs=nnx.Rngs(0))
-    w = 0.5 * np.random.default_rng(1).normal(size=(V, D)).astype(np.float32)
+    head = cls(vocab, D, rules=rules, param_dtype=dtype, rngs=nnx.Rngs(0))
+    w = 0.5 * np.random.default_rng(1).normal(size=(vocab, D)).astype(np.float32)
     head.load_table(w)
     lp_kw = {"soft_cap": SOFT_CAP, "scale": SCALE} | lp_kw
     cfg = lj.LoRAConfig(max_loras=MAX_LORAS, max_lora_rank=MAX_RANK)
-    layer = lj.LogitsProcessorWithLoRA(lj.LogitsProcessor(V, **lp_kw), head, cfg)
+    layer = lj.LogitsProcessorWithLoRA(lj.LogitsProcessor(vocab, **lp_kw), head, cfg)
     for s, (a, b) in (adapters or {}).items():
         layer.set_lora(s, a, b)
     return layer, head, w
@@ -135,6 +135,42 @@ def test_per_sequence_lora_matches_dense(mesh_cfg):
     base = run_base(layer, head, x)
     plain = (seq == -1) | (seq == 2)
     np.testing.assert_array_equal(got[plain], base[plain])
+
+
+REAL_VOCABS = [
+    (32000, (1, 2, True)),
+    (32003, (1, 8, True)),
+    pytest.param(256000, (1, 4, True), marks=pytest.mark.slow),
+    (258048, (2, 4, False)),
+]
+
+
+@pytest.mark.parametrize("vocab,mesh_cfg", REAL_VOCABS, ids=str)
+def test_real_vocab_sizes_match_dense(vocab, mesh_cfg):
+    """Per-sequence lm_head LoRA at real vocabulary sizes (one no shard count divides,
+    the largest vLLM takes) on vocab-sharded meshes: every logit, the padding cut off."""
+    adapters = make_adapters(seed=4, vocab=vocab)
+    layer, head, w = make_layer(make_rules(mesh_cfg), adapters=adapters, vocab=vocab)
+    assert head.num_embeddings_padded % 64 == 0 and head.num_embeddings_padded >= vocab
+    x, seq, tok = seq_case(seed=5)
+    got = run(layer, head, x, tok, seq)
+    assert got.shape == (len(seq), vocab)
+    np.testing.assert_allclose(got, dense(w, adapters, x, seq), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("zero", ["a", "b"])
+def test_zero_a_or_b_gives_the_base_exactly(zero):
+    """An lm_head adapter whose A (or B) is all zeros leaves its sequences' logits exactly
+    the base processor's."""
+    adapters = make_adapters(seed=6)
+    a, b = adapters[1]
+    adapters[1] = (np.zeros_like(a), b) if zero == "a" else (a, np.zeros_like(b))
+    layer, head, w = make_layer(make_rules((1, 4, True)), adapters=adapters)
+    x, seq, tok = seq_case(seed=7)
+    got = run(layer, head, x, tok, seq)
+    base = run_base(layer, head, x)
+    np.testing.assert_array_equal(got[seq == 1], base[seq == 1])
+    np.testing.assert_allclose(got, dense(w, adapters, x, seq), rtol=1e-5, atol=1e-5)
 
 
 def test_lora_joins_before_soft_cap_and_scale():
