@@ -145,6 +145,31 @@ def test_loaded_adapter_matches_numpy_oracle(tmp_path, model):
     lj.set_lora_mapping(model, jnp.zeros((1,), jnp.int32))
 
 
+def test_name_map_rewrites_checkpoint_names(tmp_path, model):
+    """`name_map` (vLLM's `WeightsMapper`): a checkpoint saved under other module names
+    loads to the same adapter as one saved under the model's; a map to no module fails
+    naming the module."""
+    tensors = peft_tensors(ALL, 8, seed=4)
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ALL}
+    want = load_peft_adapter(_dir(tmp_path, config, tensors, "plain"), model, CFG)
+    renamed = {
+        k.replace("model.layers.", "transformer.h.").replace(".self_attn.", ".attn."): v
+        for k, v in tensors.items()
+    }
+    assert not set(renamed) & set(tensors)
+    back = lambda n: n.replace("transformer.h.", "model.layers.").replace(".attn.", ".self_attn.")
+    d = _dir(tmp_path, config, renamed, "renamed")
+    got = load_peft_adapter(d, model, CFG, name_map=back)
+    assert set(got.modules) == set(want.modules)
+    for key, m in want.modules.items():
+        for x, y in zip(m.lora_a + m.lora_b, got.modules[key].lora_a + got.modules[key].lora_b):
+            np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match=r"'transformer\.h\.0\.attn\.\w+' is not a LoRA module"):
+        load_peft_adapter(d, model, CFG)  # no map: names the unknown module
+    with pytest.raises(ValueError, match="nowhere"):
+        load_peft_adapter(d, model, CFG, name_map=lambda n: "nowhere." + n)
+
+
 # -- errors ------------------------------------------------------------------------------------
 BAD_CONFIGS = {
     "dora": ({"use_dora": True}, "DoRA"),
@@ -157,6 +182,8 @@ BAD_CONFIGS = {
     "unknown_target": ({"target_modules": ["q_proj", "qq_proj"]}, "qq_proj"),
     "unknown_regex": ({"target_modules": r".*\.nothing"}, "matches no model module"),
     "layers_to_transform": ({"layers_to_transform": [0]}, "layers_to_transform"),
+    "layers_pattern": ({"layers_pattern": "layers"}, "layers_pattern"),
+    "trainable_tokens": ({"trainable_token_indices": [3, 7]}, "trainable_token_indices"),
     "prefix_tuning": ({"peft_type": "PREFIX_TUNING"}, "peft_type"),
 }
 
