@@ -173,6 +173,45 @@ def test_zero_a_or_b_gives_the_base_exactly(zero):
     np.testing.assert_allclose(got, dense(w, adapters, x, seq), rtol=1e-5, atol=1e-5)
 
 
+class _ShuffledHead(ParallelLMHead):
+    """An lm_head whose stored rows are not in token order (as vLLM's heads with added
+    vocabularies pad each shard): token t lives in row `order[t]` of the padded table,
+    the rest of the rows are padding. It says so by `get_sharded_to_full_mapping`."""
+
+    def load_shuffled(self, table, order):
+        full = np.zeros((self.num_embeddings_padded, self.embedding_dim), np.float32)
+        full[order[: self.num_embeddings]] = table
+        self.order = order
+        self.embedding.set_value(self.rules.place(jnp.asarray(full), "vocab", "embed"))
+
+    def get_sharded_to_full_mapping(self):
+        return self.order
+
+
+@pytest.mark.parametrize("mesh_cfg", [None, (1, 4, True)], ids=str)
+def test_a_head_with_its_own_row_order(mesh_cfg):
+    """A head whose gathered columns are not in token order: the base logits and the
+    LoRA's (B written in token order, as PEFT stores it) both land on the right tokens."""
+    rules = make_rules(mesh_cfg)
+    head = _ShuffledHead(V, D, rules=rules, rngs=nnx.Rngs(0))
+    w = 0.5 * np.random.default_rng(1).normal(size=(V, D)).astype(np.float32)
+    order = np.random.default_rng(2).permutation(head.num_embeddings_padded).astype(np.int32)
+    head.load_shuffled(w, order)
+    adapters = make_adapters(seed=8)
+    cfg = lj.LoRAConfig(max_loras=MAX_LORAS, max_lora_rank=MAX_RANK)
+    lp = lj.LogitsProcessor(V, soft_cap=SOFT_CAP, scale=SCALE)
+    layer = lj.LogitsProcessorWithLoRA(lp, head, cfg)
+    for slot, (a, b) in adapters.items():
+        layer.set_lora(slot, a, b)
+    x, seq, tok = seq_case(seed=9)
+    np.testing.assert_allclose(run_base(layer, head, x), dense(w, {}, x, seq), rtol=1e-5, atol=1e-5)
+    got = run(layer, head, x, tok, seq)
+    np.testing.assert_allclose(got, dense(w, adapters, x, seq), rtol=1e-5, atol=1e-5)
+    head.order = np.zeros_like(order)  # every token on row 0: refused, naming the rule
+    with pytest.raises(ValueError, match="get_sharded_to_full_mapping.*distinct integer rows"):
+        lj.LogitsProcessorWithLoRA(lp, head, cfg)
+
+
 def test_lora_joins_before_soft_cap_and_scale():
     adapters = make_adapters()
     layer, head, w = make_layer(make_rules(None), adapters=adapters)

@@ -13,7 +13,10 @@ Stacks: `lora_a [max_loras, max_rank, D]` replicated, `lora_b [max_loras, V_pad,
 sharded on vocab like the lm_head, so each shard expands into its own logits columns
 before the one all-gather; the LoRA adds no collective. `V_pad` is the lm_head's padded
 vocabulary; the gathered columns are re-indexed to token ids (vLLM's
-`sharded_to_full_mapping`) and the padding is cut.
+`sharded_to_full_mapping`) and the padding is cut. B is given in token order (as PEFT
+stores it) and written in the lm_head's row order, so that each token's LoRA column joins
+its base column before the re-index (`VocabRowOrder`, only for heads whose rows are not in
+token order).
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ def _head_of(lm_head) -> VocabParallelEmbedding:
             f"{type(lm_head).__name__}"
         )
     return head
+
+
+class VocabRowOrder(nnx.Variable):
+    """`i32[V]`: the lm_head table row (gathered logits column) of each token id, for a
+    head that keeps its rows in another order (`get_sharded_to_full_mapping`)."""
 
 
 def sharded_to_full_mapping(lm_head) -> np.ndarray | None:
@@ -182,6 +190,8 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
         )  # [max_loras, V_pad, max_rank], vocab-sharded like the lm_head
         ranks = jnp.zeros((1, L), jnp.int32)  # [1 slice, max_loras]
         self.slot_ranks = LoRASlotRanks(self.rules.place(ranks, None, None))
+        rows = self._row_order(head, base_layer.vocab_size)
+        self.b_rows = None if rows is None else VocabRowOrder(self.rules.place(rows, None))
 
     # -- vLLM API -------------------------------------------------------------------------
     @classmethod
@@ -208,15 +218,39 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
     def logits_as_input(self) -> bool:
         return self.base_layer.logits_as_input
 
+    def _row_order(self, head, vocab: int) -> jax.Array | None:
+        """The head's row of each token id, or None when rows are in token order."""
+        full = sharded_to_full_mapping(head)
+        if full is None:
+            return None
+        rows = np.asarray(full)[:vocab]
+        if (
+            rows.ndim != 1
+            or rows.shape[0] != vocab
+            or not np.issubdtype(rows.dtype, np.integer)
+            or rows.min() < 0
+            or rows.max() >= self.vocab_padded
+            or np.unique(rows).size != vocab
+        ):
+            raise ValueError(
+                f"{self.name}: the lm_head's get_sharded_to_full_mapping() must give {vocab} "
+                f"distinct integer rows in [0, {self.vocab_padded}), got shape "
+                f"{np.shape(full)} ({np.asarray(full).dtype})"
+            )
+        return None if np.array_equal(rows, np.arange(vocab)) else jnp.asarray(rows, jnp.int32)
+
     def _layout(self, lora_a, lora_b):
-        """PEFT's lm_head `lora_A [r, D]` → `[R, D]`, `lora_B [V, r]` → `[V_pad, R]`."""
+        """PEFT's lm_head `lora_A [r, D]` → `[R, D]`, `lora_B [V, r]` (token order) →
+        `[V_pad, R]` in the lm_head's row order."""
         V, V_pad, D = self.vocab_size, self.vocab_padded, self.hidden_size
         R = self.lora_config.max_lora_rank
         a = as_matrix(self.name, "lora_a", lora_a, (None, D))
         b = as_matrix(self.name, "lora_b", lora_b, (V, None))
         r = a.shape[0]
         check_rank(self.name, r, R, ("lora_b", b.shape[1]))
-        return np.pad(a, ((0, R - r), (0, 0))), np.pad(b, ((0, V_pad - V), (0, R - r))), r
+        b_rows = np.zeros((V_pad, R), b.dtype)  # [V_pad, R]
+        b_rows[np.arange(V) if self.b_rows is None else np.asarray(self.b_rows[...]), :r] = b
+        return np.pad(a, ((0, R - r), (0, 0))), b_rows, r
 
     # -- forward --------------------------------------------------------------------------
     def row_lora_indices(self, mapping: LoRAMapping, num_rows: int) -> jax.Array:
