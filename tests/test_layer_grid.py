@@ -14,10 +14,13 @@ slots, f32 / bf16). Here, against the same dense float64 oracle:
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from layer_cases import (
+    IN,
     KINDS,
     MAX_LORAS,
     TOL,
+    Kind,
     build,
     dense_reference,
     forward,
@@ -194,3 +197,37 @@ def test_wrap_picks_the_class_vllm_picks():
     # a 3-slice layer that vLLM wraps with the variable-slice class serves its slices
     layer = variable(three, lj.LoRAConfig(max_loras=MAX_LORAS, max_lora_rank=8))
     assert layer.n_slices == 3 and layer.logical_slice_sizes == (8, 16, 24)
+
+
+class _PlusOne(lj.MergedColumnParallelLinear):
+    """A gate_up-like base with its own per-shard forward (vLLM's DeepSeek case)."""
+
+    def local_matmul(self, x, kernel):
+        return super().local_matmul(x, kernel) + 1.0
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["lora", "fully_sharded"])
+def test_a_subclassed_merged_base_keeps_its_forward(sharded):
+    """`wrap_model` wraps a subclass of a merged layer with the merged LoRA class, and the
+    wrapper runs the subclass's own per-shard matmul (tp = 2, plain and S-LoRA)."""
+    cls = (
+        lj.MergedColumnParallelLinearWithShardedLoRA
+        if sharded
+        else lj.MergedColumnParallelLinearWithLoRA
+    )
+    kind = Kind(
+        "plus_one",
+        cls,
+        lambda r, d: _PlusOne(
+            IN, [64, 64], rules=r, param_dtype=d, dtype=d, use_bias=True, rngs=nnx.Rngs(0)
+        ),
+    )
+    layer, weights, adapters = build(
+        kind, lj.ShardingRules(make_mesh(1, 2)), adapters={0: 16, 2: 8}
+    )
+    assert _pick(layer.base_layer, ["gate", "up"], sharded) is cls
+    idx = np.array([0, -1, 2, 1, 0, 2, -1, 0], np.int32)
+    x = _inputs(layer, len(idx), jnp.float32)
+    y = forward(layer, x, jnp.asarray(idx))
+    ref = dense_reference(layer, weights, adapters, np.asarray(x), idx) + 1.0
+    np.testing.assert_allclose(logical_output(layer, y), ref, *TOL[jnp.float32])
