@@ -372,6 +372,42 @@ def test_bf16_close_to_oracle():
     assert err < 3e-2, err
 
 
+@pytest.mark.parametrize(
+    "gated,act,renormalize,fused_w13,impl",
+    [
+        (False, "relu2", True, False, "grouped"),  # Nemotron-H: non-gated relu^2
+        (True, "silu", False, True, "grouped"),  # weights not renormalised over the top k
+        pytest.param(False, "relu2", False, True, "dense", marks=pytest.mark.slow),
+    ],
+)
+def test_lora_with_other_activations_and_routing(gated, act, renormalize, fused_w13, impl):
+    """LoRA under the base layer's other options: relu^2 experts and unrenormalised
+    routing weights, against the oracle."""
+    rng = np.random.default_rng(6)
+    layer, w = build(rng, gated=gated, act=act, renormalize=renormalize, fused_w13=fused_w13,
+                     impl=impl)  # fmt: skip
+    ads = fill(layer, rng, gated=gated, fused_w13=fused_w13)
+    x, logits = inputs(rng)
+    y = forward(layer, x, logits, IDX)
+    ref = oracle(x, logits, w, ads, IDX, gated=gated, layout="concat", act=act,
+                 renormalize=renormalize)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fully_sharded", [False, True], ids=["lora", "fully_sharded"])
+def test_bf16_on_a_tp_ep_mesh_close_to_oracle(fully_sharded):
+    """bf16 weights and adapters on a dp 2 x tp 2 x ep 2 mesh, within bf16's error."""
+    rng = np.random.default_rng(7)
+    layer, w = build(rng, mesh=make_mesh(2, 2, 2), fully_sharded=fully_sharded,
+                     dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)  # fmt: skip
+    ads = fill(layer, rng, gated=True, fused_w13=False)
+    x, logits = inputs(rng)
+    y = forward(layer, x.astype(jnp.bfloat16), logits, IDX)
+    ref = oracle(x, logits, w, ads, IDX, gated=True, layout="concat")
+    err = np.abs(np.asarray(y, np.float32) - ref).max() / np.abs(ref).max()
+    assert err < 3e-2, err
+
+
 def test_slot_write_isolated():
     """Writing slot 2 leaves the outputs of tokens on other slots unchanged."""
     rng = np.random.default_rng(6)
