@@ -394,6 +394,34 @@ def test_lora_with_other_activations_and_routing(gated, act, renormalize, fused_
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "mesh,impl",
+    [
+        (None, "grouped"),
+        ((1, 2, 4), "grouped"),
+        pytest.param((1, 1, 8), "dense", marks=pytest.mark.slow),
+    ],
+    ids=["one_device", "tp2_ep4", "ep8_dense"],
+)
+def test_lora_with_64_experts_top6(monkeypatch, mesh, impl):
+    """vLLM's MoE LoRA grid scale: 64 experts, 6 a token (72 rows over 12 tokens), every
+    expert's adapter its own, on one device and split over tp x ep."""
+    import sys
+
+    mod = sys.modules[__name__]
+    monkeypatch.setattr(mod, "E", 64)  # the builders and the oracle read these
+    monkeypatch.setattr(mod, "K", 6)
+    rng = np.random.default_rng(8)
+    mesh = None if mesh is None else make_mesh(*mesh)
+    layer, w = build(rng, mesh=mesh, impl=impl)
+    assert layer.base_layer.num_experts == 64 and layer.base_layer.top_k == 6
+    ads = fill(layer, rng, gated=True, fused_w13=False)
+    x, logits = inputs(rng)
+    y = forward(layer, x, logits, IDX)
+    ref = oracle(x, logits, w, ads, IDX, gated=True, layout="concat")
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("fully_sharded", [False, True], ids=["lora", "fully_sharded"])
 def test_bf16_on_a_tp_ep_mesh_close_to_oracle(fully_sharded):
     """bf16 weights and adapters on a dp 2 x tp 2 x ep 2 mesh, within bf16's error."""

@@ -130,10 +130,15 @@ def _peft_adapters(base_dir, tmp_path):
     return dirs, models
 
 
-@pytest.mark.parametrize("make", [_mixtral, _qwen3_moe], ids=["mixtral", "qwen3_moe"])
-def test_peft_expert_adapters_mixed_batch(make, tmp_path):
+@pytest.mark.parametrize(
+    "make,mesh",
+    [(_mixtral, None), (_qwen3_moe, None), (_mixtral, (1, 2, 2))],
+    ids=["mixtral", "qwen3_moe", "mixtral-tp2-ep2"],
+)
+def test_peft_expert_adapters_mixed_batch(make, mesh, tmp_path):
     """Two PEFT adapters with `target_parameters` on the fused experts (one also on
-    q_proj), served in one batch with a no-adapter row, equal peft's per-adapter forward."""
+    q_proj), served in one batch with a no-adapter row, equal peft's per-adapter forward;
+    on one device and with the experts split over tp x ep."""
     from lora_jax.config import LoRAConfig
     from lora_jax.layers.base import set_lora_mapping
     from lora_jax.serving.manager import LRUCacheLoRAModelManager
@@ -152,7 +157,13 @@ def test_peft_expert_adapters_mixed_batch(make, tmp_path):
     for row in (0, 1):  # each adapter really changes its sequence (the oracle can fail)
         assert np.abs(ref[row] - base[row]).max() > 1e-3
     cfg = LoRAConfig(max_loras=2, max_lora_rank=8)
-    model = load_hf_moe_model(d)
+    rules = None
+    if mesh is not None:
+        if jax.device_count() < int(np.prod(mesh)):
+            pytest.skip(f"needs {int(np.prod(mesh))} devices, {jax.device_count()} visible")
+        devices = jax.devices()[: int(np.prod(mesh))]
+        rules = ShardingRules(jax.make_mesh(mesh, ("dp", "tp", "ep"), devices=devices))
+    model = load_hf_moe_model(d, rules=rules)
     wrap_model(model, cfg, target_modules=["q_proj", "experts"])
     # The adapter manager path: PEFT loader → prepare_lora → one batched slot write.
     mgr = LRUCacheLoRAModelManager(model, cfg)
