@@ -112,10 +112,10 @@ PEFT_SPECS = {
 }  # fmt: skip
 
 
-def _peft_adapters(base_dir, tmp_path):
+def _peft_adapters(base_dir, tmp_path, specs=PEFT_SPECS):
     peft = pytest.importorskip("peft")
     dirs, models = {}, {}
-    for aid, spec in PEFT_SPECS.items():
+    for aid, spec in specs.items():
         model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
         cfg = peft.LoraConfig(lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **spec)
         pm = peft.get_peft_model(model, cfg)
@@ -175,3 +175,36 @@ def test_peft_expert_adapters_mixed_batch(make, mesh, tmp_path):
     pos = jnp.broadcast_to(jnp.arange(S), (3, S))
     logits, _ = model(jnp.asarray(ids, jnp.int32), pos)
     np.testing.assert_allclose(np.asarray(logits), np.stack(ref), rtol=2e-4, atol=2e-4)
+
+
+def test_peft_expert_patterns_give_each_weight_its_rank_and_scale(tmp_path):
+    """`rank_pattern` / `alpha_pattern` keyed on the experts' parameters (PEFT matches
+    `<module>.gate_up_proj` / `<module>.down_proj`): each weight gets its own rank and
+    scaling, as in peft's forward."""
+    from lora_jax.config import LoRAConfig
+    from lora_jax.layers.base import set_lora_mapping
+    from lora_jax.serving.manager import LRUCacheLoRAModelManager
+    from lora_jax.serving.wrap import wrap_model
+
+    spec = dict(
+        r=4, lora_alpha=8, target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        rank_pattern={"down_proj": 2}, alpha_pattern={"gate_up_proj": 32, "q_proj": 2},
+    )  # fmt: skip
+    hf, d = _save(_mixtral, tmp_path)
+    dirs, peft_models = _peft_adapters(d, tmp_path, {1: spec})
+    ids = _ids()
+    with torch.no_grad():
+        ref = peft_models[1](torch.as_tensor(ids)).logits.float().numpy()
+    cfg = LoRAConfig(max_loras=1, max_lora_rank=8)
+    model = load_hf_moe_model(d)
+    wrap_model(model, cfg, target_modules=["q_proj", "experts"])
+    mgr = LRUCacheLoRAModelManager(model, cfg)
+    (adapter,) = mgr.load_adapters({"patterns": dirs[1]}, activate=True, progress=False)
+    experts = adapter.modules["model.layers.0.mlp.experts"]
+    assert [a.shape[1] for a in experts.lora_a] == [4, 2]  # [E, r, in]: w13 4, w2 2
+    slots = mgr.token_mapping([adapter.id] * len(ids), tokens_per_request=S)
+    set_lora_mapping(model, jnp.asarray(slots))
+    pos = jnp.broadcast_to(jnp.arange(S), ids.shape)
+    logits, _ = model(jnp.asarray(ids, jnp.int32), pos)
+    np.testing.assert_allclose(np.asarray(logits), ref, rtol=2e-4, atol=2e-4)

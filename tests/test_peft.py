@@ -168,6 +168,15 @@ def test_name_map_rewrites_checkpoint_names(tmp_path, model):
         load_peft_adapter(d, model, CFG)  # no map: names the unknown module
     with pytest.raises(ValueError, match="nowhere"):
         load_peft_adapter(d, model, CFG, name_map=lambda n: "nowhere." + n)
+    # PEFT's patterns name the checkpoint's modules: they match before the rewrite
+    patterned = {**config, "alpha_pattern": {r"h\.0\.attn\.q_proj": 64}}
+    d = _dir(tmp_path, patterned, renamed, "patterned")
+    got = load_peft_adapter(d, model, CFG, name_map=back)
+    for key, m in want.modules.items():
+        scale = 64 / 16 if key == "model.layers.0.self_attn.qkv_proj" else 1.0
+        for i, (x, y) in enumerate(zip(m.lora_b, got.modules[key].lora_b)):
+            s = scale if i == 0 else 1.0  # q is member 0 of the packed qkv
+            np.testing.assert_allclose(y, s * x, rtol=1e-6, err_msg=f"{key}[{i}]")
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -184,6 +193,10 @@ BAD_CONFIGS = {
     "layers_to_transform": ({"layers_to_transform": [0]}, "layers_to_transform"),
     "layers_pattern": ({"layers_pattern": "layers"}, "layers_pattern"),
     "trainable_tokens": ({"trainable_token_indices": [3, 7]}, "trainable_token_indices"),
+    "alora": ({"alora_invocation_tokens": [5, 9]}, "aLoRA"),
+    "qalora": ({"use_qalora": True}, "QALoRA"),
+    "layer_replication": ({"layer_replication": [[0, 2], [1, 2]]}, "layer replication"),
+    "arrow": ({"arrow_config": {"top_k": 2}}, "Arrow"),
     "prefix_tuning": ({"peft_type": "PREFIX_TUNING"}, "peft_type"),
 }
 

@@ -5,15 +5,18 @@ like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (`[r, in]`
 `....lora_B.weight` (`[out, r]`); embeddings use `lora_embedding_A` (`[r, V]`) and
 `lora_embedding_B` (`[D, r]`). Loading:
 
-1. reads the config and refuses what cannot be served exactly (DoRA, `modules_to_save`,
-   LoRA bias, layer filters, ranks outside `[1, max_lora_rank]`);
+1. reads the config and refuses what cannot be served exactly (DoRA, aLoRA, QALoRA,
+   `modules_to_save`, LoRA bias, layer filters or replication, ranks outside
+   `[1, max_lora_rank]`);
 2. reads the safetensors file with a strict parser (never unpickles; a `.bin`
    checkpoint is refused) — a truncated or corrupt file fails before anything is kept;
 3. resolves every module against the wrapped model's LoRA layers, packing `q/k/v` →
    `qkv_proj` and `gate/up` → `gate_up_proj` (a missing member is a `None` slice);
 4. folds the scaling into B: `alpha / r`, or `alpha / sqrt(r)` with rsLoRA, with `r` and
-   `alpha` from `rank_pattern` / `alpha_pattern` when a pattern matches the module
-   (PEFT's rule: the first key `k` with `re.match(rf"(.*\\.)?({k})$", name)`).
+   `alpha` from `rank_pattern` / `alpha_pattern` when a pattern matches the module's name
+   in the checkpoint (before any `name_map`; fused experts: `<module>.gate_up_proj` /
+   `<module>.down_proj`, each its own rank) by PEFT's rule: the first key `k` with
+   `re.match(rf"(.*\\.)?({k})$", name)`.
 
 Ranks stay as in the file; zero-padding to `max_lora_rank` happens at the slot write.
 """
@@ -102,12 +105,14 @@ class LoRAAdapter:
         return self.modules.get(module)
 
 
-def _parse_key(key: str, file: str, name_map) -> tuple[str, str]:
+def _parse_key(key: str, file: str, name_map) -> tuple[str, str, str]:
+    """(the model's module name, the checkpoint's module name, "a" | "b") of a tensor key.
+    PEFT's rank / alpha patterns name the checkpoint's modules, so they match the latter."""
     for suffix, kind in KEY_KINDS.items():
         if key.endswith(suffix):
             name = key[: -len(suffix)]
             name = name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
-            return (name_map(name) if name_map else name), kind
+            return (name_map(name) if name_map else name), name, kind
     allowed = ", ".join(f"*{s}" for s in KEY_KINDS)
     raise ValueError(f"{file}: tensor {key!r} is not a LoRA weight; allowed keys: {allowed}")
 
@@ -231,16 +236,17 @@ def adapter_from_tensors(
         raise ValueError(f"{source}: adapter_id must be an int >= 1, got {adapter_id!r}")
     pairs: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
     expert_keys: dict[str, dict[str, list]] = {}
+    checkpoint_names: dict[str, str] = {}  # model module → the checkpoint's name for it
     for key, value in tensors.items():
         if key.endswith(BASE_EMBEDDING_SUFFIXES):
             continue
-        mod, kind = _parse_key(key, source, name_map)
-        owner = mod
-        while owner.endswith(".base_layer"):
-            owner = owner[: -len(".base_layer")]
+        mod, raw, kind = _parse_key(key, source, name_map)
+        owner = _strip_base_layer(mod)
         if owner in index and hasattr(layers[index[owner][0]], "fused_w13"):
             expert_keys.setdefault(index[owner][0], {}).setdefault(mod, {})[kind] = (key, value)
+            checkpoint_names[index[owner][0]] = _strip_base_layer(raw)
             continue
+        checkpoint_names[mod] = raw
         if mod not in index:
             known = sorted({n.rpartition(".")[2] for n in index})
             hint = " (it exists but is not LoRA-wrapped)" if mod in all_names else ""
@@ -268,7 +274,7 @@ def adapter_from_tensors(
                 f"{source}: tensors {ka!r} {list(a.shape)} and {kb!r} {list(b.shape)} must be "
                 "[r, in] and [out, r] with the same r"
             )
-        r = cfg.rank_for(mod)
+        r = cfg.rank_for(checkpoint_names[mod])
         if a.shape[0] != r:
             raise ValueError(
                 f"{source}: tensor {ka!r} has rank {a.shape[0]} but {cfg.source} gives r={r} for "
@@ -281,7 +287,7 @@ def adapter_from_tensors(
             )
         layer_name, i, n = index[mod]
         _check_member_shape(layers[layer_name], i, n, a, b, ka, kb, source)
-        scale = np.float32(cfg.scaling_for(mod))
+        scale = np.float32(cfg.scaling_for(checkpoint_names[mod]))
         slot = members.setdefault(layer_name, [[None] * n, [None] * n])
         slot[0][i] = a.astype(np.float32)
         slot[1][i] = b.astype(np.float32) * scale
@@ -290,7 +296,7 @@ def adapter_from_tensors(
         for ln, (a, b) in members.items()
     }
     for ln, found in expert_keys.items():
-        modules[ln] = _expert_lora(layers[ln], ln, found, cfg, source)
+        modules[ln] = _expert_lora(layers[ln], ln, checkpoint_names[ln], found, cfg, source)
     for ln, m in modules.items():
         prepare = getattr(layers[ln], "prepare_lora", None)
         if prepare is not None:
@@ -321,27 +327,38 @@ def _check_member_shape(layer, i, n, a, b, ka, kb, source) -> None:
         )
 
 
-def _expert_lora(layer, name: str, found: Mapping[str, Mapping], cfg, source) -> ModuleLoRA:
+def _strip_base_layer(name: str) -> str:
+    while name.endswith(".base_layer"):
+        name = name[: -len(".base_layer")]
+    return name
+
+
+def _expert_lora(
+    layer, name: str, checkpoint_name: str, found: Mapping[str, Mapping], cfg, source
+) -> ModuleLoRA:
     """PEFT ParamWrapper tensors of one fused-experts module → `[w13, w2]` 3D LoRA.
 
     Which parameter a pair belongs to follows from its shapes (w13: in = hidden,
-    out = w13 width; w2: in = inter, out = hidden), not from the nesting order.
+    out = w13 width; w2: in = inter, out = hidden), not from the nesting order. Each
+    has its own rank and scaling: PEFT matches the patterns against
+    `<module>.gate_up_proj` / `<module>.down_proj`.
     """
     base = layer.base_layer
     E, H, n = base.num_experts, base.hidden_size, base.intermediate_size
     if not getattr(layer, "fused_w13", False):
         raise ValueError(f"{source}: module {name!r} must be wrapped as FusedMoE3DWithLoRA")
     shapes = {(H, base.w13_width): 0, (n, H): 1}  # (in, out) → w13 / w2
+    params = [p.rpartition(".")[2] for p in EXPERT_PARAMS]  # w13, w2 as PEFT names them
     out_a: list = [None, None]
     out_b: list = [None, None]
-    r = cfg.rank_for(name)
-    scale = np.float32(cfg.scaling_for(name))
     for mod, ab in found.items():
         if set(ab) != {"a", "b"}:
             raise ValueError(f"{source}: module {mod!r} lacks its lora_A/lora_B pair")
         (ka, a), (kb, b) = ab["a"], ab["b"]
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         which = shapes.get((a.shape[-1], b.shape[0])) if a.ndim == b.ndim == 2 else None
+        param = f"{checkpoint_name}.{params[0 if which is None else which]}"
+        r = cfg.rank_for(param)
         if which is None or a.shape[0] != r * E or b.shape[1] != r * E:
             raise ValueError(
                 f"{source}: tensors {ka!r} {list(a.shape)} / {kb!r} {list(b.shape)} do not fit "
@@ -350,6 +367,7 @@ def _expert_lora(layer, name: str, found: Mapping[str, Mapping], cfg, source) ->
             )
         if out_a[which] is not None:
             raise ValueError(f"{source}: module {name!r} has two LoRAs for one expert weight")
+        scale = np.float32(cfg.scaling_for(param))
         out_a[which] = a.reshape(E, r, -1)  # [E, r, in]
         out_b[which] = b.reshape(b.shape[0], r, E).transpose(2, 0, 1) * scale  # [E, out, r]
     return ModuleLoRA(module_name=name, lora_a=tuple(out_a), lora_b=tuple(out_b))

@@ -86,6 +86,19 @@ class PEFTConfig:
             raise ValueError(f"{source}: bias={d['bias']!r} is not supported; only 'none'")
         if d.get("lora_bias"):
             raise ValueError(f"{source}: lora_bias=True is not supported")
+        # Options that change what the adapter computes at inference: served as plain LoRA
+        # they would give other outputs than PEFT, so they are refused.
+        for key, what in (
+            (
+                "alora_invocation_tokens",
+                "activated LoRA (aLoRA: only from its invocation tokens on)",
+            ),
+            ("use_qalora", "QALoRA (pooled inputs to A)"),
+            ("layer_replication", "layer replication (a model with repeated layers)"),
+            ("arrow_config", "Arrow routing (per-token mixing of adapters)"),
+        ):
+            if d.get(key):
+                raise ValueError(f"{source}: {key}={d[key]!r}: {what} is not supported")
         for key in (
             "layers_to_transform",
             "layers_pattern",
