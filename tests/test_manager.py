@@ -396,3 +396,71 @@ def test_load_adapters_progress_bar(tmp_path, capsys):
     assert set(mgr.list_adapters()) == {10, 12, 20}  # 11 was least recently used
     assert mgr.slot_of(20) is not None and mgr.slot_of(10) is not None
     assert mgr.get_adapter(20).name == "from_path"
+
+
+def test_load_adapters_twice_never_drops_one(tmp_path):
+    """Two `load_adapters` calls without first_id: the second continues after the largest
+    registered id, so both adapters are registered and each id serves its own weights;
+    an explicit first_id that collides is refused before anything is added."""
+    import json
+
+    from lora_jax.serving.peft import write_safetensors
+
+    model, mgr = _setup(max_loras=2, max_cpu_loras=3)
+    dirs = {}
+    for name, seed in (("sql", 1), ("chat", 2)):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
+        tensors = peft_tensors(["q_proj"], 4, n_layers=1, seed=seed)
+        write_safetensors(d / "adapter_model.safetensors", tensors)
+        dirs[name] = d
+    (sql,) = mgr.load_adapters({"sql": dirs["sql"]}, activate=True, progress=False)
+    (chat,) = mgr.load_adapters({"chat": dirs["chat"]}, activate=True, progress=False)
+    assert sql.id != chat.id
+    assert {k: v.name for k, v in mgr.list_adapters().items()} == {sql.id: "sql", chat.id: "chat"}
+    assert mgr.get_adapter(chat.id) is chat and mgr.slot_of(chat.id) is not None
+    before = dict(mgr.list_adapters())
+    with pytest.raises(ValueError, match=rf"ids \[{chat.id}\].*already registered"):
+        mgr.load_adapters({"again": dirs["sql"]}, first_id=chat.id, progress=False)
+    assert mgr.list_adapters() == before
+
+
+def test_lru_set_active_never_evicts_what_it_activates():
+    """The LRU worker step activates every requested adapter, evicting only adapters it
+    does not request; requests that cannot fit beside the pinned adapters raise
+    `RuntimeError` and change nothing (vLLM's worker would drop one silently)."""
+    model, mgr = _setup(max_loras=2, max_cpu_loras=3)
+    ad = _adapters(model, 4)
+    mgr.add_adapter(ad[1])
+    mgr.add_adapter(ad[4])
+    mgr.activate_adapter(4)
+    mgr.pin_adapter(1)  # 1 holds a slot for good; 4 is active and unpinned
+    with pytest.raises(RuntimeError, match="2 requested adapters and 1 other pinned"):
+        mgr.set_active_adapters([ad[2], ad[3]])
+    assert sorted(mgr.list_adapters()) == [1, 4] and sorted(_slots(mgr)) == [1, 4]
+    mgr.set_active_adapters([ad[1], ad[2]])  # the pinned one is requested: fits
+    assert sorted(_slots(mgr)) == [1, 2]
+    # 2 slots, 3 CPU entries: activating 3 and 4 must not evict 3 to make room for 4
+    model, mgr = _setup(max_loras=2, max_cpu_loras=3)
+    ad = _adapters(model, 4)
+    for i in (1, 2, 3):
+        mgr.add_adapter(ad[i])
+    mgr.activate_adapter(3)
+    mgr.activate_adapter(1)  # slots: 3 (older), 1
+    mgr.set_active_adapters([ad[3], ad[4]])
+    assert sorted(_slots(mgr)) == [3, 4]
+    assert 3 in mgr.list_adapters() and 4 in mgr.list_adapters()
+    slots = mgr.token_mapping([3, 4])
+    assert sorted(slots.tolist()) == [0, 1]
+    # a pinned CPU entry counts against the CPU cache too
+    model, mgr = _setup(max_loras=2, max_cpu_loras=2)
+    ad = _adapters(model, 3)
+    mgr.add_adapter(ad[1])
+    mgr.pin_adapter(1)
+    mgr.deactivate_adapter(1)
+    mgr.add_adapter(ad[2])
+    with pytest.raises(RuntimeError, match="CPU cache"):
+        mgr.set_active_adapters([ad[2], ad[3]])
+    assert sorted(mgr.list_adapters()) == [1, 2]

@@ -197,16 +197,28 @@ class LoRAModelManager:
         self,
         paths: Mapping[str, str | os.PathLike] | Sequence[str | os.PathLike],
         *,
-        first_id: int = 1,
+        first_id: int | None = None,
         activate: bool = False,
         progress: bool = True,
     ) -> list[LoRAAdapter]:
-        """Loads PEFT directories (ids `first_id`, `first_id + 1`, ...) and adds them.
+        """Loads PEFT directories (ids `first_id`, `first_id + 1`, ...; by default from one
+        past the largest registered id) and adds them. An id already registered is a
+        `ValueError` before anything is added.
 
         Example:
             >>> mgr.load_adapters({"sql": "ad/sql", "chat": "ad/chat"})  # doctest: +SKIP
         """
         items = list(paths.items()) if isinstance(paths, Mapping) else [(None, p) for p in paths]
+        if first_id is None:
+            first_id = max(_keys(self._registered_adapters), default=0) + 1
+        taken = [
+            i for i in range(first_id, first_id + len(items)) if i in self._registered_adapters
+        ]
+        if taken:
+            raise ValueError(
+                f"load_adapters: ids {taken} (from first_id={first_id}) are already registered; "
+                "pass another first_id, or leave it out to continue after the largest id"
+            )
         loaded = []
         for i, (name, path) in enumerate(_progress(items, "loading adapters", progress)):
             adapter = load_peft_adapter(
@@ -461,16 +473,32 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
 
     def set_active_adapters(self, requests: Iterable[int | LoRAAdapter | LoRARequest | None]):
         """Worker-style: load (evicting the LRU when the CPU cache is full) and activate
-        every requested adapter; other adapters stay cached."""
+        every requested adapter; other adapters stay cached. Evictions only ever take
+        adapters that are neither requested nor pinned: when the requests and the pinned
+        adapters do not fit the slots (or the CPU cache) together, `RuntimeError` and
+        nothing changes."""
         reqs = self._distinct(requests)
+        for cache, room, what in (
+            (self._active_adapters, self.lora_slots, "device slots"),
+            (self._registered_adapters, self.capacity, "CPU cache entries (max_cpu_loras)"),
+        ):
+            pinned = sorted(k for k in cache.pinned if k not in reqs)
+            if len(reqs) + len(pinned) > room:
+                raise RuntimeError(
+                    f"set_active_adapters: {len(reqs)} requested adapters and {len(pinned)} "
+                    f"other pinned ones {pinned} do not fit the {room} {what}"
+                )
+        # The requested adapters already here become the most recently used, so that
+        # making room for the others evicts only adapters this step does not use.
+        for aid in reqs:
+            self._registered_adapters.touch(aid)
+            self._active_adapters.touch(aid)
         for aid, req in reqs.items():
             if aid not in self._registered_adapters:
                 adapter = self._load(req)
                 if len(self._registered_adapters) + 1 > self.capacity:
                     self.remove_oldest_adapter()
                 self.add_adapter(adapter)
-            else:
-                self._registered_adapters.touch(aid)
             self.activate_adapter(aid)
 
 
