@@ -258,3 +258,45 @@ def test_merge_whole_model_output():
     unmerge_adapter(model)
     assert isinstance(model.model.layers[0].self_attn.qkv_proj.base_layer, QKVParallelLinear)
     assert isinstance(model.model.layers[0].mlp.gate_up_proj.base_layer, MergedColumnParallelLinear)
+
+
+def test_merge_skips_empty_moe_expert_lora_and_refuses_a_full_one():
+    """A model with MoE expert LoRA: merging a slot whose adapter has only q_proj merges
+    the linears and leaves the experts; a slot with expert LoRA is refused, unchanged."""
+    from lora_jax.models.moe_decoder import MoEConfig, MoEDecoderForCausalLM
+
+    base, moe = MoEConfig.from_hf(
+        dict(
+            model_type="mixtral", vocab_size=64, hidden_size=32, intermediate_size=16,
+            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+            num_local_experts=4, num_experts_per_tok=2,
+        )
+    )  # fmt: skip
+    model = MoEDecoderForCausalLM(base, moe, rngs=nnx.Rngs(0))
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
+    wrap_model(model, cfg, target_modules=["q_proj", "experts"])
+    layers = lora_layers(model)
+    (qkv_name,) = [n for n in layers if n.endswith("qkv_proj")]
+    (moe_name,) = [n for n in layers if n.endswith("experts")]
+    qkv, experts = layers[qkv_name], layers[moe_name]
+    rng = np.random.default_rng(0)
+    a = [rng.normal(size=(4, 32)).astype(np.float32)] + [None, None]
+    b = [rng.normal(size=(32, 4)).astype(np.float32)] + [None, None]
+    qkv.set_lora(0, a, b)  # slot 0: q only
+    qkv.set_lora(1, a, b)  # slot 1: q and the experts
+    E, H, inter = 4, 32, 16
+    w13 = (rng.normal(size=(E, 4, H)), rng.normal(size=(E, 2 * inter, 4)))
+    w2 = (rng.normal(size=(E, 4, inter)), rng.normal(size=(E, H, 4)))
+    experts.set_lora(1, [w13[0], w2[0]], [w13[1], w2[1]])
+    before = nnx.state(model, nnx.Param)
+    with pytest.raises(ValueError, match=rf"{moe_name}.*slot 1 and cannot be merged"):
+        merge_adapter(model, 1)
+    jax.tree.map(np.testing.assert_array_equal, before, nnx.state(model, nnx.Param))
+    assert merged_slot(model) is None
+    kernel = np.asarray(qkv.base_layer.kernel[...])
+    assert merge_adapter(model, 0) == 1 and merged_slot(model) == 0
+    merged = np.asarray(qkv.base_layer.kernel[...])
+    np.testing.assert_allclose(merged[:, :32], kernel[:, :32] + (b[0] @ a[0]).T, rtol=1e-5)
+    np.testing.assert_array_equal(merged[:, 32:], kernel[:, 32:])
+    unmerge_adapter(model)
+    np.testing.assert_array_equal(np.asarray(qkv.base_layer.kernel[...]), kernel)

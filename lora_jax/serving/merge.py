@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from lora_jax.layers import BaseLayerWithLoRA, LoRASlotRanks, find_lora_context
+from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.linear import _KERNEL_AXES
 from lora_jax.serving.wrap import lora_layers
 from lora_jax.sharding import shard_map
@@ -90,7 +91,8 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
     """Adds slot `slot`'s `B @ A` into every LoRA linear's base kernel; returns the count.
 
     Raises `ValueError` (changing nothing) if the model is already merged, `slot` is out of
-    range, or a LoRA layer cannot be merged (e.g. embedding / lm_head LoRA).
+    range, or a layer that cannot be merged (embedding, lm_head or MoE expert LoRA) holds
+    an adapter in `slot`; such layers with the slot empty are left as they are.
 
     Example:
         >>> mgr.activate_adapter(7)  # doctest: +SKIP
@@ -108,10 +110,10 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
             raise ValueError(f"merge_adapter: slot {slot!r} outside [0, {L})")
         if getattr(layer, "merged_original", None) is not None:
             raise ValueError(f"merge_adapter: layer {name!r} is already merged; unmerge first")
-        if isinstance(layer, BaseLayerWithLoRA):
+        if isinstance(layer, BaseLayerWithLoRA) and not isinstance(layer, FusedMoEWithLoRA):
             layers[name] = layer
         elif _slot_in_use(layer, slot):
-            # Embedding / lm_head LoRA: only an empty slot can be skipped.
+            # Embedding / lm_head / MoE expert LoRA: only an empty slot can be skipped.
             raise ValueError(
                 f"merge_adapter: layer {name!r} ({type(layer).__name__}) holds an adapter in "
                 f"slot {slot} and cannot be merged; only LoRA linears can"
