@@ -224,9 +224,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--temperature must be >= 0 and --top-p in (0, 1]")
     if args.tp < 1:
         p.error("--tp must be >= 1")
+    names = []
     for spec in args.adapter:
         if "=" not in spec or not spec.split("=", 1)[0]:
             p.error(f"--adapter {spec!r}: expected NAME=DIR")
+        names.append(spec.split("=", 1)[0])
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        p.error(f"--adapter: the names {twice} are given more than once")
     if args.adapter and not args.model:
         p.error("--adapter needs --model (the default model comes with its own adapters)")
     return args
@@ -315,12 +320,29 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
         slots,
         max_new_tokens=args.max_new_tokens,
         sampling=_sampling(args),
+        eos_token_id=_eos_ids(None if args.model is None else model_dir),
     )
     results = []
     for name, text, toks in zip(requests, texts, _token_lists(out)):
         toks = tuple(int(t) for t in toks)
         results.append(RequestResult(name, text, toks, tokenizer.decode(toks)))
     return results
+
+
+def _eos_ids(model_dir: str | None) -> list[int] | None:
+    """The model's end-of-sequence ids, as HF `generate` takes them: `eos_token_id` of
+    `generation_config.json`, else of `config.json` (an id or a list); None if neither."""
+    if model_dir is None:
+        return None
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            return [int(e) for e in np.atleast_1d(eos)]
+    return None
 
 
 def _sampling(args):

@@ -170,6 +170,21 @@ def test_eos_stops_each_request(base_model):
     assert out.tokens[0] == free[0][:3]
 
 
+def test_any_of_several_eos_ids_stops_a_request(base_model):
+    """A list of eos ids (HF configs such as Llama 3's): each request stops at the first
+    of them it generates."""
+    free = generate(base_model, PROMPTS, max_new_tokens=NEW, **B8).tokens
+    eos = [free[0][3], free[1][1]]
+    out = generate(base_model, PROMPTS, max_new_tokens=NEW, eos_token_id=eos, **B8)
+    for toks, full, reason in zip(out.tokens, free, out.finish_reasons):
+        stop = min((full.index(e) for e in eos if e in full), default=None)
+        assert toks == (full if stop is None else full[: stop + 1])
+        assert reason == ("length" if stop is None else "eos")
+    assert len(out.tokens[1]) <= 2
+    with pytest.raises(ValueError, match="eos_token_id"):
+        generate(base_model, PROMPTS, max_new_tokens=NEW, eos_token_id=[[1]], **B8)
+
+
 # -- multi-adapter ----------------------------------------------------------------------------
 def test_prefill_and_decode_say_which_they_are(lora_model, mixed, monkeypatch):
     """The prefill step's mapping says is_prefill=True and the decode loop's False (vLLM's

@@ -60,3 +60,25 @@ def test_cli_errors(tmp_path, capsys):
     argv = ["--model", model_dir, "--adapter", f"sql={adapters['sql']}", "--max-new-tokens", "2"]
     assert serve.main(argv) == 2
     assert "adapter_model.safetensors" in capsys.readouterr().err
+
+
+def test_a_model_dirs_eos_ids_stop_its_requests(tmp_path):
+    """With --model, the eos ids of the model's generation_config.json (else config.json)
+    stop each request, as HF generate does; the embedded default has none."""
+    import json
+
+    model_dir, adapters = serve.write_default(str(tmp_path))
+    argv = ["--model", model_dir, "--max-new-tokens", "6", "--prompt", "Hello"]
+    argv += [f"--adapter={name}={d}" for name, d in adapters.items()]
+    free = serve.run(argv)
+    base = free[-1].tokens
+    unused = next(t for t in range(256) if all(t not in r.tokens for r in free))
+    with open(f"{model_dir}/generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [unused, base[2]]}, f)
+    stopped = serve.run(argv)
+    for got, full in zip(stopped, (r.tokens for r in free)):
+        stop = full.index(base[2]) if base[2] in full else None
+        assert got.tokens == (full if stop is None else full[: stop + 1])
+    assert stopped[-1].tokens == base[:3]
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--model", "m", "--adapter", "x=a", "--adapter", "x=b"])

@@ -174,7 +174,8 @@ def _decode_fn(
     rows = lambda x: model.rules.constrain(x, b)  # noqa: E731
     out = jnp.full((B, new_bucket), -1, jnp.int32).at[:, 0].set(first)  # [B, N]
     out = model.rules.constrain(out, b, None)
-    done = rows((first == eos) | (max_new <= 1) | ~active)  # pad rows never hold the loop
+    is_eos = lambda tok: (tok[:, None] == eos[None, :]).any(-1)  # noqa: E731  eos: i32[K]
+    done = rows(is_eos(first) | (max_new <= 1) | ~active)  # pad rows never hold the loop
 
     def cond(carry):
         t, _, _, _, done = carry
@@ -189,7 +190,7 @@ def _decode_fn(
         new = sample_tokens(logits, row_keys(seed_key, row_ids, t), temperature, top_p, mode=mode)
         new = rows(jnp.where(done, -1, new))
         out = jax.lax.dynamic_update_slice(out, new[:, None], (0, t))
-        done = done | (new == eos)
+        done = done | is_eos(new)
         # Finished rows keep stepping (static shapes) on a harmless token.
         return t + 1, rows(jnp.where(done, 0, new)), cache, out, done
 
@@ -244,9 +245,22 @@ def _check_inputs(model, max_loras, prompts, adapter_slots, max_new_tokens, eos_
         raise ValueError(f"generate: adapter slots {bad} outside {allowed}")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if eos_token_id is not None and not 0 <= int(eos_token_id) < vocab:
+    return clean, slots, _eos_ids(eos_token_id, vocab)
+
+
+def _eos_ids(eos_token_id, vocab: int) -> tuple[int, ...]:
+    """`eos_token_id` (None, an id, or several as HF configs give them) → a tuple of ids."""
+    if eos_token_id is None:
+        return ()
+    ids = np.atleast_1d(np.asarray(eos_token_id))
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(
+            f"generate: eos_token_id must be None, a token id or a list of them, got "
+            f"{eos_token_id!r}"
+        )
+    if ids.min() < 0 or ids.max() >= vocab:
         raise ValueError(f"generate: eos_token_id {eos_token_id} outside [0, {vocab})")
-    return clean, slots
+    return tuple(int(i) for i in ids)
 
 
 def generate(
@@ -256,7 +270,7 @@ def generate(
     *,
     max_new_tokens: int,
     sampling: SamplingParams | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     min_batch_bucket: int = 1,
     min_prompt_bucket: int = 16,
     cache_dtype=None,
@@ -270,7 +284,8 @@ def generate(
       adapter_slots: device slot per request, -1 for none; `None` = all -1.
       max_new_tokens: tokens to generate per request (fewer when eos stops it).
       sampling: `SamplingParams` (greedy by default).
-      eos_token_id: stops a request once generated (it is included in the result).
+      eos_token_id: stops a request once generated (it is included in the result); a
+        list stops at any of them (HF configs such as Llama 3's give several).
       min_batch_bucket / min_prompt_bucket: lower bounds of the power-of-two buckets.
       cache_dtype: KV cache dtype; defaults to the model's compute dtype.
 
@@ -317,7 +332,7 @@ def _generate(
     sampling = sampling if sampling is not None else SamplingParams()
     if isinstance(sampling, dict):
         sampling = SamplingParams(**sampling)
-    clean, slots = _check_inputs(
+    clean, slots, eos_ids = _check_inputs(
         model, max_loras, prompts, adapter_slots, max_new_tokens, eos_token_id
     )
     rules: ShardingRules = model.rules
@@ -352,7 +367,7 @@ def _generate(
     if max_new_tokens == 1:
         out = first[:, None]
     else:
-        eos = jnp.int32(-2 if eos_token_id is None else eos_token_id)
+        eos = jnp.asarray(eos_ids or (-2,), jnp.int32)  # [K]; -2: no token is eos
         active = put(np.arange(B) < n, b)
         out, _ = decode(
             cache, first, *common, active, jnp.int32(max_new_tokens), eos,
@@ -362,7 +377,7 @@ def _generate(
     tokens, reasons = [], []
     for row in out:
         row = row[row >= 0]
-        hit = eos_token_id is not None and row.size and row[-1] == eos_token_id
+        hit = row.size and int(row[-1]) in eos_ids
         tokens.append([int(t) for t in row])
         reasons.append("eos" if hit else "length")
     return GenerationResult(tokens, reasons, B, S, N)
@@ -439,7 +454,7 @@ class Generator:
         *,
         max_new_tokens: int,
         sampling: SamplingParams | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         min_batch_bucket: int = 1,
         min_prompt_bucket: int = 16,
         cache_dtype=None,
