@@ -60,6 +60,9 @@ def test_cli_errors(tmp_path, capsys):
     argv = ["--model", model_dir, "--adapter", f"sql={adapters['sql']}", "--max-new-tokens", "2"]
     assert serve.main(argv) == 2
     assert "adapter_model.safetensors" in capsys.readouterr().err
+    # a mistyped model path is named, never resolved against the working directory
+    assert serve.main(["--model", str(tmp_path / "nowhere"), "--max-new-tokens", "2"]) == 2
+    assert "nowhere: no such checkpoint directory" in capsys.readouterr().err
 
 
 def test_a_model_dirs_eos_ids_stop_its_requests(tmp_path):

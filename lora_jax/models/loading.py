@@ -98,14 +98,22 @@ class SafetensorsCheckpoint:
         return arr
 
 
+def read_config_json(path_or_dir: str) -> tuple[str, dict]:
+    """`(directory, config.json as a dict)` of a checkpoint directory (or a file in it)."""
+    if not os.path.exists(path_or_dir):
+        raise ValueError(f"{path_or_dir}: no such checkpoint directory or file")
+    directory = path_or_dir if os.path.isdir(path_or_dir) else os.path.dirname(path_or_dir)
+    cfg_path = os.path.join(directory or ".", "config.json")
+    if not os.path.exists(cfg_path):
+        raise ValueError(f"{directory or '.'}: no config.json")
+    with open(cfg_path) as f:
+        return directory, json.load(f)
+
+
 def read_hf_config(path_or_dir: str) -> tuple[str, DecoderConfig]:
     """`(directory, DecoderConfig)` from a checkpoint directory (or a file inside it)."""
-    directory = path_or_dir if os.path.isdir(path_or_dir) else os.path.dirname(path_or_dir)
-    cfg_path = os.path.join(directory, "config.json")
-    if not os.path.exists(cfg_path):
-        raise ValueError(f"{directory}: no config.json")
-    with open(cfg_path) as f:
-        return directory, DecoderConfig.from_hf(json.load(f))
+    directory, config = read_config_json(path_or_dir)
+    return directory, DecoderConfig.from_hf(config)
 
 
 def load_hf_model(

@@ -17,8 +17,6 @@ Qwen3-MoE `mlp.experts.{j}.gate_proj/up_proj/down_proj`, router `mlp.gate`) or f
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +39,7 @@ from lora_jax.models.loading import (
     hf_linear,
     load_dense_mlp,
     load_hf_weights,
+    read_config_json,
 )
 from lora_jax.moe import FusedMoE
 from lora_jax.sharding import ShardingRules
@@ -206,12 +205,8 @@ class MoEDecoderForCausalLM(DecoderForCausalLM):
 # -- loading --------------------------------------------------------------------------------
 def read_hf_moe_config(path_or_dir: str) -> tuple[str, DecoderConfig, MoEConfig]:
     """`(directory, DecoderConfig, MoEConfig)` from a checkpoint directory."""
-    directory = path_or_dir if os.path.isdir(path_or_dir) else os.path.dirname(path_or_dir)
-    cfg_path = os.path.join(directory, "config.json")
-    if not os.path.exists(cfg_path):
-        raise ValueError(f"{directory}: no config.json")
-    with open(cfg_path) as f:
-        return (directory, *MoEConfig.from_hf(json.load(f)))
+    directory, config = read_config_json(path_or_dir)
+    return (directory, *MoEConfig.from_hf(config))
 
 
 def load_hf_moe_model(
