@@ -464,3 +464,25 @@ def test_lru_set_active_never_evicts_what_it_activates():
     with pytest.raises(RuntimeError, match="CPU cache"):
         mgr.set_active_adapters([ad[2], ad[3]])
     assert sorted(mgr.list_adapters()) == [1, 2]
+
+
+def test_lru_add_of_a_bad_adapter_evicts_nothing():
+    """A full LRU cache and an adapter whose shapes no layer takes: `add_adapter` raises
+    before evicting anyone, so every registered adapter and slot stays as it was."""
+    from lora_jax.serving.peft import LoRAAdapter, ModuleLoRA
+
+    model, mgr = _setup(max_loras=2, max_cpu_loras=2)
+    ad = _adapters(model, 2)
+    for i in (1, 2):
+        mgr.add_adapter(ad[i])
+        mgr.activate_adapter(i)
+    name = next(iter(ad[1].modules))
+    good = ad[1].modules[name]
+    bad_b = tuple(None if b is None else b[:, :-1] for b in good.lora_b)  # rank mismatch
+    bad = LoRAAdapter(
+        id=9, name="bad", rank=4, modules={name: ModuleLoRA(name, good.lora_a, bad_b)}
+    )
+    before = (sorted(mgr.list_adapters()), _slots(mgr))
+    with pytest.raises(ValueError, match="adapter 'bad'"):
+        mgr.add_adapter(bad)
+    assert (sorted(mgr.list_adapters()), _slots(mgr)) == before

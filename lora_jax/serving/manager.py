@@ -422,6 +422,10 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
         return LRUCache(self.lora_slots, lambda key, _: self._free_slot(key))
 
     def _register(self, adapter: LoRAAdapter) -> None:
+        if len(self._registered_adapters) >= self.capacity:
+            # Registering evicts the least recently used adapter: make sure this one can
+            # be written at all first, so that a bad adapter costs no other adapter.
+            self._plan_slot(0, adapter)
         self._registered_adapters.put(adapter.id, adapter)
 
     def _touch_registered(self, adapter_id) -> None:
