@@ -207,6 +207,10 @@ class FusedMoE(nnx.Module):
         E, H, n = self.num_experts, self.hidden_size, self.intermediate_size
         k13, k2 = jax.random.split(rngs.params())
         w13 = kernel_init(k13, (E, H, self.w13_width), param_dtype)  # [E, H, w13 out]
+        if self.is_act_and_mul and self.gate_up_layout != "interleaved":
+            # drawn as the logical [gate | up], then packed per shard: the same model at
+            # every tp (the interleaved layout does not depend on tp)
+            w13 = self.pack_w13(w13[..., :n], w13[..., n:])
         w2 = kernel_init(k2, (E, n, H), param_dtype)  # [E, I, H]
         self.w13 = nnx.Param(self.rules.place(w13, *_W13_AXES))
         self.w2 = nnx.Param(self.rules.place(w2, *_W2_AXES))

@@ -493,6 +493,31 @@ def test_index_errors():
             layer.reset_lora(bad)
 
 
+@pytest.mark.parametrize("layout", ["concat", "interleaved"])
+def test_random_init_is_the_same_model_at_every_tp(layout):
+    """The same seed gives the same experts on one device and over tp = 2 x ep = 2 (the
+    stored w13 is packed per shard, the draw is logical), as the dense linears do."""
+    rng = np.random.default_rng(0)
+    x, logits = inputs(rng)
+    outs = []
+    for mesh in (None, make_mesh(1, 2, 2)):
+        base = FusedMoE(E, K, H, INTER, gate_up_layout=layout, rules=ShardingRules(mesh),
+                        rngs=nnx.Rngs(3))  # fmt: skip
+        outs.append(np.asarray(nnx.jit(lambda m, x, lg: m(x, lg))(base, x, logits)))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_wrap_picks_the_moe_class_for_the_packed_list():
+    """`wrap_model` wraps experts named as one fused w13 with the 3D class and experts
+    named as separate w1 / w3 with `FusedMoEWithLoRA` (vLLM registers both)."""
+    from lora_jax.serving.wrap import _pick_class
+
+    base = FusedMoE(E, K, H, INTER, rngs=nnx.Rngs(0))
+    cfg = LoRAConfig(max_loras=L, max_lora_rank=R)
+    assert _pick_class(base, cfg, ["experts"]) is FusedMoE3DWithLoRA
+    assert _pick_class(base, cfg, ["w1", "w3"]) is FusedMoEWithLoRA
+
+
 def test_base_config_errors():
     rules = ShardingRules(make_mesh(tp=1, ep=8 // 2 * 2))
     with pytest.raises(ValueError, match="num_experts=6 not divisible by the expert axis"):

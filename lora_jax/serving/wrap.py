@@ -44,7 +44,7 @@ from lora_jax.layers import (
     VocabParallelEmbeddingWithLoRA,
     find_lora_context,
 )
-from lora_jax.layers.moe import FusedMoE3DWithLoRA
+from lora_jax.layers.moe import FusedMoE3DWithLoRA, FusedMoEWithLoRA
 
 # Tried in order; the first class whose `can_replace_layer` accepts a module wraps it.
 # Sharded (S-LoRA) classes come first: they only accept when `fully_sharded_loras`.
@@ -65,6 +65,7 @@ LORA_LAYER_CLASSES: list[type] = [
     VocabParallelEmbeddingWithLoRA,  # embed_tokens
     ParallelLMHeadWithLoRA,  # lm_head (a tied lm_head: see _tied_lm_head)
     FusedMoE3DWithLoRA,  # FusedMoE experts: one LoRA over fused gate|up, one over down
+    FusedMoEWithLoRA,  # FusedMoE experts named as separate w1 / w3 (2-item packed list)
 ]
 
 TargetModules = Sequence[str] | str | None
