@@ -266,13 +266,16 @@ def lora_expand(
             L = b.shape[0]
             one_hot = jax.nn.one_hot(jnp.maximum(idx, 0), L, dtype=jnp.float32)  # [T, L]
             h_slot = one_hot[:, :, None] * hs[:, None, :]  # [T, L, R]
-            # h is rounded to B's dtype for the dot, as the GPU kernels do.
+            # h is rounded to B's dtype for the dot, as the GPU kernels (and the gather
+            # below) do: the batch size never changes a token's numbers.
             delta = jnp.einsum(
                 "tlr,lnr->tn", h_slot.astype(b.dtype), b, preferred_element_type=jnp.float32
             )
         else:
             b_t = _gather_slot(b, idx)  # [T, n_s, R]
-            delta = jnp.einsum("tr,tnr->tn", hs, b_t, preferred_element_type=jnp.float32)
+            delta = jnp.einsum(
+                "tr,tnr->tn", hs.astype(b.dtype), b_t, preferred_element_type=jnp.float32
+            )
         cols = y[:, off : off + b.shape[1]]
         new = (cols.astype(jnp.float32) + delta).astype(y.dtype)
         y = set_columns(y, off, jnp.where(keep, new, cols))

@@ -77,6 +77,24 @@ def test_add_lora_linear_xla_matches_loop(dtype, L):
     np.testing.assert_array_equal(np.asarray(y)[idx < 0], np.asarray(y0)[idx < 0])
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_xla_expand_rounds_the_same_on_both_paths(monkeypatch, dtype):
+    """The XLA expand's gather (few tokens a slot) and one-hot (many) paths both round h
+    to B's dtype, as the kernels do: a token's result does not depend on the batch size
+    beyond f32 summation order."""
+    rng = np.random.default_rng(2)
+    T, R, L = 12, 16, 4
+    b = [jnp.asarray(rng.normal(size=(L, 24, R)), dtype)]
+    h = jnp.asarray(rng.normal(size=(1, T, R)), jnp.float32)
+    y0 = jnp.asarray(rng.normal(size=(T, 24)), jnp.float32)
+    m = lj.make_lora_mapping(jnp.asarray(rng.integers(-1, L, T).astype(np.int32)), L)
+    outs = []
+    for rule in (float("inf"), 0.0):  # gather, then one-hot
+        monkeypatch.setattr(ops, "ONE_HOT_TOKENS_PER_SLOT", rule)
+        outs.append(np.asarray(ops.lora_expand(y0, h, b, m, backend="xla")))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-5)
+
+
 def test_shrink_rows_without_adapter_are_zero():
     m = lj.make_lora_mapping(jnp.array([-1, 0], jnp.int32), 1)
     h = ops.lora_shrink(jnp.ones((2, 4)), [jnp.ones((1, 2, 4))], m, 0.5, backend="xla")
