@@ -399,6 +399,9 @@ def test_bad_lora_slot_and_sampling_params(lora_model):
         SamplingParams(temperature=1.0, top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
+    for bad in (float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="finite number"):
+            SamplingParams(temperature=bad)
 
 
 def test_bucket():

@@ -294,7 +294,7 @@ def test_merge_skips_empty_moe_expert_lora_and_refuses_a_full_one():
     jax.tree.map(np.testing.assert_array_equal, before, nnx.state(model, nnx.Param))
     assert merged_slot(model) is None
     kernel = np.asarray(qkv.base_layer.kernel[...])
-    assert merge_adapter(model, 0) == 1 and merged_slot(model) == 0
+    assert merge_adapter(model, np.int32(0)) == 1 and merged_slot(model) == 0  # a numpy slot
     merged = np.asarray(qkv.base_layer.kernel[...])
     np.testing.assert_allclose(merged[:, :32], kernel[:, :32] + (b[0] @ a[0]).T, rtol=1e-5)
     np.testing.assert_array_equal(merged[:, 32:], kernel[:, 32:])

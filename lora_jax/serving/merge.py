@@ -103,6 +103,8 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
     all_layers = lora_layers(model)
     if not all_layers:
         raise ValueError("merge_adapter: the model has no LoRA layers")
+    if isinstance(slot, np.integer):  # as `token_mapping` / `slot_of` values may come
+        slot = int(slot)
     layers = {}
     for name, layer in all_layers.items():
         L = layer.lora_config.max_loras
