@@ -345,6 +345,28 @@ def test_sampled_generation_is_seeded_and_top_p_tiny_is_greedy(base_model):
     assert tiny.tokens == greedy
 
 
+def test_tiny_temperatures_sample_the_argmax():
+    """Temperatures so small that logits / T overflows f32 still pick the largest logit
+    (below SAMPLING_EPS the mode is greedy; above, the row's maximum is subtracted first),
+    in both sampling modes; a moderate one still samples."""
+    from lora_jax.serving.sampling import SAMPLING_EPS, sample_tokens
+
+    logits = jnp.array([[1.0, 3.0, 2.0, -1.0, 2.5], [0.0, -2.0, 4.0, 3.9, 1.0]])
+    keys = row_keys(jax.random.key(0), jnp.arange(2), 0)
+    assert SamplingParams(temperature=1e-39).mode == "greedy"
+    assert SamplingParams(temperature=SAMPLING_EPS).mode == "sample"
+    for t in (1e-39, 1e-20, SAMPLING_EPS):
+        for mode in ("sample", "top_p"):
+            got = sample_tokens(logits, keys, jnp.float32(t), jnp.float32(0.9), mode=mode)
+            assert got.tolist() == [1, 2], (t, mode)
+    draws = {
+        int(sample_tokens(logits, row_keys(jax.random.key(s), jnp.arange(2), 0), 5.0, 1.0,
+                          mode="sample")[0])
+        for s in range(20)
+    }  # fmt: skip
+    assert len(draws) > 1
+
+
 def test_top_p_filter_matches_numpy():
     logits = jax.random.normal(jax.random.key(0), (6, 50)) * 3
     for p in (0.1, 0.5, 0.9, 1.0):

@@ -17,6 +17,9 @@ import jax.numpy as jnp
 from lora_jax.sharding import unshard
 
 SAMPLING_MODES = ("greedy", "sample", "top_p")
+# Temperatures below this sample as greedy (vLLM's `_SAMPLING_EPS`): dividing logits by
+# them overflows f32, and the distribution is the argmax's to within rounding anyway.
+SAMPLING_EPS = 1e-5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,7 +34,8 @@ class SamplingParams:
     """
 
     temperature: float = 0.0
-    """0 = greedy (argmax); > 0 divides the logits before sampling."""
+    """0 (or below `SAMPLING_EPS`) = greedy (argmax); above, divides the logits before
+    sampling."""
     top_p: float = 1.0
     """Nucleus: sample from the smallest set of tokens whose probability is >= top_p."""
     seed: int = 0
@@ -49,7 +53,7 @@ class SamplingParams:
     @property
     def mode(self) -> str:
         """The static sampling branch: "greedy", "sample" or "top_p"."""
-        if self.temperature == 0:
+        if self.temperature < SAMPLING_EPS:
             return "greedy"
         return "top_p" if self.top_p < 1 else "sample"
 
@@ -99,7 +103,11 @@ def sample_tokens(
     logits = logits.astype(jnp.float32)
     if mode == "greedy":
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.asarray(temperature, jnp.float32)
+    # The row's largest logit becomes 0 before the division (no overflow to +inf), and
+    # the divisor is at least SAMPLING_EPS (a denormal may be flushed to 0).
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    t = jnp.maximum(jnp.asarray(temperature, jnp.float32), SAMPLING_EPS)
+    scaled = (logits - top) / t
     if mode == "top_p":
         scaled = top_p_filter(scaled, jnp.asarray(top_p, jnp.float32))
     draw = jax.vmap(lambda k, row: jax.random.categorical(k, row))
