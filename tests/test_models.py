@@ -234,6 +234,38 @@ def test_qwen2_sliding_layers_follow_max_window_layers():
     assert off.layer_window(1) is None
 
 
+WINDOW_DEFAULTS = [
+    # (model_type, fields of config.json; a field left out takes transformers' default)
+    ("qwen2", dict(use_sliding_window=True, sliding_window=4)),  # max_window_layers: 28
+    ("qwen2", dict(use_sliding_window=True, max_window_layers=1)),  # sliding_window: 4096
+    ("qwen3", dict(use_sliding_window=True, sliding_window=4)),
+    ("qwen3", dict(use_sliding_window=True, max_window_layers=1)),
+    ("mistral", dict()),  # sliding_window: 4096
+    ("mistral", dict(sliding_window=None)),  # none
+    ("mixtral", dict()),  # none (Mixtral's default)
+]
+
+
+@pytest.mark.parametrize("model_type,fields", WINDOW_DEFAULTS)
+def test_missing_window_fields_take_transformers_defaults(model_type, fields):
+    """Each layer's attention window as transformers builds it from the same config.json
+    (the fields it leaves out take the config class's defaults)."""
+    transformers = pytest.importorskip("transformers")
+    from lora_jax.models.moe_decoder import MoEConfig
+
+    d = {k: v for k, v in TINY.items() if k != "model_type"}
+    d |= dict(model_type=model_type, **fields)
+    if model_type == "mixtral":
+        d |= dict(num_local_experts=4, num_experts_per_tok=2)
+        ours = MoEConfig.from_hf(d)[0]
+    else:
+        ours = DecoderConfig.from_hf(d)
+    hf = transformers.AutoConfig.for_model(**d)
+    types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
+    want = [hf.sliding_window if t == "sliding_attention" else None for t in types]
+    assert [ours.layer_window(i) for i in range(ours.num_hidden_layers)] == want
+
+
 def test_presets_and_packed_mapping():
     big = DecoderConfig.llama3_8b()
     assert (big.hidden_size, big.num_key_value_heads, big.vocab_size) == (4096, 8, 128256)

@@ -207,13 +207,16 @@ class DecoderConfig:
             qkv_bias = o_bias = False
         else:
             qkv_bias = o_bias = attention_bias
-        window = hf.get("sliding_window")
+        # A field missing from config.json takes transformers' default for the model type
+        # (sliding_window 4096 for Mistral and Qwen, max_window_layers 28 for Qwen), as HF
+        # reads the file; an explicit null means no window.
+        window = hf.get("sliding_window", 4096)
         layer_types = hf.get("layer_types")
         if mt in ("qwen2", "qwen3"):
             if not hf.get("use_sliding_window", False):
                 window, layer_types = None, None
             elif layer_types is None:
-                first = int(hf.get("max_window_layers", 0))
+                first = int(hf.get("max_window_layers", 28))
                 n = int(hf["num_hidden_layers"])
                 layer_types = [
                     "sliding_attention" if i >= first else "full_attention" for i in range(n)

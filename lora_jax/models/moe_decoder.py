@@ -96,7 +96,10 @@ class MoEConfig:
             )
         if hf.get("shared_expert_intermediate_size"):
             raise ValueError(f"config.json ({mt}): shared experts are not supported")
-        base = DecoderConfig.from_hf({**hf, "model_type": MOE_MODEL_TYPES[mt]})
+        # transformers' MixtralConfig has no window unless the file names one (Mistral's
+        # default is 4096): the defaults of the MoE type, then the file
+        defaults = {"sliding_window": None} if mt == "mixtral" else {}
+        base = DecoderConfig.from_hf({**defaults, **hf, "model_type": MOE_MODEL_TYPES[mt]})
         if mt == "mixtral":
             moe = cls(
                 model_type=mt,
