@@ -161,6 +161,14 @@ def make_lora_mapping(
         raise ValueError(
             f"tokens_per_slot must be None or one of {TOKENS_PER_SLOT}, got {tokens_per_slot!r}"
         )
+    if isinstance(token_lora_indices, np.ndarray) and np.issubdtype(
+        token_lora_indices.dtype, np.integer
+    ):
+        # Host indices are cleaned on the host, in 64 bits: an unsigned dtype or a value
+        # past int32 can neither fail the -1 test nor wrap into a valid slot on the device.
+        host_idx = token_lora_indices.astype(np.int64)
+        valid = (host_idx >= 0) & (host_idx < max_loras)
+        token_lora_indices = np.where(valid, host_idx, -1).astype(np.int32)
     if isinstance(token_lora_indices, np.ndarray) and tokens_per_slot is None:
         tokens_per_slot = host_tokens_per_slot(token_lora_indices, max_loras)
     host = isinstance(token_lora_indices, np.ndarray) and prompt_tiles is None

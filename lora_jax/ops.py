@@ -156,6 +156,15 @@ def _use_one_hot(num_tokens: int, num_slots: int) -> bool:
     return num_tokens > ONE_HOT_TOKENS_PER_SLOT * num_slots
 
 
+def _within_rank(slot_ranks: jax.Array | None, s: int, idx: jax.Array, rank: int):
+    """`bool[T, R]`: rank columns below the true rank of each token's slot in slice `s`
+    (True everywhere without `slot_ranks`), as the kernels mask them."""
+    if slot_ranks is None:
+        return jnp.ones((1, rank), bool)
+    ranks = jnp.take(slot_ranks[s], jnp.maximum(idx, 0))  # [T]
+    return jnp.arange(rank)[None, :] < ranks[:, None]
+
+
 def _gather_slot(stack: jax.Array, idx: jax.Array) -> jax.Array:
     # Clamp -1 to slot 0 for the gather; the caller masks those rows out.
     return jnp.take(stack, jnp.maximum(idx, 0), axis=0)
@@ -193,7 +202,7 @@ def lora_shrink(
     idx = mapping.token_lora_indices
     keep = (idx >= 0)[:, None]
     outs = []
-    for a in lora_a:
+    for s, a in enumerate(lora_a):
         if _use_one_hot(idx.shape[0], a.shape[0]):
             # Many tokens per slot: one matmul against every slot, then pick the token's
             # slot (reads each adapter once, no [T, R, H] gather).
@@ -204,7 +213,7 @@ def lora_shrink(
         else:
             a_t = _gather_slot(a, idx)  # [T, R, H]
             h = jnp.einsum("th,trh->tr", x, a_t, preferred_element_type=jnp.float32)
-        outs.append(jnp.where(keep, h * scale, 0.0))
+        outs.append(jnp.where(keep & _within_rank(slot_ranks, s, idx, h.shape[1]), h * scale, 0.0))
     return jnp.stack(outs).astype(jnp.float32)  # [S, T, R]
 
 
@@ -247,6 +256,10 @@ def lora_expand(
             raise ValueError(
                 f"lora_expand: slice {s} [{off}, {off + b.shape[1]}) exceeds y width {y.shape[-1]}"
             )
+    spans = sorted((off, off + b.shape[1], s) for s, (b, off) in enumerate(zip(lora_b, offsets)))
+    for (_, end, s), (start, _, t) in zip(spans, spans[1:]):
+        if start < end:  # the kernels add each slice into y without atomics
+            raise ValueError(f"lora_expand: slices {s} and {t} overlap at columns {start}..{end}")
     hinted = _hinted(mapping, h.shape[-1])
     if resolve_backend(backend, y.shape[0], hinted) in ("pallas", "pallas_fused"):
         return _kernels().lora_expand(
@@ -262,6 +275,7 @@ def lora_expand(
     keep = (idx >= 0)[:, None]
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
         hs = h[s].astype(jnp.float32)  # [T, R]
+        hs = jnp.where(_within_rank(slot_ranks, s, idx, hs.shape[1]), hs, 0.0)
         if _use_one_hot(idx.shape[0], b.shape[0]):
             L = b.shape[0]
             one_hot = jax.nn.one_hot(jnp.maximum(idx, 0), L, dtype=jnp.float32)  # [T, L]

@@ -151,6 +151,8 @@ def lora_shrink(
         len(lora_a),
         rank,
     )
+    if num_tokens == 0:  # an empty batch: nothing to launch
+        return jnp.zeros((len(lora_a), 0, rank), jnp.float32)
     defaulted = block_sizes is None
     if defaulted:
         block_sizes = BlockSizes.get_default(
@@ -317,6 +319,8 @@ def lora_expand(
         len(lora_b),
         rank,
     )
+    if num_tokens == 0:  # an empty batch: nothing to add
+        return y
     if block_sizes is None:
         block_sizes = BlockSizes.get_default(
             "expand",

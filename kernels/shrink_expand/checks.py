@@ -38,6 +38,8 @@ def check_meta(
             f"slot_ranks has shape {tuple(slot_ranks.shape)}; expected "
             f"(num_slices, max_loras) = {(num_slices, max_loras)} with values <= {rank}."
         )
+    if slot_ranks is not None and not jnp.issubdtype(slot_ranks.dtype, jnp.integer):
+        raise ValueError(f"slot_ranks has dtype {slot_ranks.dtype}; expected integers.")
 
 
 def check_a_slices(op: str, lora_a: tuple, hidden: int) -> None:
@@ -66,4 +68,17 @@ def check_b_slices(
             raise ValueError(
                 f"{op}: slice {s} covers columns [{off}, {off + b.shape[1]}) "
                 f"outside y's {width} columns."
+            )
+    check_disjoint(op, [b.shape[1] for b in lora_b], offsets)
+
+
+def check_disjoint(op: str, widths, offsets) -> None:
+    """The slices' column ranges `[off_s, off_s + n_s)` must not overlap: the kernels
+    add each slice into y without atomics."""
+    spans = sorted((off, off + n, s) for s, (n, off) in enumerate(zip(widths, offsets)) if n)
+    for (_, end, s), (start, _, t) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(
+                f"{op}: slices {s} and {t} overlap at columns [{start}, {end}); every "
+                "slice needs columns of its own."
             )

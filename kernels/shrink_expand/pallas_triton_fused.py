@@ -290,6 +290,8 @@ def lora_shrink_expand(
         len(lora_a),
         rank,
     )
+    if num_tokens == 0:  # an empty batch: nothing to add
+        return y
     if block_sizes is None:
         block_sizes = BlockSizes.get_default(
             "fused",

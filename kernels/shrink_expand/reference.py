@@ -106,9 +106,9 @@ def lora_expand_reference(
         b_t = b[safe]  # [T, n_s, R]
         delta = jnp.einsum("tr,tnr->tn", h_s, b_t.astype(jnp.float32), precision=_HIGHEST)
         n_s = b.shape[1]
-        cur = y[:, off : off + n_s].astype(jnp.float32)
-        new = (cur + delta).astype(y.dtype)
-        new = jnp.where(valid[:, None], new, y[:, off : off + n_s])
+        cur = out[:, off : off + n_s]
+        new = (cur.astype(jnp.float32) + delta).astype(y.dtype)
+        new = jnp.where(valid[:, None], new, cur)
         out = out.at[:, off : off + n_s].set(new)
     return out
 

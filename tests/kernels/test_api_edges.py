@@ -1,0 +1,124 @@
+"""The public ops at their edges: overlapping slices, slot ranks of the wrong dtype, an
+empty batch, host indices of any integer dtype, and the XLA path's true-rank masks —
+each against a float64 numpy loop or the stated contract."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from shrink_expand_test_base import make_metadata
+
+import lora_jax as lj
+from lora_jax import ops
+from lora_jax.kernels import (
+    lora_expand,
+    lora_expand_reference,
+    lora_shrink,
+    lora_shrink_expand,
+    lora_shrink_reference,
+)
+
+
+def _numpy_expand(y, h, lora_b, offsets, idx):
+    """`y[t, off:off+n] += h[s, t] @ B_s[idx[t]].T`, slice after slice, in float64."""
+    out = np.asarray(y, np.float64).copy()
+    for s, (b, off) in enumerate(zip(lora_b, offsets)):
+        b = np.asarray(b, np.float64)
+        for t, i in enumerate(idx):
+            if i >= 0:
+                out[t, off : off + b.shape[1]] += np.asarray(h[s, t], np.float64) @ b[i].T
+    return out
+
+
+def test_overlapping_slices_are_refused_and_the_oracle_adds_them():
+    """Slices whose columns overlap would race in the kernels (no atomics): every op
+    refuses them, naming both slices; the oracle itself adds one slice after another."""
+    rng = np.random.default_rng(0)
+    T, R, L = 8, 16, 2
+    idx = rng.integers(-1, L, T).astype(np.int32)
+    meta = make_metadata(idx, L)
+    b = tuple(jnp.asarray(rng.normal(size=(L, 32, R)), jnp.float32) for _ in range(2))
+    a = tuple(jnp.asarray(rng.normal(size=(L, R, 24)), jnp.float32) for _ in range(2))
+    h = jnp.asarray(rng.normal(size=(2, T, R)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(T, 48)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(T, 24)), jnp.float32)
+    with pytest.raises(ValueError, match=r"slices 0 and 1 overlap at columns \[16, 32\)"):
+        lora_expand(y, h, b, offsets=(0, 16), **meta, interpret=True)
+    with pytest.raises(ValueError, match="slices 0 and 1 overlap"):
+        lora_shrink_expand(x, y, a, b, offsets=(0, 16), **meta, interpret=True)
+    mapping = lj.make_lora_mapping(jnp.asarray(idx), L)
+    for backend in ("xla", "pallas"):
+        with pytest.raises(ValueError, match="slices 1 and 0 overlap"):
+            ops.lora_expand(y, h, b, mapping, offsets=(16, 0), backend=backend)
+    got = lora_expand_reference(y, h, b, offsets=(0, 16), token_lora_indices=jnp.asarray(idx))
+    want = _numpy_expand(y, h, b, (0, 16), idx)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+
+
+def test_slot_ranks_must_be_integers():
+    idx = np.array([0, 1, -1], np.int32)
+    meta = make_metadata(idx, 2)
+    x = jnp.ones((3, 16), jnp.float32)
+    a = jnp.ones((2, 16, 16), jnp.float32)
+    with pytest.raises(ValueError, match="slot_ranks has dtype float32; expected integers"):
+        lora_shrink(x, (a,), **meta, slot_ranks=jnp.array([[2.5, 16.0]]), interpret=True)
+
+
+def test_an_empty_batch_launches_nothing():
+    """Zero tokens: the shrink gives `[S, 0, R]` zeros, the expands give y back, through
+    the kernels and through `ops` on either backend."""
+    meta = make_metadata(np.zeros(0, np.int32), 4)
+    x = jnp.zeros((0, 32), jnp.bfloat16)
+    y = jnp.zeros((0, 40), jnp.bfloat16)
+    a = (jnp.ones((4, 16, 32), jnp.bfloat16),) * 2
+    b = (jnp.ones((4, 24, 16), jnp.bfloat16), jnp.ones((4, 16, 16), jnp.bfloat16))
+    h = lora_shrink(x, a, **meta, interpret=True)
+    assert h.shape == (2, 0, 16) and h.dtype == jnp.float32
+    assert lora_expand(y, h, b, offsets=(0, 24), **meta, interpret=True).shape == (0, 40)
+    assert lora_shrink_expand(x, y, a, b, offsets=(0, 24), **meta, interpret=True).shape == (
+        0,
+        40,
+    )
+    mapping = lj.make_lora_mapping(np.zeros(0, np.int32), 4)
+    for backend in ("xla", "pallas"):
+        out = ops.add_lora_linear(y, x, a, b, mapping, 1.0, backend=backend)
+        assert out.shape == (0, 40)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint32, np.int64, np.uint64])
+def test_host_indices_of_any_integer_dtype(dtype):
+    """Host indices in unsigned or 64-bit dtypes: the same mapping as int32 indices, and
+    a value past int32 is "no adapter", never a slot it would wrap into."""
+    idx = np.array([3, 0, 7, 1, 3], dtype)
+    if np.iinfo(dtype).max >= 2**32 + 1:
+        idx[2] = 2**32 + 1  # wraps to 1 as int32
+    m = lj.make_lora_mapping(idx, 4)
+    want = np.where(idx.astype(np.float64) < 4, idx.astype(np.int64), -1)
+    assert m.token_lora_indices.tolist() == want.tolist()
+    ref = lj.make_lora_mapping(want.astype(np.int32), 4)
+    assert m.slot_token_counts.tolist() == ref.slot_token_counts.tolist()
+
+
+def test_xla_path_keeps_each_slots_true_rank():
+    """Rank rows past a slot's true rank that are not zero (`slot_ranks` says to skip
+    them): the XLA backend masks them as the kernels and the oracle do, on both of its
+    paths (gather and one-hot)."""
+    rng = np.random.default_rng(1)
+    R, L = 16, 3
+    ranks = jnp.asarray([[4, 8, 16]], jnp.int32)
+    a = (jnp.asarray(rng.normal(size=(L, R, 24)), jnp.float32),)
+    b = (jnp.asarray(rng.normal(size=(L, 20, R)), jnp.float32),)
+    for T in (2, 12):  # tokens below / above the slots: gather / one-hot
+        idx = rng.integers(-1, L, T).astype(np.int32)
+        x = jnp.asarray(rng.normal(size=(T, 24)), jnp.float32)
+        y = jnp.asarray(rng.normal(size=(T, 20)), jnp.float32)
+        h = jnp.asarray(rng.normal(size=(1, T, R)), jnp.float32)
+        m = lj.make_lora_mapping(jnp.asarray(idx), L)
+        kw = dict(token_lora_indices=jnp.asarray(idx), slot_ranks=ranks)
+        got = ops.lora_shrink(x, a, m, 0.5, slot_ranks=ranks, backend="xla")
+        want = lora_shrink_reference(x, a, scale=0.5, **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        got = ops.lora_expand(y, h, b, m, slot_ranks=ranks, backend="xla")
+        want = lora_expand_reference(y, h, b, offsets=(0,), **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
