@@ -86,8 +86,7 @@ def test_decode_batches_gather_each_tokens_adapter(monkeypatch, kind, tokens, me
     _check(layer, weights, adapters, x, idx, y, *TOL[jnp.float32])
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("max_loras", [1, 2, 4])
+@pytest.mark.parametrize("max_loras,seed", [(1, 0), (2, 1), (4, 0)])
 @pytest.mark.parametrize("kind", KIND_PARAMS)
 def test_num_loras_grid_fp16(kind, max_loras, seed):
     """vLLM's layer grid: 1, 2 and 4 slots, every slot written (ranks 16 and below), two
@@ -112,8 +111,8 @@ def test_num_loras_grid_fp16(kind, max_loras, seed):
 
 @pytest.mark.parametrize(
     "dtype,lora_dtype",
-    [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float16)],
-    ids=["f32_base_bf16_lora", "bf16_base_f32_lora", "f32_base_fp16_lora"],
+    [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)],
+    ids=["f32_base_bf16_lora", "bf16_base_f32_lora"],
 )
 @pytest.mark.parametrize("kind", KIND_PARAMS)
 def test_adapters_in_another_dtype_than_the_base(kind, dtype, lora_dtype):
@@ -131,8 +130,7 @@ def test_adapters_in_another_dtype_than_the_base(kind, dtype, lora_dtype):
     x = _inputs(layer, len(idx), dtype)
     y = forward(layer, x, jnp.asarray(idx))
     assert y.dtype == dtype
-    low = jnp.bfloat16 in (dtype, lora_dtype)
-    _check(layer, weights, adapters, x, idx, y, *((2e-2, 2e-2) if low else (2e-3, 2e-3)))
+    _check(layer, weights, adapters, x, idx, y, 2e-2, 2e-2)  # bf16 on one side
 
 
 @pytest.mark.parametrize("kind", KIND_PARAMS)
