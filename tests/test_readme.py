@@ -52,3 +52,14 @@ def test_readme_mesh_example_runs():
     exec(compile(_block("jax.make_mesh"), "README.md:mesh", "exec"), ns)
     assert dict(ns["mesh"].shape) == {"dp": 2, "tp": 4}
     assert [len(t) for t in ns["out"].tokens] == [4, 4]
+
+
+def test_readme_plain_flax_example_runs():
+    ns: dict = {}
+    exec(compile(_block("class Block(nnx.Module)"), "README.md:flax", "exec"), ns)
+    block, y = ns["block"], ns["y"]
+    lj = ns["lj"]
+    assert type(block.q_proj) is lj.FlaxLinearWithLoRA
+    lj.set_lora_mapping(block, ns["jnp"].array([-1, -1], "int32"))
+    base = block(ns["jnp"].ones((2, 16)))
+    assert (y[1] == base[1]).all() and not (y[0] == base[0]).all()

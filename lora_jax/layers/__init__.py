@@ -35,6 +35,8 @@ from lora_jax.layers.column import ReplicatedLinearWithLoRA as ReplicatedLinearW
 from lora_jax.layers.embedding import (
     VocabParallelEmbeddingWithLoRA as VocabParallelEmbeddingWithLoRA,
 )
+from lora_jax.layers.flax_linear import FlaxLinear as FlaxLinear
+from lora_jax.layers.flax_linear import FlaxLinearWithLoRA as FlaxLinearWithLoRA
 from lora_jax.layers.logits import LogitsProcessor as LogitsProcessor
 from lora_jax.layers.logits import LogitsProcessorWithLoRA as LogitsProcessorWithLoRA
 from lora_jax.layers.logits import ParallelLMHeadWithLoRA as ParallelLMHeadWithLoRA

@@ -27,6 +27,7 @@ from lora_jax.layers import (
     BaseLayerWithLoRA,
     ColumnParallelLinearWithLoRA,
     ColumnParallelLinearWithShardedLoRA,
+    FlaxLinearWithLoRA,
     LoRAContext,
     MergedColumnParallelLinearVariableSliceWithLoRA,
     MergedColumnParallelLinearVariableSliceWithShardedLoRA,
@@ -66,6 +67,7 @@ LORA_LAYER_CLASSES: list[type] = [
     ParallelLMHeadWithLoRA,  # lm_head (a tied lm_head: see _tied_lm_head)
     FusedMoE3DWithLoRA,  # FusedMoE experts: one LoRA over fused gate|up, one over down
     FusedMoEWithLoRA,  # FusedMoE experts named as separate w1 / w3 (2-item packed list)
+    FlaxLinearWithLoRA,  # a plain flax.nnx.Linear (models not built from lora_jax.linear)
 ]
 
 TargetModules = Sequence[str] | str | None
@@ -306,6 +308,7 @@ def unwrap_model(model: nnx.Module) -> int:
             continue
         if current is layer:
             original = None if getattr(layer, "tied", False) else layer.base_layer
+            original = getattr(original, "source", original)  # a FlaxLinear's nnx.Linear
             _set_child(_resolve(model, path[:-1]), path[-1], original)
             done += 1
     return done

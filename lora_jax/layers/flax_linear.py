@@ -1,0 +1,92 @@
+"""Multi-LoRA around a plain `flax.nnx.Linear`, so that `wrap_model` takes any Flax model.
+
+A model built from `nnx.Linear` layers (not from `lora_jax.linear`) is wrapped in place:
+each targeted `nnx.Linear` becomes a `FlaxLinearWithLoRA` whose base is a `FlaxLinear`,
+a `ReplicatedLinear` view that shares the original layer's kernel variable and runs the
+original layer's own forward (its dtype promotion, precision, `dot_general` and bias)
+for the base output. The LoRA stacks, slot writes, PEFT loading, the manager and merging
+are the replicated layer's; `unwrap_model` puts the very same `nnx.Linear` back.
+
+These layers are not tensor parallel: a sharded `nnx.Linear` kernel stays as the user
+placed it (jit's sharding propagation handles the base matmul), and its LoRA stacks are
+replicated. For vLLM's column / row parallel layers, build the model from
+`lora_jax.linear` (as `lora_jax.models` does).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from lora_jax.config import LoRAConfig
+from lora_jax.layers.base import LoRAContext
+from lora_jax.layers.column import ReplicatedLinearWithLoRA
+from lora_jax.linear import ReplicatedLinear
+from lora_jax.sharding import ShardingRules
+
+
+class FlaxLinear(ReplicatedLinear):
+    """A `ReplicatedLinear` view of an `nnx.Linear` (kernel shared, not copied).
+
+    Example:
+        >>> lin = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+        >>> view = FlaxLinear(lin)
+        >>> view.kernel is lin.kernel, view(jnp.ones((2, 16))).shape
+        (True, (2, 8))
+    """
+
+    def __init__(self, source: nnx.Linear):  # no super().__init__: no new kernel is drawn
+        if not isinstance(source, nnx.Linear):
+            raise ValueError(f"FlaxLinear: expected a flax.nnx.Linear, got {type(source).__name__}")
+        self.source = source
+        self.in_features = int(source.in_features)
+        self.output_sizes = (int(source.out_features),)
+        self.physical_sizes = self.output_sizes
+        # the source adds its own bias inside `local_matmul`
+        self.use_bias, self.skip_bias_add, self.return_bias = False, False, False
+        self.bias = None
+        self.dtype = source.dtype
+        self.param_dtype = source.param_dtype
+        self.rules = ShardingRules()
+        self.tp = self.out_tp = 1
+        self.kernel = source.kernel  # the same variable: merging edits the source's kernel
+
+    def local_matmul(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
+        """The source layer's own forward (bias included; `kernel` is its kernel)."""
+        del kernel
+        return self.source(x)
+
+
+class FlaxLinearWithLoRA(ReplicatedLinearWithLoRA):
+    """Per-token multi-LoRA around a plain `nnx.Linear` (replicated, as
+    `ReplicatedLinearWithLoRA`); `wrap_model` picks it for `nnx.Linear` modules.
+
+    Example:
+        >>> lin = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+        >>> layer = FlaxLinearWithLoRA(lin, LoRAConfig(max_loras=2, max_lora_rank=8))
+        >>> layer.set_lora(1, np.ones((4, 16)), np.ones((8, 4)))  # A [r, in], B [out, r]
+        >>> layer.base_layer.source is lin
+        True
+    """
+
+    def __init__(
+        self,
+        base_layer: nnx.Linear | FlaxLinear,
+        lora_config: LoRAConfig,
+        context: LoRAContext | None = None,
+        *,
+        name: str | None = None,
+    ):
+        if isinstance(base_layer, nnx.Linear):
+            base_layer = FlaxLinear(base_layer)
+        super().__init__(base_layer, lora_config, context, name=name)
+
+    def _check_base(self, base):
+        if not isinstance(base, FlaxLinear):
+            raise ValueError(
+                f"{self.name}: base layer must be a flax.nnx.Linear, got {type(base).__name__}"
+            )
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+        return isinstance(source_layer, nnx.Linear) and len(packed_modules_list) <= 1

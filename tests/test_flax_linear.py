@@ -1,0 +1,170 @@
+"""`wrap_model` on a plain Flax NNX model built from `nnx.Linear` (not lora_jax's linears):
+the base forward unchanged, per-token LoRA against a numpy oracle, PEFT loading through
+the manager, merging, and `unwrap_model` giving back the very same modules."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import lora_jax as lj
+from lora_jax.serving.manager import LRUCacheLoRAModelManager
+from lora_jax.serving.merge import merge_adapter, unmerge_adapter
+from lora_jax.serving.peft import write_safetensors
+from lora_jax.serving.wrap import lora_layers, unwrap_model, wrap_model
+
+D, F = 16, 32
+
+
+class Block(nnx.Module):
+    """A user's own block: attention-like projections and an MLP, plain `nnx.Linear`s
+    (one in bf16 compute with f32 weights, one without a bias)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.q_proj = nnx.Linear(D, D, rngs=rngs)
+        self.v_proj = nnx.Linear(D, D, dtype=jnp.bfloat16, rngs=rngs)
+        self.up_proj = nnx.Linear(D, F, use_bias=False, rngs=rngs)
+        self.down_proj = nnx.Linear(F, D, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.q_proj(x) + self.v_proj(x).astype(jnp.float32)
+        return self.down_proj(jax.nn.relu(self.up_proj(h)))
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.layers = nnx.List([Block(rngs), Block(rngs)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+CFG = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
+MODULES = ("q_proj", "v_proj", "up_proj", "down_proj")
+
+
+def _adapter(seed, rank=4):
+    """{module path: (A [r, in], B [out, r])} for every linear of the model."""
+    rng = np.random.default_rng(seed)
+    sizes = {"q_proj": (D, D), "v_proj": (D, D), "up_proj": (D, F), "down_proj": (F, D)}
+    return {
+        f"layers.{i}.{m}": (
+            rng.normal(0, 0.3, (rank, sizes[m][0])).astype(np.float32),
+            rng.normal(0, 0.3, (sizes[m][1], rank)).astype(np.float32),
+        )
+        for i in range(2)
+        for m in MODULES
+    }
+
+
+def _oracle(model, adapters, x, slots):
+    """Each token through the unwrapped math with its adapter's `B @ A` added to the
+    kernels (float64 numpy; bf16 compute rounded as the layer does)."""
+    out = []
+    for t, slot in enumerate(slots):
+        h = np.asarray(x[t], np.float64)
+        for i, block in enumerate(model.layers):
+
+            def lin(name, v, block=block, i=i, slot=slot):
+                base = getattr(block, name)
+                base = getattr(base, "base_layer", base)
+                base = getattr(base, "source", base)
+                w = np.asarray(base.kernel[...], np.float64)
+                key = f"layers.{i}.{name}"
+                if slot >= 0 and key in adapters[slot]:
+                    a, b = adapters[slot][key]
+                    w = w + (b.astype(np.float64) @ a.astype(np.float64)).T
+                y = v @ w
+                if base.bias is not None:
+                    y = y + np.asarray(base.bias[...], np.float64)
+                return y
+
+            z = lin("q_proj", h) + lin("v_proj", h)
+            h = h + lin("down_proj", np.maximum(lin("up_proj", z), 0.0))
+        out.append(h)
+    return np.stack(out)
+
+
+@nnx.jit
+def _step(model, x, idx):
+    lj.set_lora_mapping(model, idx)
+    return model(x)
+
+
+def test_plain_flax_model_wraps_serves_and_unwraps():
+    model = Model(nnx.Rngs(0))
+    originals = {(n, m): getattr(b, m) for n, b in enumerate(model.layers) for m in MODULES}
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(6, D)), jnp.float32)
+    y_base = np.asarray(nnx.jit(lambda m, x: m(x))(model, x))
+    wrap_model(model, CFG)
+    layers = lora_layers(model)
+    assert sorted(layers) == sorted(f"layers.{i}.{m}" for i in range(2) for m in MODULES)
+    assert all(type(v) is lj.FlaxLinearWithLoRA for v in layers.values())
+    kernel = originals[0, "q_proj"].kernel
+    assert layers["layers.0.q_proj"].base_layer.kernel is kernel  # shared, not copied
+    # no adapter anywhere: exactly the base forward (bf16 compute included)
+    np.testing.assert_array_equal(np.asarray(_step(model, x, jnp.full(6, -1, jnp.int32))), y_base)
+    adapters = {0: _adapter(1), 1: _adapter(2, rank=8)}
+    for slot, ad in adapters.items():
+        for name, (a, b) in ad.items():
+            layers[name].set_lora(slot, a, b)
+    slots = np.array([1, -1, 0, 1, 0, -1], np.int32)
+    got = np.asarray(_step(model, x, jnp.asarray(slots)))
+    want = _oracle(model, adapters, np.asarray(x), slots)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    np.testing.assert_array_equal(got[slots < 0], y_base[slots < 0])
+    assert unwrap_model(model) == 8
+    for (n, m), module in originals.items():
+        assert getattr(model.layers[n], m) is module
+    np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, x: m(x))(model, x)), y_base)
+
+
+def test_plain_flax_model_loads_peft_adapters_and_merges(tmp_path):
+    """PEFT checkpoints keyed by the model's own module paths load through the manager
+    (scaling folded into B); merging a slot gives that adapter's outputs with the base
+    matmuls only, and unmerging restores the kernels bit for bit."""
+    model = Model(nnx.Rngs(3))
+    wrap_model(model, CFG, target_modules=["q_proj", "down_proj"])
+    assert sorted(lora_layers(model)) == [
+        "layers.0.down_proj", "layers.0.q_proj", "layers.1.down_proj", "layers.1.q_proj",
+    ]  # fmt: skip
+    raw = {k: v for k, v in _adapter(5).items() if k.endswith(("q_proj", "down_proj"))}
+    tensors = {}
+    for name, (a, b) in raw.items():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b
+    d = tmp_path / "mine"
+    d.mkdir()
+    config = {
+        "peft_type": "LORA",
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj", "down_proj"],
+    }
+    (d / "adapter_config.json").write_text(json.dumps(config))
+    write_safetensors(d / "adapter_model.safetensors", tensors)
+    mgr = LRUCacheLoRAModelManager(model, CFG)
+    (adapter,) = mgr.load_adapters({"mine": d}, activate=True, progress=False)
+    slot = mgr.slot_of(adapter.id)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(4, D)), jnp.float32)
+    slots = np.array([slot, -1, slot, slot], np.int32)
+    got = np.asarray(_step(model, x, jnp.asarray(slots)))
+    scaled = {k: (a, b * 2.0) for k, (a, b) in raw.items()}  # alpha / r = 2
+    want = _oracle(model, {slot: scaled}, np.asarray(x), slots)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    kernel = np.asarray(model.layers[0].q_proj.base_layer.kernel[...])
+    assert merge_adapter(model, slot) == 4
+    merged = np.asarray(nnx.jit(lambda m, x: m(x))(model, x))
+    np.testing.assert_allclose(merged[0], got[0], rtol=1e-4, atol=1e-4 * np.abs(got).max())
+    unmerge_adapter(model)
+    np.testing.assert_array_equal(np.asarray(model.layers[0].q_proj.base_layer.kernel[...]), kernel)
+
+
+def test_a_wrapper_refuses_what_is_not_an_nnx_linear():
+    with pytest.raises(ValueError, match="flax.nnx.Linear"):
+        lj.FlaxLinearWithLoRA(lj.ReplicatedLinear(4, 4, rngs=nnx.Rngs(0)), CFG)
