@@ -168,3 +168,115 @@ def test_plain_flax_model_loads_peft_adapters_and_merges(tmp_path):
 def test_a_wrapper_refuses_what_is_not_an_nnx_linear():
     with pytest.raises(ValueError, match="flax.nnx.Linear"):
         lj.FlaxLinearWithLoRA(lj.ReplicatedLinear(4, 4, rngs=nnx.Rngs(0)), CFG)
+
+
+def test_out_sharding_calls_on_explicit_and_auto_meshes():
+    """A model that calls its `nnx.Linear` with `out_sharding` (Explicit axes need it when
+    the contracting dim is sharded) keeps working once wrapped, LoRA included, and gives
+    the per-token numpy oracle's outputs; on Auto axes too."""
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, {jax.device_count()} visible")
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(1)
+    a1, b1 = rng.normal(size=(4, 16)) * 0.3, rng.normal(size=(32, 4)) * 0.3
+    a2, b2 = rng.normal(size=(4, 32)) * 0.3, rng.normal(size=(16, 4)) * 0.3
+    idx = np.array([1, -1, 1, 1, -1, 1, 0, 1], np.int32)
+    for kind in (AxisType.Explicit, AxisType.Auto):
+        mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(kind, kind))
+
+        class Sharded(nnx.Module):
+            out = P("data", None) if kind == AxisType.Explicit else None
+
+            def __init__(self, rngs):
+                self.up = nnx.Linear(16, 32, rngs=rngs)
+                self.down = nnx.Linear(32, 16, rngs=rngs)
+
+            def __call__(self, x):
+                return self.down(jax.nn.relu(self.up(x)), out_sharding=self.out)
+
+        with jax.set_mesh(mesh):
+            model = Sharded(nnx.Rngs(0))
+            for lin, spec in ((model.up, P(None, "model")), (model.down, P("model", None))):
+                lin.kernel.set_value(jax.device_put(lin.kernel[...], NamedSharding(mesh, spec)))
+            x = jax.device_put(
+                jnp.asarray(rng.normal(size=(8, 16)), jnp.float32), NamedSharding(mesh, P("data"))
+            )
+            wrap_model(model, CFG)
+            model.up.set_lora(1, a1, b1)
+            model.down.set_lora(1, a2, b2)
+            got = np.asarray(_step(model, x, jnp.asarray(idx)))
+        k = {n: getattr(model, n).base_layer.source for n in ("up", "down")}
+        w_up, w_down = (np.asarray(k[n].kernel[...], np.float64) for n in ("up", "down"))
+        c_up, c_down = (np.asarray(k[n].bias[...], np.float64) for n in ("up", "down"))
+        want, xs = [], np.asarray(x, np.float64)
+        for t, slot in enumerate(idx):
+            on = slot == 1
+            h = xs[t] @ (w_up + ((b1 @ a1).T if on else 0)) + c_up
+            want.append(np.maximum(h, 0) @ (w_down + ((b2 @ a2).T if on else 0)) + c_down)
+        np.testing.assert_allclose(got, np.stack(want), rtol=1e-5, atol=1e-5)
+
+
+def test_wrap_takes_fused_names_dicts_and_refuses_tuples_before_any_change():
+    """An `nnx.Linear` named like a packed module (`qkv_proj`) is one checkpoint module of
+    its own; layers held in a dict are wrapped; a model with layers in a tuple is refused
+    before anything is swapped; a tied-looking plain model (`nnx.Embed`, `lm_head=None`)
+    gets its linears wrapped and its embedding left alone."""
+
+    class Fused(nnx.Module):
+        def __init__(self, rngs):
+            self.qkv_proj = nnx.Linear(D, 3 * D, rngs=rngs)
+            self.heads = nnx.data({"x": nnx.Linear(D, D, rngs=rngs)})
+
+    model = Fused(nnx.Rngs(0))
+    wrap_model(model, CFG)
+    assert sorted(lora_layers(model)) == ["heads.x", "qkv_proj"]
+    assert lora_layers(model)["qkv_proj"].packed_modules == ("qkv_proj",)
+
+    class InTuple(nnx.Module):
+        def __init__(self, rngs):
+            self.o_proj = nnx.Linear(D, D, rngs=rngs)
+            self.pair = nnx.data((nnx.Linear(D, D, rngs=rngs), nnx.Linear(D, D, rngs=rngs)))
+
+    model = InTuple(nnx.Rngs(0))
+    o_proj = model.o_proj
+    with pytest.raises(ValueError, match="sits in a tuple"):
+        wrap_model(model, CFG)
+    assert model.o_proj is o_proj  # nothing swapped
+
+    class Inner(nnx.Module):
+        def __init__(self, rngs):
+            self.embed_tokens = nnx.Embed(64, D, rngs=rngs)
+            self.q_proj = nnx.Linear(D, D, rngs=rngs)
+
+    class TiedLooking(nnx.Module):
+        def __init__(self, rngs):
+            self.model = Inner(rngs)
+            self.lm_head = None
+
+    model = TiedLooking(nnx.Rngs(0))
+    wrap_model(model, CFG)
+    assert sorted(lora_layers(model)) == ["model.q_proj"] and model.lm_head is None
+
+
+def test_merge_refuses_a_slot_on_tied_kernels():
+    """Two `nnx.Linear`s sharing one kernel: an adapter on one of them cannot be merged
+    into the shared kernel (it would reach the other); refused with nothing changed."""
+
+    class Tied(nnx.Module):
+        def __init__(self, rngs):
+            self.enc = nnx.Linear(8, 8, rngs=rngs)
+            self.dec = nnx.Linear(8, 8, rngs=rngs)
+            self.dec.kernel = self.enc.kernel
+
+    model = Tied(nnx.Rngs(0))
+    wrap_model(model, CFG)
+    model.dec.set_lora(0, np.ones((2, 8), np.float32), np.ones((8, 2), np.float32))
+    kernel = np.asarray(model.enc.base_layer.kernel[...])
+    with pytest.raises(ValueError, match=r"share one kernel and \['dec'\] hold an adapter"):
+        merge_adapter(model, 0)
+    np.testing.assert_array_equal(np.asarray(model.enc.base_layer.kernel[...]), kernel)
+    assert merge_adapter(model, 1) == 0  # an empty slot: nothing to merge, nothing changed
+    np.testing.assert_array_equal(np.asarray(model.enc.base_layer.kernel[...]), kernel)
+    unmerge_adapter(model)

@@ -81,6 +81,26 @@ class FlaxLinearWithLoRA(ReplicatedLinearWithLoRA):
             base_layer = FlaxLinear(base_layer)
         super().__init__(base_layer, lora_config, context, name=name)
 
+    def __call__(self, x: jax.Array, out_sharding=None):
+        """As `nnx.Linear.__call__` (`out_sharding` goes to the source layer's matmul)."""
+        if out_sharding is None:
+            return super().__call__(x)
+        source = self.base_layer.source
+        y = source(x, out_sharding=out_sharding)  # the base output, sharded as asked
+        mapping = self.lora_context.get_value()
+        if mapping is None:
+            return y
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+        if mapping.num_tokens != x2.shape[0]:
+            raise ValueError(
+                f"{self.name}: the LoRA mapping has {mapping.num_tokens} tokens but the input "
+                f"has {x2.shape[0]} (leading dims {x.shape[:-1]})"
+            )
+        a = tuple(v[...] for v in self.lora_a)
+        b = tuple(v[...] for v in self.lora_b)
+        y2 = self._lora_local(y2, x2, a, b, self.slot_ranks[...], mapping)
+        return y2.reshape(y.shape)
+
     def _check_base(self, base):
         if not isinstance(base, FlaxLinear):
             raise ValueError(

@@ -91,8 +91,9 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
     """Adds slot `slot`'s `B @ A` into every LoRA linear's base kernel; returns the count.
 
     Raises `ValueError` (changing nothing) if the model is already merged, `slot` is out of
-    range, or a layer that cannot be merged (embedding, lm_head or MoE expert LoRA) holds
-    an adapter in `slot`; such layers with the slot empty are left as they are.
+    range, or a layer that cannot be merged (embedding, lm_head or MoE expert LoRA, or a
+    linear whose kernel is shared with another LoRA linear: tied weights) holds an adapter
+    in `slot`; such layers with the slot empty are left as they are.
 
     Example:
         >>> mgr.activate_adapter(7)  # doctest: +SKIP
@@ -120,6 +121,23 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
                 f"merge_adapter: layer {name!r} ({type(layer).__name__}) holds an adapter in "
                 f"slot {slot} and cannot be merged; only LoRA linears can"
             )
+    # Layers that share one kernel variable (tied weights): a delta merged into it would
+    # reach every one of them, so such a slot is refused; with the slot empty they are
+    # left as they are.
+    groups: dict[int, list[str]] = {}
+    for name, layer in layers.items():
+        groups.setdefault(id(layer.base_layer.kernel), []).append(name)
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        in_use = [n for n in names if _slot_in_use(layers[n], slot)]
+        if in_use:
+            raise ValueError(
+                f"merge_adapter: layers {names} share one kernel and {in_use} hold an adapter "
+                f"in slot {slot}: merging it would change every layer of that kernel"
+            )
+        for n in names:
+            del layers[n]
     new = dict(zip(layers, _merged_kernels(list(layers.values()), slot)))
     for name, layer in layers.items():
         kernel = layer.base_layer.kernel

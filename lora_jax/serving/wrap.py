@@ -46,6 +46,7 @@ from lora_jax.layers import (
     find_lora_context,
 )
 from lora_jax.layers.moe import FusedMoE3DWithLoRA, FusedMoEWithLoRA
+from lora_jax.vocab import VocabParallelEmbedding
 
 # Tried in order; the first class whose `can_replace_layer` accepts a module wraps it.
 # Sharded (S-LoRA) classes come first: they only accept when `fully_sharded_loras`.
@@ -143,7 +144,9 @@ def _pick_class(node, lora_config: LoRAConfig, packed: Sequence[str]) -> type | 
 
 
 def _get_child(parent, key):
-    return parent[key] if isinstance(key, int) else getattr(parent, key)
+    return (
+        parent[key] if isinstance(key, int) or isinstance(parent, Mapping) else getattr(parent, key)
+    )
 
 
 _GRAPH_EDITS = [0]
@@ -157,7 +160,7 @@ def graph_edits() -> int:
 
 def _set_child(parent, key, value) -> None:
     _GRAPH_EDITS[0] += 1
-    if isinstance(key, int):
+    if isinstance(key, int) or isinstance(parent, Mapping):
         parent[key] = value
     else:
         setattr(parent, key, value)
@@ -182,6 +185,8 @@ def _candidates(model: nnx.Module, lora_config, mapping):
             continue
         name = module_name(path)
         packed = list(mapping.get(str(path[-1]), [str(path[-1])]))
+        if isinstance(node, nnx.Linear):  # one plain matmul: one checkpoint module
+            packed = [str(path[-1])]
         cls = _pick_class(node, lora_config, packed)
         if cls is not None:
             out.append((tuple(path), node, packed, cls, name))
@@ -209,6 +214,8 @@ def _tied_candidates(model: nnx.Module, candidates) -> list[tuple]:
     head = getattr(model, "lm_head", True)
     if head is None:
         table = getattr(emb, "base_layer", emb)
+        if not isinstance(table, VocabParallelEmbedding):  # e.g. a plain nnx.Embed
+            return []
         return [(("lm_head",), table, ["lm_head"], TiedLMHeadWithLoRA, "lm_head")]
     path = ("model", "embed_tokens")
     if (
@@ -231,7 +238,8 @@ def wrap_model(
     """Replaces every targeted base linear of `model` by its LoRA class, in place.
 
     Args:
-      model: an NNX module built from `lora_jax.linear` layers.
+      model: an NNX module built from `lora_jax.linear` layers, or from plain
+        `flax.nnx.Linear` layers (wrapped as `FlaxLinearWithLoRA`), or both.
       lora_config: slot count, max rank, `fully_sharded_loras` (picks the S-LoRA classes).
       target_modules: PEFT-style list of names (a module matches when its dotted path
         equals a name or ends with `.name`), a regex string (`re.fullmatch` on the path),
@@ -281,12 +289,22 @@ def wrap_model(
         if context is None:
             context = LoRAContext(None)
     chosen = [c for c in candidates if _matches(targets, [c[4], *packed_names(c[4], c[2])])]
+    # Every wrapper is built (and may refuse) before the first one is swapped in.
+    swaps = []
     for path, node, packed, cls, name in chosen:
+        parent = _resolve(model, path[:-1])
+        if isinstance(parent, tuple):
+            raise ValueError(
+                f"wrap_model: {name!r} sits in a tuple, which cannot take its LoRA layer; hold "
+                "the layers in an nnx.List (or a list / dict)"
+            )
         layer = cls(node, lora_config, context, name=name)
         layer.packed_modules = tuple(packed)
         # A tied model's `lm_head = None` is a static attribute: mark the new module as data.
         value = nnx.data(layer) if getattr(cls, "tied", False) else layer
-        _set_child(_resolve(model, path[:-1]), path[-1], value)
+        swaps.append((parent, path[-1], value))
+    for parent, key, value in swaps:
+        _set_child(parent, key, value)
     return context
 
 
