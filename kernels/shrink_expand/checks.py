@@ -64,6 +64,8 @@ def check_b_slices(
                 f"{op}: lora_b[{s}] has shape {b.shape}; expected "
                 f"[max_loras={max_loras}, n_s, R={rank}]."
             )
+        if b.shape[1] == 0:
+            raise ValueError(f"{op}: lora_b[{s}] has no columns; every slice needs at least one.")
         if off < 0 or off + b.shape[1] > width:
             raise ValueError(
                 f"{op}: slice {s} covers columns [{off}, {off + b.shape[1]}) "

@@ -136,6 +136,8 @@ def supported(y_dtype, b_dtype, y_shape, widths, offsets, rank: int, tiles: Expa
         return f"y's rows of {width} columns are not a multiple of 16 bytes"
     if num_tokens < tiles.block_m:
         return f"{num_tokens} tokens < block_m={tiles.block_m}"
+    if num_tokens % 8:  # TMA boxes over the token dim come in 8-row tiles
+        return f"{num_tokens} tokens are not a multiple of 8 (TMA's 8-row tiling)"
     for s, (n_s, off) in enumerate(zip(widths, offsets)):
         # A TMA box has a static shape and y's slices sit side by side: a block that
         # crossed a slice's edge would write the next slice's columns.

@@ -133,6 +133,8 @@ def supported(x_dtype, a_dtype, num_tokens: int, hidden: int, rank: int, tiles: 
         return f"x and lora_a must share dtype bfloat16 or float16, got {x_dtype} / {a_dtype}"
     if num_tokens < tiles.block_m:
         return f"{num_tokens} tokens < block_m={tiles.block_m}"
+    if num_tokens % 8:  # TMA boxes over the token dim come in 8-row tiles
+        return f"{num_tokens} tokens are not a multiple of 8 (TMA's 8-row tiling)"
     if hidden % tiles.block_k:
         return f"hidden={hidden} is not a multiple of block_k={tiles.block_k}"
     if rank % 32 or not 32 <= rank <= 128:

@@ -56,6 +56,15 @@ def test_overlapping_slices_are_refused_and_the_oracle_adds_them():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
+def test_a_slice_without_columns_is_refused():
+    idx = np.array([0, 1, -1], np.int32)
+    meta = make_metadata(idx, 2)
+    y, h = jnp.ones((3, 48), jnp.float32), jnp.ones((2, 3, 16), jnp.float32)
+    b = (jnp.ones((2, 32, 16), jnp.float32), jnp.ones((2, 0, 16), jnp.float32))
+    with pytest.raises(ValueError, match=r"lora_b\[1\] has no columns"):
+        lora_expand(y, h, b, offsets=(0, 32), **meta, interpret=True)
+
+
 def test_slot_ranks_must_be_integers():
     idx = np.array([0, 1, -1], np.int32)
     meta = make_metadata(idx, 2)

@@ -260,6 +260,7 @@ def _lower_expand(num_tokens, rank, width, y_width=None, **kw):
         (8192, 128, "all", True, False),
         (512, 64, "all", False, True),  # under SEGMENT_MIN_TOKENS
         (2048, 8, "all", False, True),  # rank 8: not a multiple of 16
+        (2046, 64, "all", False, True),  # tokens not whole 8-row TMA tiles (failed to lower)
     ],
 )
 def test_default_picks_the_mosaic_expand_where_measured(
