@@ -240,6 +240,26 @@ def test_mixed_batch_equals_merged_dense_models(base_model, mixed):
             assert toks != base[i], "the adapter should change this request's tokens"
 
 
+def test_a_merged_model_serves_its_merged_adapter_only_as_the_base():
+    """After `merge_adapter(model, s)` the kernels carry adapter s: a request for a LoRA
+    slot would add an adapter on top, so `generate` and a `Generator` refuse it (nothing
+    generated); slots -1 give exactly the once-applied adapter's tokens."""
+    from lora_jax.serving.merge import merge_adapter, unmerge_adapter
+
+    model = _wrap(_model())
+    for slot, adapter in enumerate(ADAPTERS):
+        _set(model, slot, adapter)
+    gen = Generator(model)
+    want = generate(model, PROMPTS[:2], [1, 1], max_new_tokens=NEW, **B8).tokens
+    merge_adapter(model, 1)
+    for run in (lambda *a, **k: generate(model, *a, **k), gen):
+        with pytest.raises(ValueError, match="slot 1 is merged"):
+            run(PROMPTS[:2], [1, -1], max_new_tokens=NEW, **B8)
+        assert run(PROMPTS[:2], [-1, -1], max_new_tokens=NEW, **B8).tokens == want
+    unmerge_adapter(model)
+    assert gen(PROMPTS[:2], [1, 1], max_new_tokens=NEW, **B8).tokens == want
+
+
 def test_decode_hint_only_on_gpu():
     """The decode steps' tokens-per-slot hint is found on a GPU only, from the host's slots
     (pad rows and unmapped requests are -1); off a GPU, and without LoRA layers, None."""

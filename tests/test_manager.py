@@ -486,3 +486,29 @@ def test_lru_add_of_a_bad_adapter_evicts_nothing():
     with pytest.raises(ValueError, match="adapter 'bad'"):
         mgr.add_adapter(bad)
     assert (sorted(mgr.list_adapters()), _slots(mgr)) == before
+
+
+def test_a_merged_slot_is_not_rewritten_until_unmerged():
+    """While `merge_adapter` has folded slot s into the kernels, the manager refuses to
+    write s (an eviction into it, or `write_slot`), with nothing changed; other slots and,
+    after `unmerge_adapter`, s itself are written as usual."""
+    from lora_jax.serving.merge import merge_adapter, unmerge_adapter
+
+    model, mgr = _setup(max_loras=2, max_cpu_loras=3)
+    ad = _adapters(model, 3)
+    for i in (1, 2):
+        mgr.add_adapter(ad[i])
+        mgr.activate_adapter(i)
+    merged = mgr.slot_of(1)  # adapter 1 is the least recently used: the next victim
+    merge_adapter(model, merged)
+    mgr.add_adapter(ad[3])
+    before = (_slots(mgr), sorted(mgr.list_adapters()))
+    with pytest.raises(ValueError, match=f"slot {merged} is merged"):
+        mgr.activate_adapter(3)
+    with pytest.raises(ValueError, match=f"slot {merged} is merged"):
+        mgr.write_slot(merged, None)
+    assert (_slots(mgr), sorted(mgr.list_adapters())) == before
+    mgr.write_slot(1 - merged, None)  # the other slot is free to change
+    unmerge_adapter(model)
+    mgr.activate_adapter(3)
+    assert 3 in _slots(mgr)

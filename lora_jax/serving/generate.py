@@ -298,6 +298,7 @@ def generate(
     return _generate(
         model,
         _model_max_loras(model),
+        _merged_slot(wrap.lora_layers(model).values()),
         functools.partial(_prefill, graphdef, state),
         functools.partial(_decode, graphdef, state),
         prompts,
@@ -311,9 +312,18 @@ def generate(
     )
 
 
+def _merged_slot(layers) -> int | None:
+    """The slot `merge_adapter` folded into these LoRA layers' kernels, or None."""
+    for layer in layers:
+        if getattr(layer, "merged_original", None) is not None:
+            return layer.merged_slot
+    return None
+
+
 def _generate(
     model,
     max_loras,
+    merged,
     prefill,
     decode,
     prompts,
@@ -335,6 +345,12 @@ def _generate(
     clean, slots, eos_ids = _check_inputs(
         model, max_loras, prompts, adapter_slots, max_new_tokens, eos_token_id
     )
+    if merged is not None and any(s >= 0 for s in slots):
+        # the merged kernels already carry that adapter: a LoRA slot would add it twice
+        raise ValueError(
+            f"generate: slot {merged} is merged into the model's kernels (merge_adapter); "
+            "serve with adapter slots -1, or unmerge_adapter first"
+        )
     rules: ShardingRules = model.rules
     n = len(clean)
     B = bucket(n, max(min_batch_bucket, rules.size("batch")))
@@ -424,6 +440,7 @@ class Generator:
         shells = [(p, v.replace(value=None)) for p, v in flat]
         self._graph_edits = wrap.graph_edits()
         self._max_loras = _model_max_loras(self.model)
+        self._lora_layers = list(wrap.lora_layers(self.model).values())
 
         def state_of(values):
             return nnx.from_flat_state(
@@ -466,6 +483,7 @@ class Generator:
         return _generate(
             self.model,
             self._max_loras,
+            _merged_slot(self._lora_layers),
             functools.partial(self._prefill, values),
             functools.partial(self._decode, values),
             prompts,

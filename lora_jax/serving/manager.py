@@ -242,6 +242,7 @@ class LoRAModelManager:
         if adapter_id not in self._registered_adapters:
             raise ValueError(f"activate_adapter: adapter {adapter_id!r} is not registered")
         slot, victim = self._choose_slot()
+        self._check_not_merged(slot)
         adapter = self._registered_adapters.get(adapter_id)
         plan = self._plan_slot(slot, adapter)
         if victim is not None:
@@ -309,6 +310,7 @@ class LoRAModelManager:
         """
         if not isinstance(slot, int | np.integer) or not 0 <= int(slot) < self.lora_slots:
             raise ValueError(f"write_slot: slot {slot!r} outside [0, {self.lora_slots})")
+        self._check_not_merged(int(slot))
         self._commit(int(slot), self._plan_slot(int(slot), adapter))
 
     def _plan_slot(self, slot: int, adapter: LoRAAdapter | None):
@@ -348,6 +350,16 @@ class LoRAModelManager:
         write_slot_updates(slot, updates)
 
     # -- helpers --------------------------------------------------------------------------
+    def _check_not_merged(self, slot: int) -> None:
+        """A slot that `merge_adapter` folded into the kernels keeps its adapter until
+        `unmerge_adapter`: rewriting it would leave kernels and slots disagreeing."""
+        for layer in self.modules.values():
+            if getattr(layer, "merged_original", None) is not None and layer.merged_slot == slot:
+                raise ValueError(
+                    f"slot {slot} is merged into the model's kernels (merge_adapter); "
+                    "unmerge_adapter before writing it"
+                )
+
     def _check_modules(self, adapter: LoRAAdapter) -> None:
         unknown = [m for m in adapter.modules if m not in self.modules]
         if unknown:
