@@ -274,7 +274,9 @@ def test_merge_refuses_a_slot_on_tied_kernels():
     wrap_model(model, CFG)
     model.dec.set_lora(0, np.ones((2, 8), np.float32), np.ones((8, 2), np.float32))
     kernel = np.asarray(model.enc.base_layer.kernel[...])
-    with pytest.raises(ValueError, match=r"share one kernel and \['dec'\] hold an adapter"):
+    with pytest.raises(
+        ValueError, match=r"share one weight with each other and \['dec'\] hold an adapter"
+    ):
         merge_adapter(model, 0)
     np.testing.assert_array_equal(np.asarray(model.enc.base_layer.kernel[...]), kernel)
     assert merge_adapter(model, 1) == 0  # an empty slot: nothing to merge, nothing changed

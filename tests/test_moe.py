@@ -599,3 +599,55 @@ def test_auto_impl_is_grouped_off_gpu_and_explicit_impls_are_kept():
     assert FusedMoE(4, 2, 16, 8, impl="dense", rngs=nnx.Rngs(0)).resolve_impl(1) == "dense"
     with pytest.raises(ValueError, match="impl"):
         FusedMoE(4, 2, 16, 8, impl="fast", rngs=nnx.Rngs(0))
+
+
+# -- merge_adapter ----------------------------------------------------------------------------
+class _Holder(nnx.Module):
+    """`merge_adapter` takes a model: the layer as its only child."""
+
+    def __init__(self, layer):
+        self.experts = layer
+
+
+MERGE_CASES = [
+    # dp, tp, ep, gated, layout, fused_w13, fully_sharded
+    (1, 1, 1, True, "concat", False, False),
+    (1, 1, 1, True, "interleaved", False, False),
+    (1, 1, 1, True, "interleaved", True, False),
+    (1, 1, 1, False, "concat", False, False),
+    (1, 2, 2, True, "concat", False, False),
+    (1, 2, 2, True, "interleaved", False, True),
+    (2, 2, 2, True, "concat", True, True),
+    (1, 4, 1, False, "concat", True, True),
+    (1, 2, 1, True, "interleaved", True, False),
+]
+
+
+@pytest.mark.parametrize("dp,tp,ep,gated,layout,fused_w13,fully_sharded", MERGE_CASES)
+def test_merge_matches_oracle_and_unmerge_restores(dp, tp, ep, gated, layout, fused_w13,
+                                                   fully_sharded):  # fmt: skip
+    """Merged experts (no LoRA rows) give the oracle's output with every token on the
+    slot; the weights keep their sharding, and unmerge puts them back bit for bit."""
+    from lora_jax.serving.merge import merge_adapter, merged_slot, unmerge_adapter
+
+    rng = np.random.default_rng(13)
+    mesh = make_mesh(dp, tp, ep, explicit=tp % 2 == 0) if dp * tp * ep > 1 else None
+    layer, w = build(rng, gated=gated, layout=layout, fused_w13=fused_w13, mesh=mesh,
+                     fully_sharded=fully_sharded)  # fmt: skip
+    ads = fill(layer, rng, gated=gated, fused_w13=fused_w13, ranks=(8, 4, 8))
+    x, logits = inputs(rng)
+    base = layer.base_layer
+    before = [base.w13[...], base.w2[...]]
+    none = np.full((T,), -1, np.int32)
+    slot = 1  # rank 4 < max rank 8
+    holder = _Holder(layer)
+    assert merge_adapter(holder, slot) == 1 and merged_slot(holder) == slot
+    y = forward(layer, x, logits, none)  # base math only, on the merged weights
+    ref = oracle(x, logits, w, ads, np.full((T,), slot), gated=gated, layout=layout)
+    assert np.abs(ref - oracle(x, logits, w, ads, none, gated=gated, layout=layout)).max() > 1e-2
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-4)
+    for old, var in zip(before, (base.w13, base.w2)):
+        assert var[...].sharding.is_equivalent_to(old.sharding, old.ndim)
+    assert unmerge_adapter(holder) is True
+    np.testing.assert_array_equal(np.asarray(base.w13[...]), np.asarray(before[0]))
+    np.testing.assert_array_equal(np.asarray(base.w2[...]), np.asarray(before[1]))

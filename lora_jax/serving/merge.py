@@ -1,15 +1,29 @@
-"""Fold one slot's adapter into the base kernels for zero-overhead single-tenant serving.
+"""Fold one slot's adapter into the base weights for zero-overhead single-tenant serving.
 
-`merge_adapter(model, slot)` sets, in every LoRA linear, `kernel += (B @ A).T` for that
-slot, computed per shard inside `shard_map` in the kernel's own physical layout (packed
-slices per tensor shard, kv-head replicas, S-LoRA rank/out shards gathered first), so the
-kernel keeps its sharding and no whole array is gathered. The original kernels are kept
-(`MergedKernel` variables on the layers) and `unmerge_adapter` puts them back bit for
-bit. While merged, the model's `LoRAContext` is cleared so layers run the base matmul
-only; do not set a LoRA mapping until `unmerge_adapter`.
+`merge_adapter(model, slot)` adds that slot's `B @ A` into the base weights of every LoRA
+layer, as PEFT's `merge_adapter` does:
+
+* linears: `kernel += (B @ A).T`, per packed slice;
+* fused MoE experts: `w13[e] += (B13 @ A13).T` per slice (gate / up placed as the base
+  stores them: concatenated or interleaved per tensor shard) and `w2[e] += (B2 @ A2).T`;
+* vocab embeddings: `table[v] += B @ A[:, v]` (A is a lookup table over token ids);
+* lm_heads: `table += B @ A` (B in the head's row order).
+
+Each delta is computed per shard inside `shard_map` in the weight's own physical layout
+(packed slices per tensor shard, kv-head replicas, S-LoRA rank / out shards gathered
+first), so the weight keeps its sharding and no whole array is gathered. The original
+weights are kept (`MergedKernel` variables on the layers) and `unmerge_adapter` puts them
+back bit for bit. While merged, the model's `LoRAContext` is cleared so layers run the
+base math only; do not set a LoRA mapping until `unmerge_adapter`.
+
+Weights shared by several LoRA layers (tied embeddings / lm_head, tied kernels) cannot
+take one layer's delta without changing the others: a slot with an adapter on such a
+layer is refused, and with the slot empty those layers are left as they are.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,23 +31,37 @@ import numpy as np
 from flax import nnx
 
 from lora_jax.layers import BaseLayerWithLoRA, LoRASlotRanks, find_lora_context
+from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
+from lora_jax.layers.logits import ParallelLMHeadWithLoRA, _head_of
 from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.linear import _KERNEL_AXES
+from lora_jax.moe import _W2_AXES, _W13_AXES
 from lora_jax.serving.wrap import lora_layers
 from lora_jax.sharding import shard_map
 
+_TABLE_AXES = ("vocab", "embed")  # VocabParallelEmbedding / ParallelLMHead `[V_pad, D]`
+
 
 class MergedKernel(nnx.Variable):
-    """A base kernel as it was before `merge_adapter` (restored by `unmerge_adapter`).
+    """A base weight as it was before `merge_adapter` (restored by `unmerge_adapter`).
 
     Example:
-        >>> layer.merged_original.get_value().shape  # while merged  # doctest: +SKIP
+        >>> layer.merged_original[0].get_value().shape  # while merged  # doctest: +SKIP
         (64, 128)
     """
 
 
-def _merge_fn(layer: BaseLayerWithLoRA):
-    """`(kernel, a, b, slot) -> kernel + (B[slot] @ A[slot]).T`, per shard, for one layer."""
+def _pick(w: jax.Array, idx) -> jax.Array:
+    """Slot `idx` of a stacked LoRA array, in f32."""
+    return jax.lax.dynamic_index_in_dim(w, idx, 0, keepdims=False).astype(jnp.float32)
+
+
+def _add(w: jax.Array, delta: jax.Array) -> jax.Array:
+    return (w.astype(jnp.float32) + delta).astype(w.dtype)
+
+
+def _linear_plan(layer: BaseLayerWithLoRA):
+    """`kernel [in, out_physical] += (B @ A).T` per slice, per shard."""
     base = layer.base_layer
     rules = base.rules
     a_axes, b_axes = layer.lora_axes()
@@ -44,37 +72,114 @@ def _merge_fn(layer: BaseLayerWithLoRA):
     def local(k, a, b, idx):
         deltas = []
         for a_s, b_s in zip(a, b):
-            a_rk = jax.lax.dynamic_index_in_dim(a_s, idx, 0, keepdims=False)  # [R(/tp), in_l]
-            b_nr = jax.lax.dynamic_index_in_dim(b_s, idx, 0, keepdims=False)  # [out_l, R]
+            a_rk, b_nr = _pick(a_s, idx), _pick(b_s, idx)  # [R(/tp), in_l], [out_l, R]
             if sharded and not row:
                 a_rk = jax.lax.all_gather(a_rk, rules.mesh_axis(a_axes[1]), axis=0, tiled=True)
             if sharded and row:
                 b_nr = jax.lax.all_gather(b_nr, tp_axis, axis=0, tiled=True)
-            d = jnp.dot(b_nr.astype(jnp.float32), a_rk.astype(jnp.float32))  # [out_l, in_l]
-            deltas.append(d.T)
-        delta = jnp.concatenate(deltas, axis=1)  # [in_l, out_l]: the local kernel layout
-        return (k.astype(jnp.float32) + delta).astype(k.dtype)
+            deltas.append((b_nr @ a_rk).T)  # [in_l, out_s_l]
+        return (_add(k, jnp.concatenate(deltas, axis=1)),)  # the local kernel layout
 
-    if rules.mesh is None:
-        return local
-    k_axes = _KERNEL_AXES[base.parallel]
     n = len(layer.lora_a)
-    specs = (k_axes, (a_axes,) * n, (b_axes,) * n, ())
-    return shard_map(rules, local, specs, k_axes)
+    k_axes = _KERNEL_AXES[base.parallel]
+    specs = ((k_axes,), ((a_axes,) * n, (b_axes,) * n))
+    lora = (tuple(v[...] for v in layer.lora_a), tuple(v[...] for v in layer.lora_b))
+    return (base.kernel,), local, specs, lora
 
 
-def _merged_kernels(layers: list[BaseLayerWithLoRA], slot: int) -> list[jax.Array]:
-    """Every layer's merged kernel, from one jitted call."""
-    fns = [_merge_fn(layer) for layer in layers]
-    args = [
-        (
-            layer.base_layer.kernel[...],  # [in, out_physical]
-            tuple(v[...] for v in layer.lora_a),  # per slice [L, R, in]
-            tuple(v[...] for v in layer.lora_b),  # per slice [L, out_s, R]
-        )
-        for layer in layers
-    ]
-    run = jax.jit(lambda args, idx: [f(*a, idx) for f, a in zip(fns, args)])
+def _moe_plan(layer: FusedMoEWithLoRA):
+    """`w13[e] += (B13 @ A13).T` (gate / up in the base's per-shard layout) and
+    `w2[e] += (B2 @ A2).T`, per shard."""
+    base = layer.base_layer
+    rules = base.rules
+    a13_axes, b13_axes, a2_axes, b2_axes = layer.lora_axes()
+    tp_axis = rules.mesh_axis("tensor")
+    sharded = layer.fully_sharded and tp_axis is not None and base.tp > 1
+    interleave = len(layer.w13_lora_a) == 2 and base.gate_up_layout == "interleaved"
+
+    def local(w13, w2, a13, b13, a2, b2, idx):
+        deltas = []
+        for a_s, b_s in zip(a13, b13):
+            a = _pick(a_s, idx)  # [E_l, R(/tp), H]
+            if sharded:
+                a = jax.lax.all_gather(a, rules.mesh_axis(a13_axes[2]), axis=1, tiled=True)
+            deltas.append(jnp.einsum("enr,erh->ehn", _pick(b_s, idx), a))  # [E_l, H, n_l]
+        if interleave:  # gate at even, up at odd columns of each shard's range
+            d13 = jnp.stack(deltas, axis=-1).reshape(*deltas[0].shape[:2], -1)
+        else:  # [gate_i | up_i] (or the one fused / non-gated slice)
+            d13 = jnp.concatenate(deltas, axis=-1)
+        b = _pick(b2, idx)  # [E_l, H(/tp), R]
+        if sharded:
+            b = jax.lax.all_gather(b, tp_axis, axis=1, tiled=True)
+        d2 = jnp.einsum("ehr,eri->eih", b, _pick(a2, idx))  # [E_l, I_l, H]
+        return _add(w13, d13), _add(w2, d2)
+
+    n = len(layer.w13_lora_a)
+    specs = (
+        (_W13_AXES, _W2_AXES),
+        ((a13_axes,) * n, (b13_axes,) * n, a2_axes, b2_axes),
+    )
+    lora = (
+        tuple(v[...] for v in layer.w13_lora_a),
+        tuple(v[...] for v in layer.w13_lora_b),
+        layer.w2_lora_a[...],
+        layer.w2_lora_b[...],
+    )
+    return (base.w13, base.w2), local, specs, lora
+
+
+def _embedding_plan(layer: VocabParallelEmbeddingWithLoRA):
+    """`table [V_pad, D] += A.T @ B.T` (row v gains `B @ A[:, v]`), per shard."""
+
+    def local(table, a, b, idx):
+        return (_add(table, (_pick(b, idx) @ _pick(a, idx)).T),)  # [V_l, D_l]
+
+    specs = ((_TABLE_AXES,), (layer.A_AXES, layer.B_AXES))
+    return (layer.base_layer.embedding,), local, specs, (layer.lora_a[...], layer.lora_b[...])
+
+
+def _lm_head_plan(layer: ParallelLMHeadWithLoRA):
+    """`table [V_pad, D] += B @ A` (B already in the table's row order), per shard."""
+    proc = layer.logits_processor
+
+    def local(table, a, b, idx):
+        return (_add(table, _pick(b, idx) @ _pick(a, idx)),)  # [V_l, D_l]
+
+    specs = ((_TABLE_AXES,), (proc.A_AXES, proc.B_AXES))
+    table = _head_of(layer.base_layer).embedding
+    return (table,), local, specs, (proc.lora_a[...], proc.lora_b[...])
+
+
+def _plan(layer):
+    """`(weights, local_fn, (weight specs, lora specs), lora arrays)` for a mergeable layer,
+    or None; `local_fn(*weights, *lora, slot)` gives the merged weights of one shard."""
+    if isinstance(layer, FusedMoEWithLoRA):
+        return _moe_plan(layer)
+    if isinstance(layer, BaseLayerWithLoRA):
+        return _linear_plan(layer)
+    if isinstance(layer, VocabParallelEmbeddingWithLoRA):
+        return _embedding_plan(layer)
+    if isinstance(layer, ParallelLMHeadWithLoRA):
+        return _lm_head_plan(layer)
+    return None
+
+
+def _rules_of(layer):
+    if isinstance(layer, ParallelLMHeadWithLoRA):
+        return layer.logits_processor.rules
+    return layer.base_layer.rules
+
+
+def _merged_weights(plans: list, rules: list, slot: int) -> list[tuple[jax.Array, ...]]:
+    """Every layer's merged weights, from one jitted call."""
+    fns: list[Callable] = []
+    for (_, local, (w_specs, l_specs), _), r in zip(plans, rules):
+        if r.mesh is None:
+            fns.append(local)
+        else:
+            fns.append(shard_map(r, local, (*w_specs, *l_specs, ()), w_specs))
+    args = [(tuple(w[...] for w in weights), lora) for weights, _, _, lora in plans]
+    run = jax.jit(lambda args, idx: [f(*w, *lo, idx) for f, (w, lo) in zip(fns, args)])
     return run(args, jnp.int32(slot))
 
 
@@ -87,13 +192,25 @@ def _slot_in_use(layer, slot: int) -> bool:
     )
 
 
-def merge_adapter(model: nnx.Module, slot: int) -> int:
-    """Adds slot `slot`'s `B @ A` into every LoRA linear's base kernel; returns the count.
+def _tied_table(model: nnx.Module) -> int | None:
+    """`id` of the embedding table that a tied model (`lm_head is None`, logits from
+    `model.model.embed_tokens`, as `wrap_model` knows them) also reads as its lm_head."""
+    if getattr(model, "lm_head", True) is not None:
+        return None
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    table = getattr(getattr(emb, "base_layer", emb), "embedding", None)
+    return None if table is None else id(table)
 
-    Raises `ValueError` (changing nothing) if the model is already merged, `slot` is out of
-    range, or a layer that cannot be merged (embedding, lm_head or MoE expert LoRA, or a
-    linear whose kernel is shared with another LoRA linear: tied weights) holds an adapter
-    in `slot`; such layers with the slot empty are left as they are.
+
+def merge_adapter(model: nnx.Module, slot: int) -> int:
+    """Adds slot `slot`'s `B @ A` into every LoRA layer's base weights; returns how many
+    layers were merged.
+
+    Linears, fused MoE experts, vocab embeddings and lm_heads are merged. Raises
+    `ValueError` (changing nothing) if the model is already merged, `slot` is out of range,
+    or a layer that cannot be merged holds an adapter in `slot`: a layer whose weight is
+    shared with another LoRA layer (tied embeddings / lm_head, tied kernels) or one of an
+    unknown kind. Such layers with the slot empty are left as they are.
 
     Example:
         >>> mgr.activate_adapter(7)  # doctest: +SKIP
@@ -106,44 +223,49 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
         raise ValueError("merge_adapter: the model has no LoRA layers")
     if isinstance(slot, np.integer):  # as `token_mapping` / `slot_of` values may come
         slot = int(slot)
-    layers = {}
+    plans = {}
     for name, layer in all_layers.items():
         L = layer.lora_config.max_loras
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < L:
             raise ValueError(f"merge_adapter: slot {slot!r} outside [0, {L})")
         if getattr(layer, "merged_original", None) is not None:
             raise ValueError(f"merge_adapter: layer {name!r} is already merged; unmerge first")
-        if isinstance(layer, BaseLayerWithLoRA) and not isinstance(layer, FusedMoEWithLoRA):
-            layers[name] = layer
+        plan = _plan(layer)
+        if plan is not None:
+            plans[name] = plan
         elif _slot_in_use(layer, slot):
-            # Embedding / lm_head / MoE expert LoRA: only an empty slot can be skipped.
             raise ValueError(
                 f"merge_adapter: layer {name!r} ({type(layer).__name__}) holds an adapter in "
-                f"slot {slot} and cannot be merged; only LoRA linears can"
+                f"slot {slot} and cannot be merged"
             )
-    # Layers that share one kernel variable (tied weights): a delta merged into it would
+    # Layers that share a weight variable (tied weights): a delta merged into it would
     # reach every one of them, so such a slot is refused; with the slot empty they are
     # left as they are.
     groups: dict[int, list[str]] = {}
-    for name, layer in layers.items():
-        groups.setdefault(id(layer.base_layer.kernel), []).append(name)
-    for names in groups.values():
-        if len(names) < 2:
+    for name, (weights, *_) in plans.items():
+        for w in weights:
+            groups.setdefault(id(w), []).append(name)
+    tied = _tied_table(model)
+    for key, names in groups.items():
+        if len(names) < 2 and key != tied:
             continue
-        in_use = [n for n in names if _slot_in_use(layers[n], slot)]
+        in_use = [n for n in names if _slot_in_use(all_layers[n], slot)]
         if in_use:
+            with_ = "the tied lm_head" if len(names) < 2 else "each other"
             raise ValueError(
-                f"merge_adapter: layers {names} share one kernel and {in_use} hold an adapter "
-                f"in slot {slot}: merging it would change every layer of that kernel"
+                f"merge_adapter: layers {names} share one weight with {with_} and {in_use} "
+                f"hold an adapter in slot {slot}: merging it would change every user of "
+                "that weight"
             )
         for n in names:
-            del layers[n]
-    new = dict(zip(layers, _merged_kernels(list(layers.values()), slot)))
-    for name, layer in layers.items():
-        kernel = layer.base_layer.kernel
-        layer.merged_original = MergedKernel(kernel.get_value())
+            plans.pop(n, None)
+    layers = [all_layers[n] for n in plans]
+    new = _merged_weights(list(plans.values()), [_rules_of(la) for la in layers], slot)
+    for layer, (weights, *_), values in zip(layers, plans.values(), new):
+        layer.merged_original = nnx.List([MergedKernel(w.get_value()) for w in weights])
         layer.merged_slot = slot
-        kernel.set_value(new[name])
+        for w, v in zip(weights, values):
+            w.set_value(v)
     ctx = find_lora_context(model)
     if ctx is not None:
         ctx.set_value(None)
@@ -151,7 +273,7 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
 
 
 def unmerge_adapter(model: nnx.Module) -> bool:
-    """Restores the kernels saved by `merge_adapter` exactly; False if nothing was merged.
+    """Restores the weights saved by `merge_adapter` exactly; False if nothing was merged.
 
     Example:
         >>> unmerge_adapter(model)  # doctest: +SKIP
@@ -162,7 +284,8 @@ def unmerge_adapter(model: nnx.Module) -> bool:
         original = getattr(layer, "merged_original", None)
         if original is None:
             continue
-        layer.base_layer.kernel.set_value(original.get_value())
+        for w, saved in zip(_plan(layer)[0], original):
+            w.set_value(saved.get_value())
         del layer.merged_original
         del layer.merged_slot
         done = True
@@ -170,7 +293,7 @@ def unmerge_adapter(model: nnx.Module) -> bool:
 
 
 def merged_slot(model: nnx.Module) -> int | None:
-    """The slot currently merged into `model`'s kernels, or None.
+    """The slot currently merged into `model`'s weights, or None.
 
     Example:
         >>> merge_adapter(model, 2)  # doctest: +SKIP
