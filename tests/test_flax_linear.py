@@ -222,7 +222,7 @@ def test_wrap_takes_fused_names_dicts_and_refuses_tuples_before_any_change():
     """An `nnx.Linear` named like a packed module (`qkv_proj`) is one checkpoint module of
     its own; layers held in a dict are wrapped; a model with layers in a tuple is refused
     before anything is swapped; a tied-looking plain model (`nnx.Embed`, `lm_head=None`)
-    gets its linears wrapped and its embedding left alone."""
+    gets its linears and its embedding wrapped (`FlaxEmbedWithLoRA`), no lm_head made up."""
 
     class Fused(nnx.Module):
         def __init__(self, rngs):
@@ -257,7 +257,8 @@ def test_wrap_takes_fused_names_dicts_and_refuses_tuples_before_any_change():
 
     model = TiedLooking(nnx.Rngs(0))
     wrap_model(model, CFG)
-    assert sorted(lora_layers(model)) == ["model.q_proj"] and model.lm_head is None
+    assert sorted(lora_layers(model)) == ["model.embed_tokens", "model.q_proj"]
+    assert type(model.model.embed_tokens) is lj.FlaxEmbedWithLoRA and model.lm_head is None
 
 
 def test_merge_refuses_a_slot_on_tied_kernels():

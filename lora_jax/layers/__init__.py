@@ -35,6 +35,8 @@ from lora_jax.layers.column import ReplicatedLinearWithLoRA as ReplicatedLinearW
 from lora_jax.layers.embedding import (
     VocabParallelEmbeddingWithLoRA as VocabParallelEmbeddingWithLoRA,
 )
+from lora_jax.layers.flax_embed import FlaxEmbed as FlaxEmbed
+from lora_jax.layers.flax_embed import FlaxEmbedWithLoRA as FlaxEmbedWithLoRA
 from lora_jax.layers.flax_linear import FlaxLinear as FlaxLinear
 from lora_jax.layers.flax_linear import FlaxLinearWithLoRA as FlaxLinearWithLoRA
 from lora_jax.layers.logits import LogitsProcessor as LogitsProcessor

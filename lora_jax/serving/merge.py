@@ -32,6 +32,7 @@ from flax import nnx
 
 from lora_jax.layers import BaseLayerWithLoRA, LoRASlotRanks, find_lora_context
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
+from lora_jax.layers.flax_embed import FlaxEmbedWithLoRA
 from lora_jax.layers.logits import ParallelLMHeadWithLoRA, _head_of
 from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.linear import _KERNEL_AXES
@@ -150,9 +151,18 @@ def _lm_head_plan(layer: ParallelLMHeadWithLoRA):
     return (table,), local, specs, (proc.lora_a[...], proc.lora_b[...])
 
 
+# Why a layer kind cannot be merged (when its slot holds an adapter).
+_UNMERGEABLE = {
+    FlaxEmbedWithLoRA: "a plain nnx.Embed's table may also be read through attend() as a "
+    "tied lm_head, which merge_adapter cannot see",
+}
+
+
 def _plan(layer):
     """`(weights, local_fn, (weight specs, lora specs), lora arrays)` for a mergeable layer,
     or None; `local_fn(*weights, *lora, slot)` gives the merged weights of one shard."""
+    if isinstance(layer, FlaxEmbedWithLoRA):
+        return None  # see _UNMERGEABLE
     if isinstance(layer, FusedMoEWithLoRA):
         return _moe_plan(layer)
     if isinstance(layer, BaseLayerWithLoRA):
@@ -209,7 +219,8 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
     Linears, fused MoE experts, vocab embeddings and lm_heads are merged. Raises
     `ValueError` (changing nothing) if the model is already merged, `slot` is out of range,
     or a layer that cannot be merged holds an adapter in `slot`: a layer whose weight is
-    shared with another LoRA layer (tied embeddings / lm_head, tied kernels) or one of an
+    shared with another LoRA layer (tied embeddings / lm_head, tied kernels), a plain
+    `nnx.Embed` (its table may be a tied lm_head that no LoRA layer sees), or one of an
     unknown kind. Such layers with the slot empty are left as they are.
 
     Example:
@@ -234,9 +245,10 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
         if plan is not None:
             plans[name] = plan
         elif _slot_in_use(layer, slot):
+            why = next((w for k, w in _UNMERGEABLE.items() if isinstance(layer, k)), "")
             raise ValueError(
                 f"merge_adapter: layer {name!r} ({type(layer).__name__}) holds an adapter in "
-                f"slot {slot} and cannot be merged"
+                f"slot {slot} and cannot be merged" + (f": {why}" if why else "")
             )
     # Layers that share a weight variable (tied weights): a delta merged into it would
     # reach every one of them, so such a slot is refused; with the slot empty they are

@@ -27,6 +27,7 @@ from lora_jax.layers import (
     BaseLayerWithLoRA,
     ColumnParallelLinearWithLoRA,
     ColumnParallelLinearWithShardedLoRA,
+    FlaxEmbedWithLoRA,
     FlaxLinearWithLoRA,
     LoRAContext,
     MergedColumnParallelLinearVariableSliceWithLoRA,
@@ -69,6 +70,7 @@ LORA_LAYER_CLASSES: list[type] = [
     FusedMoE3DWithLoRA,  # FusedMoE experts: one LoRA over fused gate|up, one over down
     FusedMoEWithLoRA,  # FusedMoE experts named as separate w1 / w3 (2-item packed list)
     FlaxLinearWithLoRA,  # a plain flax.nnx.Linear (models not built from lora_jax.linear)
+    FlaxEmbedWithLoRA,  # a plain flax.nnx.Embed
 ]
 
 TargetModules = Sequence[str] | str | None
@@ -185,7 +187,7 @@ def _candidates(model: nnx.Module, lora_config, mapping):
             continue
         name = module_name(path)
         packed = list(mapping.get(str(path[-1]), [str(path[-1])]))
-        if isinstance(node, nnx.Linear):  # one plain matmul: one checkpoint module
+        if isinstance(node, (nnx.Linear, nnx.Embed)):  # one plain layer: one checkpoint module
             packed = [str(path[-1])]
         cls = _pick_class(node, lora_config, packed)
         if cls is not None:
@@ -239,7 +241,8 @@ def wrap_model(
 
     Args:
       model: an NNX module built from `lora_jax.linear` layers, or from plain
-        `flax.nnx.Linear` layers (wrapped as `FlaxLinearWithLoRA`), or both.
+        `flax.nnx.Linear` / `flax.nnx.Embed` layers (wrapped as `FlaxLinearWithLoRA` /
+        `FlaxEmbedWithLoRA`), or both.
       lora_config: slot count, max rank, `fully_sharded_loras` (picks the S-LoRA classes).
       target_modules: PEFT-style list of names (a module matches when its dotted path
         equals a name or ends with `.name`), a regex string (`re.fullmatch` on the path),
@@ -326,7 +329,7 @@ def unwrap_model(model: nnx.Module) -> int:
             continue
         if current is layer:
             original = None if getattr(layer, "tied", False) else layer.base_layer
-            original = getattr(original, "source", original)  # a FlaxLinear's nnx.Linear
+            original = getattr(original, "source", original)  # FlaxLinear / FlaxEmbed's own
             _set_child(_resolve(model, path[:-1]), path[-1], original)
             done += 1
     return done
