@@ -37,12 +37,16 @@ def _write_slots(stacks, index, values, axes):
         at = (slice(None),) * axis + (index,)
         # A scatter (not a dynamic_update_slice): it accepts an update whose sharding is
         # the stack's minus the slot dim on Explicit meshes too.
-        if value is None:  # zeros typed (and sharded) like one slot of the stack
-            update = jnp.zeros_like(jax.lax.index_in_dim(stack, 0, axis, keepdims=False))
-        else:
-            update = value.astype(stack.dtype)
-        out.append(stack.at[at].set(update))
+        out.append(stack.at[at].set(value.astype(stack.dtype)))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=512)
+def _zero_slot(shape: tuple[int, ...], dtype, sharding) -> jax.Array:
+    """One slot of zeros, made on the device(s) and kept: a layer an adapter leaves out
+    gets this array, so every adapter hands `_write_slots` the same argument types
+    whatever modules it targets (a `None` there would compile once per combination)."""
+    return jnp.zeros(shape, dtype, device=sharding)
 
 
 def write_slot_updates(index: int, updates: Sequence[tuple[nnx.Variable, int, Any]]) -> None:
@@ -60,12 +64,14 @@ def write_slot_updates(index: int, updates: Sequence[tuple[nnx.Variable, int, An
         stack = var.get_value()
         stacks.append(stack)
         axes.append(axis)
+        sharding = _slot_sharding(stack, axis)
         if value is None:
-            values.append(None)
+            shape = stack.shape[:axis] + stack.shape[axis + 1 :]
+            values.append(_zero_slot(shape, np.dtype(stack.dtype), sharding))
             continue
         value = np.asarray(value).astype(stack.dtype)  # cast on host: fewer bytes to move
-        sharding = _slot_sharding(stack, axis)
-        values.append(jax.device_put(value, sharding) if sharding is not None else value)
+        # always a jax array: jit keys numpy and jax arguments apart
+        values.append(jax.device_put(value, sharding))
     new = _write_slots(tuple(stacks), jnp.int32(index), tuple(values), tuple(axes))
     for (var, _, _), arr in zip(updates, new):
         var.set_value(arr)
