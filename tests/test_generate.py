@@ -337,6 +337,42 @@ def test_generator_follows_wrap_and_unwrap(base_model):
     assert gen(PROMPTS[:2], max_new_tokens=4, **B8).tokens == base
 
 
+def test_no_recompile_for_a_callers_mapping_eos_counts_or_other_models(lora_model, mixed):
+    """What the caller leaves in the model's LoRA context (an eager `set_lora_mapping`),
+    the number of eos ids (padded to a bucket of 4), and wrapping another model never
+    recompile `generate` or a `Generator` (the mapping is left where it was)."""
+    gen = Generator(lora_model)
+    gen(PROMPTS, SLOTS, max_new_tokens=NEW, **B8)
+    eos_counts = ([5], [5, 6], [5, 6, 7, 8])
+    for eos in eos_counts[:1]:
+        generate(lora_model, PROMPTS, SLOTS, max_new_tokens=NEW, eos_token_id=eos, **B8)
+        gen(PROMPTS, SLOTS, max_new_tokens=NEW, eos_token_id=eos, **B8)
+    before = TRACE_COUNTS.copy()
+    ctx = lora_jax.find_lora_context(lora_model)
+    try:
+        for idx in (np.array([0, 0, 1, 1], np.int32), jnp.array([0, 1, -1, -1, 2], jnp.int32)):
+            lora_jax.set_lora_mapping(lora_model, idx)
+            mapping = ctx.get_value()
+            assert generate(lora_model, PROMPTS, SLOTS, max_new_tokens=NEW, **B8).tokens == (
+                mixed.tokens
+            )
+            assert gen(PROMPTS, SLOTS, max_new_tokens=NEW, **B8).tokens == mixed.tokens
+            left = ctx.get_value()  # the caller's mapping is left in place
+            assert left is not None and left.num_tokens == mapping.num_tokens
+            np.testing.assert_array_equal(left.token_lora_indices, mapping.token_lora_indices)
+    finally:
+        ctx.set_value(None)
+    for eos in eos_counts[1:]:
+        generate(lora_model, PROMPTS, SLOTS, max_new_tokens=NEW, eos_token_id=eos, **B8)
+        gen(PROMPTS, SLOTS, max_new_tokens=NEW, eos_token_id=eos, **B8)
+    other = _model()
+    wrap_model(other, LORA_CFG, target_modules=["q_proj"])
+    gen(PROMPTS, SLOTS, max_new_tokens=NEW, **B8)
+    unwrap_model(other)
+    gen(PROMPTS, SLOTS, max_new_tokens=NEW, **B8)
+    assert TRACE_COUNTS == before, (before, TRACE_COUNTS)
+
+
 @pytest.mark.parametrize("mesh_shape", [(1, 2), (2, 2), (1, 4)])  # (1, 4): kv heads replicated
 def test_sharded_lora_generation_matches_unsharded(mixed, mesh_shape):
     if mesh_shape[0] * mesh_shape[1] > jax.device_count():

@@ -31,7 +31,12 @@ import numpy as np
 from flax import nnx
 
 from lora_jax.compile_options import decode_compiler_options
-from lora_jax.layers.base import _context_max_loras, find_lora_context, set_lora_mapping
+from lora_jax.layers.base import (
+    LoRAContext,
+    _context_max_loras,
+    find_lora_context,
+    set_lora_mapping,
+)
 from lora_jax.mapping import PROMPT_ROWS_MIN_TOKENS, PROMPT_TILE_TOKENS, host_tokens_per_slot
 from lora_jax.models.kv_cache import KVCache, cache_batch_axis
 from lora_jax.serving import wrap
@@ -40,6 +45,8 @@ from lora_jax.sharding import ShardingRules, shard_map
 
 # Traces of the jitted steps ("prefill", "decode"); a trace is a (re)compile.
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
+# The decode step's eos ids are padded to a power of two of at least this many.
+EOS_BUCKET = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +301,7 @@ def generate(
         >>> len(out.tokens[1])  # doctest: +SKIP
         8
     """
-    graphdef, state = nnx.split(model)
+    graphdef, state = _split_without_mapping(model)
     return _generate(
         model,
         _model_max_loras(model),
@@ -310,6 +317,22 @@ def generate(
         min_prompt_bucket=min_prompt_bucket,
         cache_dtype=cache_dtype,
     )
+
+
+def _split_without_mapping(model: nnx.Module):
+    """`nnx.split(model)` with the LoRA context's value left out (None): the steps set
+    their own mapping, and one left there by the caller (`set_lora_mapping` outside a
+    jit) would join the compiled signature, its arrays and static fields recompiling.
+    The model's own context keeps its value."""
+    graphdef, state = nnx.split(model)
+    ctx = find_lora_context(model)
+    if ctx is None or ctx.get_value() is None:
+        return graphdef, state
+    flat = [
+        (p, v.replace(value=None) if isinstance(v, LoRAContext) else v)
+        for p, v in nnx.to_flat_state(state)
+    ]
+    return graphdef, nnx.from_flat_state(flat)
 
 
 def _merged_slot(layers) -> int | None:
@@ -383,7 +406,10 @@ def _generate(
     if max_new_tokens == 1:
         out = first[:, None]
     else:
-        eos = jnp.asarray(eos_ids or (-2,), jnp.int32)  # [K]; -2: no token is eos
+        # [K], K a power of two >= 4 so that a new count of eos ids rarely recompiles;
+        # -2 pads (no token is -2)
+        k = bucket(len(eos_ids), EOS_BUCKET)
+        eos = jnp.asarray(eos_ids + (-2,) * (k - len(eos_ids)), jnp.int32)
         active = put(np.arange(B) < n, b)
         out, _ = decode(
             cache, first, *common, active, jnp.int32(max_new_tokens), eos,
@@ -431,16 +457,24 @@ class Generator:
         self.refresh()
 
     def refresh(self) -> None:
-        """Walks the model's graph again (after a change of its structure)."""
-        graphdef, state = nnx.split(self.model)
+        """Walks the model's graph again (after a change of its structure). The compiled
+        steps are kept when the graph and its variables' kinds are what they were (e.g.
+        another model was wrapped, or this one unwrapped and wrapped alike)."""
+        graphdef, state = _split_without_mapping(self.model)
         flat = list(nnx.to_flat_state(state))
         own = {p: v for p, v in nnx.iter_graph(self.model) if isinstance(v, nnx.Variable)}
         self._vars = [own[p] for p, _ in flat]
-        # Each variable's kind and metadata, without its array (no stale weights kept alive).
-        shells = [(p, v.replace(value=None)) for p, v in flat]
+        # The steps set their own mapping: a LoRA context is always handed in as None.
+        self._is_context = [isinstance(v, LoRAContext) for v in self._vars]
         self._graph_edits = wrap.graph_edits()
         self._max_loras = _model_max_loras(self.model)
         self._lora_layers = list(wrap.lora_layers(self.model).values())
+        structure = (graphdef, tuple((p, type(v)) for p, v in flat))
+        if structure == getattr(self, "_structure", None):
+            return
+        self._structure = structure
+        # Each variable's kind and metadata, without its array (no stale weights kept alive).
+        shells = [(p, v.replace(value=None)) for p, v in flat]
 
         def state_of(values):
             return nnx.from_flat_state(
@@ -479,7 +513,7 @@ class Generator:
         """As `generate(model, ...)`, for this generator's model."""
         if wrap.graph_edits() != self._graph_edits:
             self.refresh()
-        values = [_raw_value(v) for v in self._vars]
+        values = [None if c else _raw_value(v) for v, c in zip(self._vars, self._is_context)]
         return _generate(
             self.model,
             self._max_loras,
