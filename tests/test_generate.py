@@ -258,6 +258,16 @@ def test_a_merged_model_serves_its_merged_adapter_only_as_the_base():
         assert run(PROMPTS[:2], [-1, -1], max_new_tokens=NEW, **B8).tokens == want
     unmerge_adapter(model)
     assert gen(PROMPTS[:2], [1, 1], max_new_tokens=NEW, **B8).tokens == want
+    # Merging another slot reuses the compiled merge and generate's merged programs.
+    before = TRACE_COUNTS.copy()
+    want0 = generate(model, PROMPTS[:2], [0, 0], max_new_tokens=NEW, **B8).tokens
+    merge_adapter(model, 0)
+    from lora_jax.serving import merge
+
+    assert merge._MERGE_JITS[model][1]._cache_size() == 1  # slots 1 and 0: one program
+    assert generate(model, PROMPTS[:2], [-1, -1], max_new_tokens=NEW, **B8).tokens == want0
+    unmerge_adapter(model)
+    assert TRACE_COUNTS == before, (before, TRACE_COUNTS)
 
 
 def test_decode_hint_only_on_gpu():

@@ -40,6 +40,7 @@ from lora_jax.layers.base import (
 from lora_jax.mapping import PROMPT_ROWS_MIN_TOKENS, PROMPT_TILE_TOKENS, host_tokens_per_slot
 from lora_jax.models.kv_cache import KVCache, cache_batch_axis
 from lora_jax.serving import wrap
+from lora_jax.serving.merge import layer_merged_slot
 from lora_jax.serving.sampling import SamplingParams, row_keys, sample_tokens
 from lora_jax.sharding import ShardingRules, shard_map
 
@@ -338,8 +339,9 @@ def _split_without_mapping(model: nnx.Module):
 def _merged_slot(layers) -> int | None:
     """The slot `merge_adapter` folded into these LoRA layers' kernels, or None."""
     for layer in layers:
-        if getattr(layer, "merged_original", None) is not None:
-            return layer.merged_slot
+        slot = layer_merged_slot(layer)
+        if slot is not None:
+            return slot
     return None
 
 

@@ -29,6 +29,7 @@ from flax import nnx
 from lora_jax.config import LoRAConfig
 from lora_jax.layers import LoRAContext, find_lora_context
 from lora_jax.serving.lru import LRUCache
+from lora_jax.serving.merge import layer_merged_slot
 from lora_jax.serving.peft import LoRAAdapter, load_peft_adapter
 from lora_jax.serving.slot_writes import layer_variables, write_slot_updates
 from lora_jax.serving.wrap import layer_packed_modules, lora_layers
@@ -354,7 +355,7 @@ class LoRAModelManager:
         """A slot that `merge_adapter` folded into the kernels keeps its adapter until
         `unmerge_adapter`: rewriting it would leave kernels and slots disagreeing."""
         for layer in self.modules.values():
-            if getattr(layer, "merged_original", None) is not None and layer.merged_slot == slot:
+            if layer_merged_slot(layer) == slot:
                 raise ValueError(
                     f"slot {slot} is merged into the model's kernels (merge_adapter); "
                     "unmerge_adapter before writing it"

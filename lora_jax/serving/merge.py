@@ -23,6 +23,7 @@ layer is refused, and with the slot empty those layers are left as they are.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -50,6 +51,24 @@ class MergedKernel(nnx.Variable):
         >>> layer.merged_original[0].get_value().shape  # while merged  # doctest: +SKIP
         (64, 128)
     """
+
+
+class MergedSlot(nnx.Variable):
+    """The slot a layer's base weights hold while merged (`i32[]`; a variable, not a
+    Python attribute, so that merging another slot does not change the model's graph
+    and recompile what is jitted over it)."""
+
+
+def layer_merged_slot(layer) -> int | None:
+    """The slot merged into one LoRA layer's base weights, or None.
+
+    Example:
+        >>> layer_merged_slot(lora_layers(model)["lm_head"])  # doctest: +SKIP
+        2
+    """
+    if getattr(layer, "merged_original", None) is None:
+        return None
+    return int(np.asarray(layer.merged_slot.get_value()))
 
 
 def _pick(w: jax.Array, idx) -> jax.Array:
@@ -180,16 +199,32 @@ def _rules_of(layer):
     return layer.base_layer.rules
 
 
-def _merged_weights(plans: list, rules: list, slot: int) -> list[tuple[jax.Array, ...]]:
-    """Every layer's merged weights, from one jitted call."""
+# model -> (its merged layers, weakly, and the jitted merge over them): merging another
+# slot of the same layers reuses the compiled program (the slot is traced).
+_MERGE_JITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _merge_jit(model: nnx.Module, layers: list, plans: list, rules: list) -> Callable:
+    cached = _MERGE_JITS.get(model)
+    if cached is not None:
+        refs, run = cached
+        if len(refs) == len(layers) and all(r() is la for r, la in zip(refs, layers)):
+            return run
     fns: list[Callable] = []
     for (_, local, (w_specs, l_specs), _), r in zip(plans, rules):
         if r.mesh is None:
             fns.append(local)
         else:
             fns.append(shard_map(r, local, (*w_specs, *l_specs, ()), w_specs))
-    args = [(tuple(w[...] for w in weights), lora) for weights, _, _, lora in plans]
     run = jax.jit(lambda args, idx: [f(*w, *lo, idx) for f, (w, lo) in zip(fns, args)])
+    _MERGE_JITS[model] = ([weakref.ref(la) for la in layers], run)
+    return run
+
+
+def _merged_weights(model, layers: list, plans: list, slot: int) -> list[tuple[jax.Array, ...]]:
+    """Every layer's merged weights, from one jitted call."""
+    run = _merge_jit(model, layers, plans, [_rules_of(la) for la in layers])
+    args = [(tuple(w[...] for w in weights), lora) for weights, _, _, lora in plans]
     return run(args, jnp.int32(slot))
 
 
@@ -272,10 +307,10 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
         for n in names:
             plans.pop(n, None)
     layers = [all_layers[n] for n in plans]
-    new = _merged_weights(list(plans.values()), [_rules_of(la) for la in layers], slot)
+    new = _merged_weights(model, layers, list(plans.values()), slot)
     for layer, (weights, *_), values in zip(layers, plans.values(), new):
         layer.merged_original = nnx.List([MergedKernel(w.get_value()) for w in weights])
-        layer.merged_slot = slot
+        layer.merged_slot = MergedSlot(np.int32(slot))
         for w, v in zip(weights, values):
             w.set_value(v)
     ctx = find_lora_context(model)
@@ -313,6 +348,7 @@ def merged_slot(model: nnx.Module) -> int | None:
         2
     """
     for layer in lora_layers(model).values():
-        if getattr(layer, "merged_original", None) is not None:
-            return layer.merged_slot
+        slot = layer_merged_slot(layer)
+        if slot is not None:
+            return slot
     return None
