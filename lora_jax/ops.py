@@ -78,6 +78,10 @@ PALLAS_INTERPRET = False
 def set_default_backend(backend: str | None) -> None:
     """Forces every op to `backend` (one of `BACKENDS`); `None` restores auto-selection.
 
+    Read when an op is traced: a jitted function compiled before keeps the backend it was
+    traced with (`generate` and `Generator` key their programs on `dispatch_state()`;
+    your own jits can pass it as a static argument).
+
     Example:
         >>> set_default_backend("xla")
         >>> set_default_backend(None)
@@ -86,6 +90,17 @@ def set_default_backend(backend: str | None) -> None:
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     _default_backend = backend
+
+
+def dispatch_state() -> tuple[str | None, bool]:
+    """The module-level settings the ops read at trace time (`set_default_backend`,
+    `PALLAS_INTERPRET`): a jit that must follow a change of them keys on this.
+
+    Example:
+        >>> dispatch_state()
+        (None, False)
+    """
+    return _default_backend, bool(PALLAS_INTERPRET)
 
 
 @functools.cache

@@ -270,6 +270,31 @@ def test_a_merged_model_serves_its_merged_adapter_only_as_the_base():
     assert TRACE_COUNTS == before, (before, TRACE_COUNTS)
 
 
+def test_a_new_ops_backend_setting_is_followed(lora_model, mixed, monkeypatch):
+    """`ops.set_default_backend` is read when the steps are traced: generate and a
+    Generator key their programs on `ops.dispatch_state()`, so a change is followed (one
+    new program each) and setting it back reuses the old ones."""
+    gen = Generator(lora_model)
+    gen(PROMPTS, SLOTS, max_new_tokens=NEW, **B8)
+    seen = []
+    real = lora_jax.ops.resolve_backend
+    monkeypatch.setattr(
+        lora_jax.ops, "resolve_backend", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1]
+    )
+    before = TRACE_COUNTS.copy()
+    try:
+        lora_jax.ops.set_default_backend("xla")
+        for run in (lambda *a, **k: generate(lora_model, *a, **k), gen):
+            assert run(PROMPTS, SLOTS, max_new_tokens=NEW, **B8).tokens == mixed.tokens
+    finally:
+        lora_jax.ops.set_default_backend(None)
+    assert TRACE_COUNTS["prefill"] == before["prefill"] + 2 and seen and set(seen) == {"xla"}
+    after = TRACE_COUNTS.copy()
+    generate(lora_model, PROMPTS, SLOTS, max_new_tokens=NEW, **B8)
+    gen(PROMPTS, SLOTS, max_new_tokens=NEW, **B8)
+    assert TRACE_COUNTS == after
+
+
 def test_decode_hint_only_on_gpu():
     """The decode steps' tokens-per-slot hint is found on a GPU only, from the host's slots
     (pad rows and unmapped requests are -1); off a GPU, and without LoRA layers, None."""

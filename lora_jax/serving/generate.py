@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lora_jax import ops
 from lora_jax.compile_options import decode_compiler_options
 from lora_jax.layers.base import (
     LoRAContext,
@@ -132,7 +133,19 @@ def decode_hint(max_loras: int | None, slots: np.ndarray) -> int | None:
 
 
 def _prefill_fn(
-    graphdef, state, cache, ids, lengths, slots, row_ids, seed_key, temperature, top_p, *, mode
+    graphdef,
+    state,
+    cache,
+    ids,
+    lengths,
+    slots,
+    row_ids,
+    seed_key,
+    temperature,
+    top_p,
+    *,
+    mode,
+    ops_state=None,  # `ops.dispatch_state()`: a static key only
 ):
     TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
@@ -171,6 +184,7 @@ def _decode_fn(
     mode,
     new_bucket,
     tokens_per_slot=None,
+    ops_state=None,  # `ops.dispatch_state()`: a static key only
 ):
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
@@ -207,14 +221,16 @@ def _decode_fn(
     return out, cache
 
 
-_prefill = jax.jit(_prefill_fn, static_argnames=("graphdef", "mode"), donate_argnames=("cache",))
+_prefill = jax.jit(
+    _prefill_fn, static_argnames=("graphdef", "mode", "ops_state"), donate_argnames=("cache",)
+)
 
 
 @functools.cache
 def _decode_jit(options: tuple[tuple[str, str], ...]):
     return jax.jit(
         _decode_fn,
-        static_argnames=("graphdef", "mode", "new_bucket", "tokens_per_slot"),
+        static_argnames=("graphdef", "mode", "new_bucket", "tokens_per_slot", "ops_state"),
         donate_argnames=("cache",),
         compiler_options=dict(options) or None,
     )
@@ -404,7 +420,8 @@ def _generate(
     temperature = jnp.float32(sampling.temperature)
     top_p = jnp.float32(sampling.top_p)
     common = (lengths, slot_arr, row_ids, seed_key, temperature, top_p)
-    first, cache = prefill(cache, ids, *common, mode=sampling.mode)
+    ops_state = ops.dispatch_state()  # a new backend setting compiles anew
+    first, cache = prefill(cache, ids, *common, mode=sampling.mode, ops_state=ops_state)
     if max_new_tokens == 1:
         out = first[:, None]
     else:
@@ -415,7 +432,7 @@ def _generate(
         active = put(np.arange(B) < n, b)
         out, _ = decode(
             cache, first, *common, active, jnp.int32(max_new_tokens), eos,
-            mode=sampling.mode, new_bucket=N, tokens_per_slot=hint,
+            mode=sampling.mode, new_bucket=N, tokens_per_slot=hint, ops_state=ops_state,
         )  # fmt: skip
     out = np.asarray(jax.device_get(out))[:n, :max_new_tokens]
     tokens, reasons = [], []
@@ -483,19 +500,21 @@ class Generator:
                 [(p, shell.replace(value=v)) for (p, shell), v in zip(shells, values)]
             )
 
-        def prefill(values, cache, *args, mode):
+        def prefill(values, cache, *args, mode, ops_state):
             return _prefill_fn(graphdef, state_of(values), cache, *args, mode=mode)
 
-        def decode(values, cache, *args, mode, new_bucket, tokens_per_slot):
+        def decode(values, cache, *args, mode, new_bucket, tokens_per_slot, ops_state):
             return _decode_fn(
                 graphdef, state_of(values), cache, *args, mode=mode, new_bucket=new_bucket,
                 tokens_per_slot=tokens_per_slot,
             )  # fmt: skip
 
-        self._prefill = jax.jit(prefill, static_argnames=("mode",), donate_argnames=("cache",))
+        self._prefill = jax.jit(
+            prefill, static_argnames=("mode", "ops_state"), donate_argnames=("cache",)
+        )
         self._decode = jax.jit(
             decode,
-            static_argnames=("mode", "new_bucket", "tokens_per_slot"),
+            static_argnames=("mode", "new_bucket", "tokens_per_slot", "ops_state"),
             donate_argnames=("cache",),
             compiler_options=decode_compiler_options() or None,
         )
