@@ -244,8 +244,9 @@ def _device_metadata(idx: jax.Array, max_loras: int, *, segments: bool) -> dict:
     """The mapping's arrays, in one jitted call: an eager caller (a server loop that
     builds each step's mapping outside its model's jit) pays one dispatch, not one per op;
     under an outer jit it is inlined."""
-    idx = unshard(idx).astype(jnp.int32)  # the sort below needs it replicated
-    idx = jnp.where((idx >= 0) & (idx < max_loras), idx, -1)
+    idx = unshard(idx)  # the sort below needs it replicated
+    # range check in the input's own dtype: a 64-bit id must not wrap into a slot
+    idx = jnp.where((idx >= 0) & (idx < max_loras), idx, -1).astype(jnp.int32)
     # -1 sorts after every slot; argsort is stable so tokens keep their order per slot.
     key = jnp.where(idx < 0, max_loras, idx)
     sorted_ids = jnp.argsort(key, stable=True).astype(jnp.int32)

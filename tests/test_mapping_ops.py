@@ -35,6 +35,22 @@ def test_mapping_metadata(idx, build):
     assert int(m.num_active) == len(active)
 
 
+def test_64_bit_ids_out_of_range_never_wrap_into_a_slot():
+    """With x64 on, ids past int32 (2**32 + 1 would wrap to slot 1) are -1 on every
+    path: host numpy, a device array eagerly, and inside a jit."""
+    idx = np.array([2**32 + 1, -1, 0, 2**31 + 1, 2**33 + 3], np.int64)
+    with jax.enable_x64(True):
+        paths = {
+            "host": lj.make_lora_mapping(idx, 4).token_lora_indices,
+            "device": lj.make_lora_mapping(jnp.asarray(idx), 4).token_lora_indices,
+            "jit": jax.jit(lambda i: lj.make_lora_mapping(i, 4).token_lora_indices)(
+                jnp.asarray(idx)
+            ),
+        }
+    for path, got in paths.items():
+        np.testing.assert_array_equal(np.asarray(got), [-1, -1, 0, -1, -1], err_msg=path)
+
+
 def _oracle(x, a_slices, b_slices, idx, scale, y, offsets):
     y = np.array(y, np.float64)
     for t, i in enumerate(idx):
