@@ -436,6 +436,28 @@ def test_sampled_generation_is_seeded_and_top_p_tiny_is_greedy(base_model):
     assert tiny.tokens == greedy
 
 
+def test_seeds_past_32_bits_are_refused():
+    """jax.random.key keeps 32 bits: 2**32 + 5 would give seed 5's tokens."""
+    for seed in (2**32, 2**32 + 5, -(2**31) - 1, True, 1.0):
+        with pytest.raises(ValueError, match=r"seed must be an int in \[-2\*\*31, 2\*\*32\)"):
+            SamplingParams(temperature=1.0, seed=seed)
+    assert SamplingParams(seed=2**32 - 1).seed == 2**32 - 1
+
+
+def test_generator_follows_the_decode_compiler_options(lora_model, mixed, monkeypatch):
+    """`decode_compiler_options()` is read at each call, as `generate` does: a new value
+    gets its own decode program, with the same tokens."""
+    from lora_jax.serving import generate as gen_mod
+
+    gen = Generator(lora_model)
+    assert gen(PROMPTS, SLOTS, max_new_tokens=NEW, **B8).tokens == mixed.tokens
+    monkeypatch.setattr(
+        gen_mod, "decode_compiler_options", lambda: {"xla_embed_ir_in_executable": True}
+    )
+    assert gen(PROMPTS, SLOTS, max_new_tokens=NEW, **B8).tokens == mixed.tokens
+    assert len(gen._decodes) == 2
+
+
 def test_tiny_temperatures_sample_the_argmax():
     """Temperatures so small that logits / T overflows f32 still pick the largest logit
     (below SAMPLING_EPS the mode is greedy; above, the row's maximum is subtracted first),

@@ -121,7 +121,8 @@ def decode_hint(max_loras: int | None, slots: np.ndarray) -> int | None:
     the requests' slots on the host: on a GPU, where it picks the kernels (the Pallas ops
     from `lora_jax.ops.PALLAS_MIN_TOKENS_HINTED` tokens, a program per token where each
     request has an adapter of its own, below rank `lora_jax.ops.PER_TOKEN_XLA_MIN_RANK`),
-    so a batch bucket compiles one decode program per hint value (at most three); None
+    so a batch bucket compiles one decode program per hint value (at most the five
+    buckets of `lora_jax.mapping.TOKENS_PER_SLOT`, fewer for small batches); None
     elsewhere or without LoRA layers (one program).
 
     Example:
@@ -236,9 +237,13 @@ def _decode_jit(options: tuple[tuple[str, str], ...]):
     )
 
 
+def _options_key() -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(decode_compiler_options().items()))
+
+
 def _decode(*args, **kwargs):
     """The jitted decode loop, compiled with `decode_compiler_options` as they are now."""
-    return _decode_jit(tuple(sorted(decode_compiler_options().items())))(*args, **kwargs)
+    return _decode_jit(_options_key())(*args, **kwargs)
 
 
 def _model_max_loras(model) -> int | None:
@@ -512,12 +517,18 @@ class Generator:
         self._prefill = jax.jit(
             prefill, static_argnames=("mode", "ops_state"), donate_argnames=("cache",)
         )
-        self._decode = jax.jit(
-            decode,
-            static_argnames=("mode", "new_bucket", "tokens_per_slot", "ops_state"),
-            donate_argnames=("cache",),
-            compiler_options=decode_compiler_options() or None,
-        )
+        # one decode jit per `decode_compiler_options()` value, made when first needed
+        self._decode_step, self._decodes = decode, {}
+
+    def _decode_for(self, options: tuple[tuple[str, str], ...]):
+        if options not in self._decodes:
+            self._decodes[options] = jax.jit(
+                self._decode_step,
+                static_argnames=("mode", "new_bucket", "tokens_per_slot", "ops_state"),
+                donate_argnames=("cache",),
+                compiler_options=dict(options) or None,
+            )
+        return self._decodes[options]
 
     def __call__(
         self,
@@ -540,7 +551,7 @@ class Generator:
             self._max_loras,
             _merged_slot(self._lora_layers),
             functools.partial(self._prefill, values),
-            functools.partial(self._decode, values),
+            functools.partial(self._decode_for(_options_key()), values),
             prompts,
             adapter_slots,
             max_new_tokens=max_new_tokens,

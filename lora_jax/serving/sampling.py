@@ -47,8 +47,12 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {t!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"SamplingParams.seed must be an int, got {self.seed!r}")
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**31) <= seed < 2**32:
+            # jax.random.key keeps 32 bits: a larger seed would repeat a smaller one's tokens
+            raise ValueError(
+                f"SamplingParams.seed must be an int in [-2**31, 2**32), got {self.seed!r}"
+            )
 
     @property
     def mode(self) -> str:
