@@ -108,7 +108,8 @@ PEFT_SPECS = {
         r=4, lora_alpha=8, target_modules=["q_proj"],
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
     ),
-    2: dict(r=8, lora_alpha=4, use_rslora=True, target_parameters=["mlp.experts.down_proj"]),
+    # a bare parameter name, as transformers 5 saves a target_modules list on MoE experts
+    2: dict(r=8, lora_alpha=4, use_rslora=True, target_parameters=["down_proj"]),
 }  # fmt: skip
 
 

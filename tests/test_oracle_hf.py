@@ -256,3 +256,26 @@ def test_merge_matches_lora_path_and_unmerge_restores(hf):
     np.testing.assert_allclose(
         _logits(model, mgr, ids, [None, None]), _hf_logits(pm, ids, ["__base__"] * 2), **TOL
     )
+
+
+def test_tensors_the_config_does_not_target_are_ignored_as_peft_does(hf, tmp_path):
+    """Adapter A's file (q, k, v, o) under a config that excludes o_proj: PEFT makes no
+    o_proj LoRA and ignores those tensors; so does lora_jax (with a warning)."""
+    import json
+
+    _, base_dir, dirs, _ = hf
+    d = tmp_path / "no_o"
+    shutil.copytree(dirs["A"], d)
+    config = json.loads((d / "adapter_config.json").read_text())
+    config["exclude_modules"] = ["o_proj"]
+    (d / "adapter_config.json").write_text(json.dumps(config))
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(base, str(d)).eval()
+    ids = _ids(seed=3, shape=(2, S))
+    with torch.no_grad():
+        want = pm(input_ids=torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
+    model, mgr = _serve(base_dir)
+    with pytest.warns(UserWarning, match="ignored"):
+        (adapter,) = mgr.load_adapters({"no_o": d}, activate=True, progress=False)
+    assert not any(k.endswith("o_proj") for k in adapter.modules)
+    np.testing.assert_allclose(_logits(model, mgr, ids, [adapter.id] * 2), want, **TOL)

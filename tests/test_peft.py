@@ -117,6 +117,76 @@ def test_target_modules_regex_string(tmp_path, model):
 
 
 # -- numerics --------------------------------------------------------------------------------
+def test_untargeted_or_excluded_tensors_are_ignored_as_peft_does(tmp_path, model):
+    """PEFT builds LoRA layers from the config and ignores tensors of other modules: a
+    file with q/v/down tensors served under `target_modules=[q, v]`, or with
+    `exclude_modules` (a list, or a regex on layer 1), gives only the targeted ones. A list
+    naming modules of other architectures too is fine while one of them matches."""
+    tensors = peft_tensors(["q_proj", "v_proj", "down_proj"], 8, n_layers=2, seed=4)
+    qkv = [f"model.layers.{i}.self_attn.qkv_proj" for i in (0, 1)]
+    cases = {
+        "targets": ({"target_modules": ["q_proj", "v_proj", "c_attn"]}, qkv),
+        "exclude": (
+            {"target_modules": ["q_proj", "v_proj", "down_proj"], "exclude_modules": ["down_proj"]},
+            qkv,
+        ),
+        "exclude_regex": (
+            {
+                "target_modules": ["q_proj", "v_proj", "down_proj"],
+                "exclude_modules": r".*layers\.1\..*",
+            },
+            [qkv[0], "model.layers.0.mlp.down_proj"],
+        ),  # fmt: skip
+    }
+    full = load_peft_adapter(
+        _dir(tmp_path, {"r": 8, "lora_alpha": 16, "target_modules": ALL}, tensors, "full"),
+        model,
+        CFG,
+    )
+    assert len(full.modules) == 4
+    for name, (config, want) in cases.items():
+        d = _dir(tmp_path, {"r": 8, "lora_alpha": 16, **config}, tensors, name)
+        with pytest.warns(UserWarning, match="does not target .* ignored"):
+            got = load_peft_adapter(d, model, CFG)
+        assert sorted(got.modules) == sorted(want), name
+        for key, m in got.modules.items():
+            for x, y in zip(m.lora_b, full.modules[key].lora_b):
+                np.testing.assert_array_equal(x, y)
+
+
+def test_a_saved_base_table_must_be_the_models(tmp_path):
+    """PEFT saves the embedding table of an adapter on `embed_tokens` and loads it back:
+    the same table as the model's (also in bf16) is fine; one with changed token rows
+    (an adapter trained with new tokens) is refused, and no slot changes."""
+    from flax import nnx
+
+    from lora_jax.models import DecoderConfig, DecoderForCausalLM
+
+    config = DecoderConfig.tiny()
+    m = DecoderForCausalLM(config, rngs=nnx.Rngs(0))
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
+    wrap_model(m, cfg, target_modules=["embed_tokens"])
+    rng = np.random.default_rng(0)
+    table = np.asarray(m.model.embed_tokens.base_layer.embedding[...])[: config.vocab_size]
+    key = "base_model.model.model.embed_tokens"
+    tensors = {
+        f"{key}.lora_embedding_A": rng.normal(size=(4, config.vocab_size)).astype(np.float32),
+        f"{key}.lora_embedding_B": rng.normal(size=(64, 4)).astype(np.float32),
+    }
+    peft_cfg = {"r": 4, "lora_alpha": 8, "target_modules": ["embed_tokens"]}
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        t = {**tensors, f"{key}.base_layer.weight": table.astype(dtype)}
+        load_peft_adapter(_dir(tmp_path, peft_cfg, t, f"same_{np.dtype(dtype).name}"), m, cfg)
+    changed = table.copy()
+    changed[[5, 77]] += 0.5
+    mgr = LRUCacheLoRAModelManager(m, cfg)
+    before = jnp.asarray(m.model.embed_tokens.lora_a[...])
+    d = _dir(tmp_path, peft_cfg, {**tensors, f"{key}.base_layer.weight": changed}, "changed")
+    with pytest.raises(ValueError, match=r"base_layer.weight.*rows \(token ids\) \[5, 77\]"):
+        mgr.load_adapters({"x": d}, activate=True, progress=False)
+    np.testing.assert_array_equal(m.model.embed_tokens.lora_a[...], before)
+
+
 def test_loaded_adapter_matches_numpy_oracle(tmp_path, model):
     """Each HF module's output delta equals scale * x @ A.T @ B.T (ranks 8 and 4 mixed)."""
     ranks = {"q_proj": 4, "gate_proj": 4}
@@ -188,7 +258,14 @@ BAD_CONFIGS = {
     "rank_pattern_too_big": ({"rank_pattern": {"q_proj": 32}}, "greater than max_lora_rank"),
     "r0": ({"r": 0}, "positive integer"),
     "r_neg": ({"r": -8}, "positive integer"),
-    "unknown_target": ({"target_modules": ["q_proj", "qq_proj"]}, "qq_proj"),
+    "unknown_target": (
+        {"target_modules": ["qq_proj", "zz_proj"]},
+        r"\['qq_proj', 'zz_proj'\] match no",
+    ),
+    "pissa": ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights='pissa_niter_4'"),
+    "olora": ({"init_lora_weights": "olora"}, "path_initial_model_for_weight_conversion"),
+    "loftq": ({"init_lora_weights": "loftq"}, "changed base model"),
+    "expert_suffix": ({"target_parameters": ["up_proj"]}, r"target_parameters \['up_proj'\]"),
     "unknown_regex": ({"target_modules": r".*\.nothing"}, "matches no model module"),
     "layers_to_transform": ({"layers_to_transform": [0]}, "layers_to_transform"),
     "layers_pattern": ({"layers_pattern": "layers"}, "layers_pattern"),
@@ -223,7 +300,8 @@ def _bad_tensors(case):
         t[_key(0, "q_proj", "A")] = np.zeros((4, 32), np.float32)
         t[_key(0, "q_proj", "B")] = np.zeros((32, 4), np.float32)
     elif case == "unknown_module":
-        t[f"{PREFIX}.0.mlp.w9.lora_A.weight"] = np.zeros((8, 32), np.float32)
+        # targeted by name (`*.q_proj`) but no module of the model
+        t[f"{PREFIX}.0.mlp.w9.q_proj.lora_A.weight"] = np.zeros((8, 32), np.float32)
     elif case == "not_lora_key":
         t[f"{PREFIX}.0.self_attn.q_proj.lora_magnitude_vector"] = np.zeros((32,), np.float32)
     elif case == "missing_b":

@@ -6,12 +6,16 @@ like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (`[r, in]`
 `lora_embedding_B` (`[D, r]`). Loading:
 
 1. reads the config and refuses what cannot be served exactly (DoRA, aLoRA, QALoRA,
-   `modules_to_save`, LoRA bias, layer filters or replication, ranks outside
+   `modules_to_save`, LoRA bias, layer filters or replication, initialisations that
+   changed the base weights such as PiSSA / OLoRA / LoftQ, ranks outside
    `[1, max_lora_rank]`);
 2. reads the safetensors file with a strict parser (never unpickles; a `.bin`
    checkpoint is refused) — a truncated or corrupt file fails before anything is kept;
 3. resolves every module against the wrapped model's LoRA layers, packing `q/k/v` →
    `qkv_proj` and `gate/up` → `gate_up_proj` (a missing member is a `None` slice);
+   tensors of modules the config does not target (`target_modules`, `exclude_modules`,
+   `target_parameters`, by PEFT's rules) are ignored with a warning, as PEFT ignores
+   them; a saved copy of a base embedding / lm_head table must equal the model's;
 4. folds the scaling into B: `alpha / r`, or `alpha / sqrt(r)` with rsLoRA, with `r` and
    `alpha` from `rank_pattern` / `alpha_pattern` when a pattern matches the module's name
    in the checkpoint (before any `name_map`; fused experts: `<module>.gate_up_proj` /
@@ -27,12 +31,14 @@ import dataclasses
 import itertools
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from lora_jax.config import LoRAConfig
+from lora_jax.serving.peft_config import ALL_LINEAR, matches_targets
 from lora_jax.serving.peft_config import CONFIG_NAME as CONFIG_NAME
 from lora_jax.serving.peft_config import EXPERT_PARAMS as EXPERT_PARAMS
 from lora_jax.serving.peft_config import PEFTConfig as PEFTConfig
@@ -51,7 +57,8 @@ KEY_KINDS: dict[str, str] = {
     ".lora_embedding_B": "b",
 }
 # PEFT's `save_embedding_layers` also stores the base embedding / lm_head tables; like
-# vLLM (`is_base_embedding_weights`) they are skipped: the model's own tables are served.
+# vLLM (`is_base_embedding_weights`) they are not served, and must equal the model's
+# (`_check_base_table`).
 BASE_EMBEDDING_SUFFIXES = (".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight")
 
 _ids = itertools.count(1)
@@ -135,19 +142,50 @@ def _module_index(model) -> tuple[dict[str, tuple[str, int, int]], dict[str, Any
 
 
 def _check_targets(cfg: PEFTConfig, all_names: set[str]) -> None:
+    """As PEFT: an error only when `target_modules` matches no module of the model (a list
+    may name modules of other architectures too, e.g. `["q_proj", "c_attn"]`)."""
     t = cfg.target_modules
-    if t is None:
+    if t is None or t == ALL_LINEAR or cfg.target_parameters:
         return
     if isinstance(t, str):
         if not any(re.fullmatch(t, n) for n in all_names):
             raise ValueError(f"{cfg.source}: target_modules regex {t!r} matches no model module")
         return
-    missing = [x for x in t if not any(n == x or n.endswith("." + x) for n in all_names)]
-    if missing:
+    if not any(matches_targets(t, n) for n in all_names):
         leaves = sorted({n.rpartition(".")[2] for n in all_names if not n[-1:].isdigit()})
         raise ValueError(
-            f"{cfg.source}: target_modules {missing} are not modules of the model; "
+            f"{cfg.source}: target_modules {list(t)} match no module of the model; "
             f"its modules: {leaves}"
+        )
+
+
+def _check_base_table(key: str, value, mod: str, layers: Mapping[str, Any], source: str) -> None:
+    """PEFT's `save_embedding_layers` stores the base embedding / lm_head table, and PEFT
+    loads it into the model: an adapter trained with changed or new token rows needs its
+    own table. One table serves every adapter here, so a saved table must be the model's
+    (compared in the narrower of the two dtypes); else the adapter is refused."""
+    layer = layers.get(mod)
+    base = getattr(layer, "base_layer", None)
+    table_mod = getattr(base, "base_layer", base)  # a tied head over the embedding LoRA
+    table_var = getattr(table_mod, "embedding", None)
+    if table_var is None:
+        return  # not a table of a LoRA layer: nothing of it is served
+    model_table = np.asarray(table_var[...])[: table_mod.num_embeddings]  # [V, D]
+    saved = np.asarray(value)
+    narrow = min((saved.dtype, model_table.dtype), key=lambda d: np.dtype(d).itemsize)
+    same = saved.shape == model_table.shape and np.array_equal(
+        saved.astype(narrow), model_table.astype(narrow)
+    )
+    if not same:
+        rows = ""
+        if saved.shape == model_table.shape:
+            diff = np.flatnonzero((saved.astype(narrow) != model_table.astype(narrow)).any(1))
+            rows = f"; rows (token ids) {diff[:8].tolist()}{'...' if diff.size > 8 else ''} differ"
+        raise ValueError(
+            f"{source}: tensor {key!r} {list(saved.shape)} is the adapter's own copy of the "
+            f"base table of {mod!r}, and it is not the model's {list(model_table.shape)}{rows}: "
+            "the adapter was trained with changed token embeddings, which lora_jax cannot "
+            "serve beside other adapters (one base table serves them all)"
         )
 
 
@@ -237,14 +275,28 @@ def adapter_from_tensors(
     pairs: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
     expert_keys: dict[str, dict[str, list]] = {}
     checkpoint_names: dict[str, str] = {}  # model module → the checkpoint's name for it
+    untargeted = []
     for key, value in tensors.items():
         if key.endswith(BASE_EMBEDDING_SUFFIXES):
+            raw = key[: -len(".base_layer.weight")]
+            raw = raw[len(PEFT_PREFIX) :] if raw.startswith(PEFT_PREFIX) else raw
+            mod = name_map(raw) if name_map else raw
+            _check_base_table(key, value, mod, layers, source)
             continue
         mod, raw, kind = _parse_key(key, source, name_map)
         owner = _strip_base_layer(mod)
         if owner in index and hasattr(layers[index[owner][0]], "fused_w13"):
+            if cfg.target_parameters and not any(
+                cfg.targets_parameter(f"{_strip_base_layer(raw)}.{p.rpartition('.')[2]}")
+                for p in EXPERT_PARAMS
+            ):
+                untargeted.append(key)
+                continue
             expert_keys.setdefault(index[owner][0], {}).setdefault(mod, {})[kind] = (key, value)
             checkpoint_names[index[owner][0]] = _strip_base_layer(raw)
+            continue
+        if not cfg.targets(raw):  # PEFT makes no LoRA layer there and ignores the tensor
+            untargeted.append(key)
             continue
         checkpoint_names[mod] = raw
         if mod not in index:
@@ -259,6 +311,13 @@ def adapter_from_tensors(
                 f"{source}: tensor {key!r}: module {mod!r} has two lora_{kind} tensors"
             )
         pairs[mod][kind] = (key, np.asarray(value))
+    if untargeted:
+        warnings.warn(
+            f"{source}: {len(untargeted)} tensors are for modules that {cfg.source} does not "
+            f"target (target_modules / exclude_modules / target_parameters) and are ignored, "
+            f"as PEFT ignores them: {untargeted[:4]}{' ...' if len(untargeted) > 4 else ''}",
+            stacklevel=2,
+        )
     if not pairs and not expert_keys:
         raise ValueError(f"{source}: no LoRA tensors")
     members: dict[str, list] = {}

@@ -26,6 +26,30 @@ CONFIG_NAME = "adapter_config.json"
 EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 
 
+# `init_lora_weights` values whose training changed the base weights too (PEFT loads such
+# an adapter onto a residual base W - scale * B0 @ A0): served on the plain base they
+# would give other outputs. PEFT converts them to plain LoRA when saved with
+# `path_initial_model_for_weight_conversion`.
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga", "lora-ga")
+# `target_modules` shorthand for every linear but the output layer (PEFT expands it).
+ALL_LINEAR = "all-linear"
+
+
+def matches_targets(targets: tuple[str, ...] | str | None, name: str) -> bool:
+    """PEFT's module rule: a regex string must match the whole name; a list matches a name
+    equal to an entry or ending in `.entry`. None matches everything.
+
+    Example:
+        >>> matches_targets(("q_proj",), "model.layers.0.self_attn.q_proj")
+        True
+    """
+    if targets is None:
+        return True
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
 def _pattern_key(keys: Sequence[str], name: str) -> str | None:
     for key in keys:
         if re.match(rf"(.*\.)?({key})$", name):
@@ -59,7 +83,28 @@ class PEFTConfig:
     """Where the config came from (for error messages)."""
     target_parameters: tuple[str, ...] = ()
     """PEFT `target_parameters`: only fused MoE expert weights (`*experts.gate_up_proj`,
-    `*experts.down_proj`), served by `FusedMoE3DWithLoRA`."""
+    `*experts.down_proj`, or a suffix of them such as `gate_up_proj`), served by
+    `FusedMoE3DWithLoRA`."""
+    exclude_modules: tuple[str, ...] | str | None = None
+    """PEFT `exclude_modules`: names (or one regex) of modules that get no LoRA."""
+
+    def targets(self, name: str) -> bool:
+        """Whether PEFT would give the checkpoint module `name` a LoRA layer (its
+        `target_modules`, less its `exclude_modules`).
+
+        Example:
+            >>> PEFTConfig(r=8, lora_alpha=8, target_modules=("q_proj",)).targets("a.q_proj")
+            True
+        """
+        if self.exclude_modules is not None and matches_targets(self.exclude_modules, name):
+            return False
+        t = self.target_modules
+        return t == ALL_LINEAR or matches_targets(t, name)
+
+    def targets_parameter(self, name: str) -> bool:
+        """Whether `target_parameters` names the expert weight `name` (PEFT: equal, or a
+        suffix after a dot); an empty list names none."""
+        return any(name == t or name.endswith("." + t) for t in self.target_parameters)
 
     def __post_init__(self):
         for what, r in [
@@ -106,18 +151,38 @@ class PEFTConfig:
         ):
             if d.get(key) not in (None, [], {}, ""):
                 raise ValueError(f"{source}: {key}={d[key]!r} is not supported")
+        init = d.get("init_lora_weights", True)
+        if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+            raise ValueError(
+                f"{source}: init_lora_weights={init!r} trains against a changed base model "
+                "(PEFT loads it onto W - scale * B0 @ A0), which lora_jax does not serve; "
+                "save the adapter as plain LoRA with PEFT's "
+                "path_initial_model_for_weight_conversion"
+            )
         params = tuple(d.get("target_parameters") or ())
-        bad = [t for t in params if not t.endswith(EXPERT_PARAMS)]
+        # PEFT's rule: an entry names a parameter equal to it or ending in ".entry"
+        bad = [
+            t
+            for t in params
+            if not any(
+                p.endswith(t) and (len(p) == len(t) or p[-len(t) - 1] == ".") for p in EXPERT_PARAMS
+            )
+            and not t.endswith(tuple("." + p for p in EXPERT_PARAMS))
+        ]
         if bad:
             raise ValueError(
                 f"{source}: target_parameters {bad} are not supported; only fused MoE expert "
-                f"weights ending in {EXPERT_PARAMS}"
+                f"weights ending in {EXPERT_PARAMS} (or a suffix of them such as "
+                "'gate_up_proj')"
             )
         if "r" not in d or "lora_alpha" not in d:
             raise ValueError(f"{source}: needs 'r' and 'lora_alpha'")
         targets = d.get("target_modules")
         if targets is not None and not isinstance(targets, str):
             targets = tuple(sorted(targets))
+        excluded = d.get("exclude_modules")
+        if excluded is not None and not isinstance(excluded, str):
+            excluded = tuple(sorted(excluded)) or None
         return cls(
             r=d["r"],
             lora_alpha=float(d["lora_alpha"]),
@@ -129,6 +194,7 @@ class PEFTConfig:
             ),
             source=source,
             target_parameters=params,
+            exclude_modules=excluded,
         )
 
     @classmethod
