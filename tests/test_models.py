@@ -243,7 +243,14 @@ WINDOW_DEFAULTS = [
     ("mistral", dict()),  # sliding_window: 4096
     ("mistral", dict(sliding_window=None)),  # none
     ("mixtral", dict()),  # none (Mixtral's default)
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=4)),  # every layer
+    ("qwen3_moe", dict(use_sliding_window=True, max_window_layers=1)),  # still every layer
+    ("qwen3_moe", dict(sliding_window=4)),  # use_sliding_window False: none
 ]
+MOE_FIELDS = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+}
 
 
 @pytest.mark.parametrize("model_type,fields", WINDOW_DEFAULTS)
@@ -255,8 +262,8 @@ def test_missing_window_fields_take_transformers_defaults(model_type, fields):
 
     d = {k: v for k, v in TINY.items() if k != "model_type"}
     d |= dict(model_type=model_type, **fields)
-    if model_type == "mixtral":
-        d |= dict(num_local_experts=4, num_experts_per_tok=2)
+    if model_type in MOE_FIELDS:
+        d |= MOE_FIELDS[model_type]
         ours = MoEConfig.from_hf(d)[0]
     else:
         ours = DecoderConfig.from_hf(d)
@@ -264,6 +271,25 @@ def test_missing_window_fields_take_transformers_defaults(model_type, fields):
     types = getattr(hf, "layer_types", None) or ["sliding_attention"] * hf.num_hidden_layers
     want = [hf.sliding_window if t == "sliding_attention" else None for t in types]
     assert [ours.layer_window(i) for i in range(ours.num_hidden_layers)] == want
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_moe_configs_missing_fields_take_transformers_defaults(model_type):
+    """rope_theta and rms_norm_eps left out of config.json: the MoE type's own defaults
+    (Mixtral: 1e6 and 1e-5, not the dense 1e4 / 1e-6); a missing expert count is a
+    clear error."""
+    transformers = pytest.importorskip("transformers")
+    from lora_jax.models.moe_decoder import MoEConfig
+
+    d = {k: v for k, v in TINY.items() if k not in ("model_type", "rope_theta", "rms_norm_eps")}
+    d |= dict(model_type=model_type, **MOE_FIELDS[model_type])
+    ours = MoEConfig.from_hf(d)[0]
+    hf = transformers.AutoConfig.for_model(**d)
+    theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta") or hf.rope_theta
+    assert (ours.rope_theta, ours.rms_norm_eps) == (theta, hf.rms_norm_eps)
+    key = "num_local_experts" if model_type == "mixtral" else "num_experts"
+    with pytest.raises(ValueError, match=r"lacks required MoE fields \[.*num_local_experts"):
+        MoEConfig.from_hf({k: v for k, v in d.items() if k != key})
 
 
 def test_presets_and_packed_mapping():

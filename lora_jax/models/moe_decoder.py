@@ -96,10 +96,27 @@ class MoEConfig:
             )
         if hf.get("shared_expert_intermediate_size"):
             raise ValueError(f"config.json ({mt}): shared experts are not supported")
-        # transformers' MixtralConfig has no window unless the file names one (Mistral's
-        # default is 4096): the defaults of the MoE type, then the file
-        defaults = {"sliding_window": None} if mt == "mixtral" else {}
-        base = DecoderConfig.from_hf({**defaults, **hf, "model_type": MOE_MODEL_TYPES[mt]})
+        experts = (
+            ("num_local_experts",) if mt == "mixtral" else ("num_experts", "num_local_experts")
+        )
+        need = [("num_experts_per_tok",), experts]
+        need.append(("intermediate_size",) if mt == "mixtral" else ("moe_intermediate_size",))
+        missing = [" or ".join(k) for k in need if all(hf.get(x) is None for x in k)]
+        if missing:
+            raise ValueError(f"config.json ({mt}) lacks required MoE fields {missing}")
+        # Fields the file leaves out take the MoE type's transformers defaults, then the
+        # file's values: MixtralConfig has no window (Mistral's default is 4096), rope_theta
+        # 1e6 and rms_norm_eps 1e-5.
+        defaults, overrides = {}, {}
+        if mt == "mixtral":
+            defaults = {"sliding_window": None, "rope_theta": 1e6, "rms_norm_eps": 1e-5}
+        else:
+            # transformers 5's Qwen3-MoE puts the window (when use_sliding_window) on every
+            # layer: it has no max_window_layers / layer_types, unlike dense Qwen3
+            overrides = {"layer_types": None, "max_window_layers": 0}
+        base = DecoderConfig.from_hf(
+            {**defaults, **hf, **overrides, "model_type": MOE_MODEL_TYPES[mt]}
+        )
         if mt == "mixtral":
             moe = cls(
                 model_type=mt,
