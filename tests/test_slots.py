@@ -32,6 +32,15 @@ def _bad_inputs(layer):
         "in_size": (0, [np.zeros((8, n_in + 1))] * layer.n_slices, ad.b, "lora_a must be"),
         "out_size": (0, ad.a, [np.zeros((b.shape[0] + 2, 8)) for b in ad.b], "lora_b must be"),
     }
+    inf_a = [np.array(a, np.float64) for a in ad.a]
+    inf_a[-1][0, 0] = np.inf
+    nan_b = [np.array(b, np.float64) for b in ad.b]
+    nan_b[0][1, 1] = np.nan
+    huge_b = [np.array(b, np.float64) for b in ad.b]
+    huge_b[0][0, 0] = 1e39  # finite in float64, inf once the stacks hold it (f32)
+    cases["inf_a"] = (0, inf_a, ad.b, r"lora_a \(slice \d\) holds values that are not finite")
+    cases["nan_b"] = (0, ad.a, nan_b, r"lora_b \(slice 0\) holds values that are not finite")
+    cases["huge_b"] = (0, ad.a, huge_b, "not finite in float32")
     if layer.n_slices > 1:
         cases["slice_count"] = (0, ad.a[:-1], ad.b[:-1], "slice")
     else:
@@ -48,6 +57,33 @@ def test_bad_set_lora_raises_naming_the_layer_and_changes_nothing(kind):
             layer.set_lora(index, a, b)
         assert type(layer).__name__ in str(info.value), what
         _assert_unchanged(layer, before)
+
+
+def test_non_finite_adapters_are_refused_on_every_layer_kind():
+    """Vocab embedding, lm_head and MoE experts refuse inf / NaN too, and a value past
+    float16's range when the stacks are float16; nothing is written."""
+    from lora_jax.layers.moe import FusedMoEWithLoRA
+
+    cfg16 = lj.LoRAConfig(max_loras=2, max_lora_rank=8, lora_dtype="float16")
+    emb = lj.VocabParallelEmbeddingWithLoRA(
+        lj.layers.embedding.VocabParallelEmbedding(50, 16, rngs=nnx.Rngs(0)), cfg16
+    )
+    head = lj.ParallelLMHeadWithLoRA(lj.vocab.ParallelLMHead(50, 16, rngs=nnx.Rngs(0)), cfg16)
+    moe = FusedMoEWithLoRA(lj.FusedMoE(4, 2, 16, 8, rngs=nnx.Rngs(0)), cfg16)
+    a_e, b_e = np.ones((4, 50)), np.ones((16, 4))
+    a_h, b_h = np.ones((4, 16)), np.ones((50, 4))
+    moe_a = [np.ones((4, 4, 16)), np.ones((4, 4, 8)), np.ones((4, 4, 16))]
+    moe_b = [np.ones((4, 8, 4)), np.ones((4, 16, 4)), np.ones((4, 8, 4))]
+    for layer, a, b in ((emb, a_e, b_e), (head, a_h, b_h), (moe, moe_a, moe_b)):
+        before = [np.asarray(v) for v in jax.tree.leaves(nnx.state(layer, nnx.LoRAParam))]
+        bad_b = [x.copy() for x in b] if isinstance(b, list) else b.copy()
+        (bad_b[0] if isinstance(b, list) else bad_b)[..., 0] = 7e4  # past float16's 65504
+        with pytest.raises(ValueError, match="not finite in float16"):
+            layer.set_lora(1, a, bad_b)
+        after = [np.asarray(v) for v in jax.tree.leaves(nnx.state(layer, nnx.LoRAParam))]
+        for x, y in zip(before, after):
+            np.testing.assert_array_equal(x, y)
+        layer.set_lora(1, a, b)  # the same adapter within range is fine
 
 
 def test_rank_is_zero_padded_and_recorded():

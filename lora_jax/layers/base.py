@@ -57,6 +57,25 @@ class PreparedLoRA:
     ranks: tuple[int, ...]  # per slice true rank, 0 = absent
 
 
+def check_finite(name: str, prepared: PreparedLoRA, dtype) -> PreparedLoRA:
+    """`prepared` if every value stays finite in the stacks' `dtype`, else a ValueError.
+
+    A non-finite value in a slot would not stay in its slot: the XLA path's one-hot
+    expand multiplies every slot's B by 0 for other slots' tokens, and 0 * inf is NaN.
+    """
+    for what, arrays in (("lora_a", prepared.a), ("lora_b", prepared.b)):
+        for s, arr in enumerate(arrays):
+            with np.errstate(over="ignore", invalid="ignore"):
+                stored = np.asarray(arr).astype(dtype).astype(np.float32)
+            if not np.isfinite(stored).all():
+                raise ValueError(
+                    f"{name}.set_lora: {what} (slice {s}) holds values that are not finite in "
+                    f"{np.dtype(dtype).name} (inf / NaN, or past that dtype's range): an "
+                    "adapter's weights (scaling folded in) must be finite"
+                )
+    return prepared
+
+
 class LoRASlotRanks(nnx.Variable):
     """True adapter rank per (slice, slot), `i32[S, max_loras]`; 0 = empty slot."""
 
@@ -222,7 +241,8 @@ class BaseLayerWithLoRA(nnx.Module):
                 new_b.append(np.zeros((self.slice_widths[s], R), np.float32))
                 ranks.append(0)
                 continue
-            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            with np.errstate(over="ignore"):  # a value past f32 is refused below
+                a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
             if a.ndim != 2 or a.shape[1] != in_features:
                 raise ValueError(
                     f"{self.name}.set_lora: slice {s} lora_a must be [rank, {in_features}], "
@@ -240,7 +260,8 @@ class BaseLayerWithLoRA(nnx.Module):
             new_a.append(np.pad(a, ((0, R - r), (0, 0))))
             new_b.append(np.asarray(self._physical_b(s, np.pad(b, ((0, 0), (0, R - r))))))
             ranks.append(r)
-        return PreparedLoRA(a=tuple(new_a), b=tuple(new_b), ranks=tuple(ranks))
+        prepared = PreparedLoRA(a=tuple(new_a), b=tuple(new_b), ranks=tuple(ranks))
+        return check_finite(self.name, prepared, self.lora_dtype)
 
     def write_lora(self, index: int, prepared: PreparedLoRA) -> None:
         """Stores a `prepare_lora` result into slot `index` (no further checks)."""

@@ -31,6 +31,7 @@ from lora_jax.layers.base import (
     PreparedLoRA,
     _place_like,
     _write_slot,
+    check_finite,
 )
 from lora_jax.mapping import LoRAMapping
 from lora_jax.sharding import shard_map
@@ -52,7 +53,8 @@ def as_matrix(name: str, tensor: str, value, shape: tuple[int | None, int | None
     """`value` as a float32 2-D array whose dims match `shape` (None = any)."""
     if value is None:
         raise ValueError(f"{name}.set_lora: {tensor} is missing")
-    arr = np.asarray(value, np.float32)
+    with np.errstate(over="ignore"):  # a value past f32 is refused at prepare_lora
+        arr = np.asarray(value, np.float32)
     want = "[" + ", ".join("rank" if s is None else str(s) for s in shape) + "]"
     if arr.ndim != 2 or any(s is not None and s != n for s, n in zip(shape, arr.shape)):
         raise ValueError(f"{name}.set_lora: {tensor} must be {want}, got shape {arr.shape}")
@@ -94,7 +96,7 @@ class VocabSlotsMixin:
         """Validates an adapter for slot `index` and lays it out as stored; writes nothing."""
         check_slot(self.name, "set_lora", index, self.lora_config.max_loras)
         a, b, r = self._layout(lora_a, lora_b)
-        return PreparedLoRA(a=(a,), b=(b,), ranks=(r,))
+        return check_finite(self.name, PreparedLoRA(a=(a,), b=(b,), ranks=(r,)), self.lora_dtype)
 
     def write_lora(self, index: int, prepared: PreparedLoRA) -> None:
         """Stores a `prepare_lora` result into slot `index`."""

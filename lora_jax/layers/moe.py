@@ -37,7 +37,13 @@ from flax import nnx
 
 from lora_jax import ops
 from lora_jax.config import LoRAConfig
-from lora_jax.layers.base import BaseLayerWithLoRA, LoRAContext, LoRASlotRanks, PreparedLoRA
+from lora_jax.layers.base import (
+    BaseLayerWithLoRA,
+    LoRAContext,
+    LoRASlotRanks,
+    PreparedLoRA,
+    check_finite,
+)
 from lora_jax.mapping import LoRAMapping, make_lora_mapping
 from lora_jax.moe import ExpertRoutes, FusedMoE
 
@@ -143,7 +149,8 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
             raise ValueError(f"{self.name}.set_lora: {proj} has only one of lora_a and lora_b")
         if a is None:
             return np.zeros((E, R, in_size), np.float32), np.zeros((E, out_size, R), np.float32), 0
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        with np.errstate(over="ignore"):  # a value past f32 is refused at prepare_lora
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         if a.ndim != 3 or b.ndim != 3 or a.shape[0] != E or b.shape[0] != E:
             raise ValueError(
                 f"{self.name}.set_lora: {proj} lora_a/lora_b must be [num_experts={E}, ., .], "
@@ -215,9 +222,10 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
                 b = np.asarray(base.pack_w13(gate, up, axis=1))  # per-shard [gate_i | up_i]
             new_a.append(a)
             new_b.append(b)
-        return PreparedLoRA(
+        prepared = PreparedLoRA(
             a=tuple(new_a), b=tuple(new_b), ranks=tuple(checked[p][2] for p in order)
         )
+        return check_finite(self.name, prepared, self.lora_dtype)
 
     def _stacks(self) -> tuple[list, list]:
         return [*self.w13_lora_a, self.w2_lora_a], [*self.w13_lora_b, self.w2_lora_b]
