@@ -154,6 +154,19 @@ def test_untargeted_or_excluded_tensors_are_ignored_as_peft_does(tmp_path, model
                 np.testing.assert_array_equal(x, y)
 
 
+def test_all_linear_shorthand_serves_the_files_modules(tmp_path, model):
+    """PEFT's `target_modules="all-linear"` (kept literally in some saved configs) targets
+    every linear: the file's tensors decide, nothing is ignored."""
+    import warnings
+
+    tensors = peft_tensors(["q_proj", "down_proj"], 8, n_layers=2, seed=6)
+    d = _dir(tmp_path, {"r": 8, "lora_alpha": 16, "target_modules": "all-linear"}, tensors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = load_peft_adapter(d, model, CFG)
+    assert len(got.modules) == 4
+
+
 def test_a_saved_base_table_must_be_the_models(tmp_path):
     """PEFT saves the embedding table of an adapter on `embed_tokens` and loads it back:
     the same table as the model's (also in bf16) is fine; one with changed token rows
