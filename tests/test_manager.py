@@ -13,7 +13,7 @@ from serving_toy import ToyLM, peft_tensors
 import lora_jax as lj
 from lora_jax.serving import slot_writes
 from lora_jax.serving.manager import LoRAModelManager, LoRARequest, LRUCacheLoRAModelManager
-from lora_jax.serving.peft import PEFTConfig, adapter_from_tensors
+from lora_jax.serving.peft import LoRAAdapter, ModuleLoRA, PEFTConfig, adapter_from_tensors
 from lora_jax.serving.wrap import lora_layers, wrap_model
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -502,10 +502,72 @@ def test_lru_add_of_a_bad_adapter_evicts_nothing():
     assert (sorted(mgr.list_adapters()), _slots(mgr)) == before
 
 
+def _too_big(model, aid):
+    """A well-formed adapter of rank 16 > max_lora_rank 8: every layer refuses it."""
+    good = _adapter(model, aid)
+    big = lambda x, axis: (
+        None
+        if x is None
+        else np.ones(  # noqa: E731
+            (16, x.shape[1]) if axis == 0 else (x.shape[0], 16), np.float32
+        )
+    )
+    modules = {
+        k: ModuleLoRA(k, tuple(big(a, 0) for a in m.lora_a), tuple(big(b, 1) for b in m.lora_b))
+        for k, m in good.modules.items()
+    }
+    return LoRAAdapter(id=aid, name=f"big{aid}", rank=16, modules=modules)
+
+
+def _state(mgr):
+    return (
+        list(mgr._registered_adapters.cache),  # CPU LRU order
+        list(mgr._active_adapters.cache),  # device LRU order
+        list(mgr.lora_index_to_id),
+    )
+
+
+@pytest.mark.parametrize("lru", [True, False], ids=["lru", "plain"])
+def test_a_failed_worker_step_changes_nothing(lru):
+    """`set_active_adapters` with a request that cannot be served (unknown id, a rank
+    too large) raises before any load, eviction, touch or write: the adapters serving
+    before still serve, in the same slots and LRU order (vLLM's worker loads first)."""
+    model, mgr = _setup(max_loras=2, max_cpu_loras=2, lru=lru)
+    ad = _adapters(model, 3)
+    mgr.set_active_adapters([ad[1], ad[2]])
+    arrays = _lora_arrays(model)
+    before = _state(mgr) if lru else (sorted(mgr.list_adapters()), list(mgr.lora_index_to_id))
+    for bad in ([_too_big(model, 4)], [ad[3], 99], [ad[3], _too_big(model, 4)]):
+        with pytest.raises(ValueError, match="max_lora_rank|not registered"):
+            mgr.set_active_adapters(bad)
+        after = _state(mgr) if lru else (sorted(mgr.list_adapters()), list(mgr.lora_index_to_id))
+        assert after == before, bad
+        jax.tree.map(np.testing.assert_array_equal, arrays, _lora_arrays(model))
+    mgr.set_active_adapters([ad[3], ad[1]])  # a good step still works
+    assert sorted(x for x in mgr.lora_index_to_id) == [1, 3]
+
+
+def test_a_failed_activation_leaves_the_lru_order():
+    """A registered adapter that no layer accepts: activating it fails without making it
+    the most recently used, so the next add still evicts the least recently used one."""
+    model, mgr = _setup(max_loras=2, max_cpu_loras=2)
+    mgr.add_adapter(_too_big(model, 1))  # the cache is not full: registered unchecked
+    mgr.add_adapter(_adapter(model, 2))
+    before = _state(mgr)
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        mgr.activate_adapter(1)
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        mgr.pin_adapter(1)
+    assert _state(mgr) == before
+    mgr.add_adapter(_adapter(model, 3))
+    assert sorted(mgr.list_adapters()) == [2, 3]  # 1 was the least recently used
+
+
 def test_a_merged_slot_is_not_rewritten_until_unmerged():
-    """While `merge_adapter` has folded slot s into the kernels, the manager refuses to
-    write s (an eviction into it, or `write_slot`), with nothing changed; other slots and,
-    after `unmerge_adapter`, s itself are written as usual."""
+    """While `merge_adapter` has folded slot s into the kernels, the manager never writes
+    s: an eviction takes another slot's adapter, a free s is not used, `write_slot(s)`
+    and a worker step that needs s are refused with nothing changed; after
+    `unmerge_adapter`, s is written as usual."""
     from lora_jax.serving.merge import merge_adapter, unmerge_adapter
 
     model, mgr = _setup(max_loras=2, max_cpu_loras=3)
@@ -513,16 +575,20 @@ def test_a_merged_slot_is_not_rewritten_until_unmerged():
     for i in (1, 2):
         mgr.add_adapter(ad[i])
         mgr.activate_adapter(i)
-    merged = mgr.slot_of(1)  # adapter 1 is the least recently used: the next victim
+    merged = mgr.slot_of(1)  # adapter 1 is the least recently used
     merge_adapter(model, merged)
     mgr.add_adapter(ad[3])
+    assert mgr.activate_adapter(3)  # evicts 2, not 1 (its slot is merged)
+    assert _slots(mgr)[merged] == 1 and _slots(mgr)[1 - merged] == 3
     before = (_slots(mgr), sorted(mgr.list_adapters()))
     with pytest.raises(ValueError, match=f"slot {merged} is merged"):
-        mgr.activate_adapter(3)
-    with pytest.raises(ValueError, match=f"slot {merged} is merged"):
         mgr.write_slot(merged, None)
+    with pytest.raises(RuntimeError, match="merged"):
+        mgr.set_active_adapters([2, 3])  # 2 would need the merged slot
     assert (_slots(mgr), sorted(mgr.list_adapters())) == before
-    mgr.write_slot(1 - merged, None)  # the other slot is free to change
+    mgr.deactivate_adapter(1)  # the merged slot is free now, but still not written
+    mgr.activate_adapter(2)
+    assert _slots(mgr)[merged] is None and _slots(mgr)[1 - merged] == 2
     unmerge_adapter(model)
     mgr.activate_adapter(3)
-    assert 3 in _slots(mgr)
+    assert _slots(mgr)[merged] == 3

@@ -12,7 +12,10 @@ managers' `set_active_adapters`):
   are pinned, activating another raises `RuntimeError`.
 
 A slot write validates the adapter for every layer first (host side), then writes every
-layer's slot in one jitted, donated update; on a bad adapter nothing changes. Slot
+layer's slot in one jitted, donated update; on a bad adapter nothing changes. A worker
+step (`set_active_adapters`) loads and checks every requested adapter, and that they fit,
+before it evicts, touches or writes anything. A slot that `merge_adapter` folded into the
+kernels is never written (nor chosen, free or as a victim) until `unmerge_adapter`. Slot
 choices are deterministic, so every process of a multi-host run makes the same ones.
 """
 
@@ -243,22 +246,32 @@ class LoRAModelManager:
         if adapter_id not in self._registered_adapters:
             raise ValueError(f"activate_adapter: adapter {adapter_id!r} is not registered")
         slot, victim = self._choose_slot()
-        self._check_not_merged(slot)
-        adapter = self._registered_adapters.get(adapter_id)
+        adapter = _peek(self._registered_adapters, adapter_id)  # touched once written
         plan = self._plan_slot(slot, adapter)
         if victim is not None:
             self.deactivate_adapter(victim)
         self._commit(slot, plan)
+        self._touch_registered(adapter_id)
         self._active_put(adapter_id)
         self.lora_index_to_id[slot] = adapter_id
         return True
 
+    def _merged_slots(self) -> set[int]:
+        """Slots `merge_adapter` folded into the kernels: never written until unmerged."""
+        return {s for s in (layer_merged_slot(la) for la in self.modules.values()) if s is not None}
+
+    def _free_slots(self) -> list[int]:
+        merged = self._merged_slots()
+        return [i for i, x in enumerate(self.lora_index_to_id) if x is None and i not in merged]
+
     def _choose_slot(self) -> tuple[int, int | None]:
         """(slot to write, active adapter to evict first or None)."""
-        free = next((i for i, x in enumerate(self.lora_index_to_id) if x is None), None)
-        if free is None:
-            raise ValueError("No free lora slots")
-        return free, None
+        free = self._free_slots()
+        if not free:
+            merged = sorted(self._merged_slots())
+            extra = f" (slots {merged} are merged: unmerge_adapter to reuse them)" if merged else ""
+            raise ValueError(f"No free lora slots{extra}")
+        return free[0], None
 
     def deactivate_adapter(self, adapter_id: int) -> bool:
         """Frees the adapter's slot (its weights stay until overwritten); False if inactive."""
@@ -290,13 +303,40 @@ class LoRAModelManager:
         activates the rest. More distinct requests than slots raise `RuntimeError`.
         """
         reqs = self._distinct(requests)
+        new = self._validate_requests(reqs)
+        staying = [a for a in self.lora_index_to_id if a is not None and a in reqs]
+        usable = self.lora_slots - len(self._merged_slots() - {self.slot_of(a) for a in staying})
+        if len(reqs) > usable:
+            raise RuntimeError(
+                f"set_active_adapters: {len(reqs)} requested adapters do not fit the {usable} "
+                f"device slots that are not merged (merged: {sorted(self._merged_slots())})"
+            )
         for aid in list(_keys(self._registered_adapters)):
             if aid not in reqs:
                 self.remove_adapter(aid)
-        for aid, req in reqs.items():
+        for aid in reqs:
             if aid not in self._registered_adapters:
-                self.add_adapter(self._load(req))
+                self.add_adapter(new[aid])
             self.activate_adapter(aid)
+
+    def _validate_requests(self, reqs: Mapping[int, Any]) -> dict[int, LoRAAdapter]:
+        """Loads the requested adapters that are not registered and checks every one that
+        is not active against every layer, before anything changes: a bad request costs
+        no other adapter its place. Returns the newly loaded ones by id."""
+        new = {}
+        for aid, req in reqs.items():
+            if aid in self._active_adapters:
+                continue
+            if aid in self._registered_adapters:
+                adapter = _peek(self._registered_adapters, aid)
+            else:
+                adapter = new[aid] = self._load(req)
+                if adapter.id != aid:
+                    raise ValueError(
+                        f"set_active_adapters: request {aid} loaded an adapter with id {adapter.id}"
+                    )
+            self._plan_slot(0, adapter)
+        return new
 
     # -- slot writes ----------------------------------------------------------------------
     def write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
@@ -451,14 +491,28 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
         self._active_adapters.touch(adapter_id)
 
     def _choose_slot(self) -> tuple[int, int | None]:
-        free = next((i for i, x in enumerate(self.lora_index_to_id) if x is None), None)
-        if free is not None:
-            return free, None
-        active = self._active_adapters
-        victim = next((k for k in active.cache if k not in active.pinned), None)
-        if victim is None:
+        free = self._free_slots()
+        if free:
+            return free[0], None
+        victims = self._victims()
+        if not victims:
+            if self._merged_slots():
+                raise RuntimeError(
+                    "No slot to evict: the others are pinned and slots "
+                    f"{sorted(self._merged_slots())} are merged (unmerge_adapter to reuse them)"
+                )
             raise RuntimeError("All items are pinned, cannot remove oldest from the cache.")
-        return self.slot_of(victim), victim
+        return self.slot_of(victims[0]), victims[0]
+
+    def _victims(self, keep=()) -> list[int]:
+        """Active adapters that may be evicted, least recently used first: not pinned, not
+        in a merged slot, not in `keep`."""
+        active, merged = self._active_adapters, self._merged_slots()
+        return [
+            k
+            for k in active.cache
+            if k not in active.pinned and k not in keep and self.slot_of(k) not in merged
+        ]
 
     def deactivate_adapter(self, adapter_id: int) -> bool:
         if adapter_id not in self._active_adapters:
@@ -505,18 +559,31 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
                     f"set_active_adapters: {len(reqs)} requested adapters and {len(pinned)} "
                     f"other pinned ones {pinned} do not fit the {room} {what}"
                 )
+        new = self._validate_requests(reqs)
+        needed = sum(1 for aid in reqs if aid not in self._active_adapters)
+        room = len(self._free_slots()) + len(self._victims(keep=reqs))
+        if needed > room:
+            merged = sorted(self._merged_slots())
+            raise RuntimeError(
+                f"set_active_adapters: {needed} adapters to activate but only {room} device "
+                f"slots are free or held by unpinned, unrequested adapters (merged: {merged})"
+            )
         # The requested adapters already here become the most recently used, so that
         # making room for the others evicts only adapters this step does not use.
         for aid in reqs:
             self._registered_adapters.touch(aid)
             self._active_adapters.touch(aid)
-        for aid, req in reqs.items():
+        for aid in reqs:
             if aid not in self._registered_adapters:
-                adapter = self._load(req)
                 if len(self._registered_adapters) + 1 > self.capacity:
                     self.remove_oldest_adapter()
-                self.add_adapter(adapter)
+                self.add_adapter(new[aid])
             self.activate_adapter(aid)
+
+
+def _peek(cache, key):
+    """`cache[key]` without making it the most recently used."""
+    return cache.cache[key] if isinstance(cache, LRUCache) else cache[key]
 
 
 def _items(cache):
