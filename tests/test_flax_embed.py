@@ -177,3 +177,36 @@ def test_against_hf_peft_on_a_torch_embedding(tmp_path):
 
     got = np.asarray(lookup(model, jnp.asarray(ids, jnp.int32), jnp.full(ids.shape, slot)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_sharded_ids_with_out_sharding_on_an_explicit_mesh():
+    """ids split over "dp" and `out_sharding` (as `nnx.Embed` takes them on an Explicit
+    mesh): the output keeps the asked sharding and equals the unsharded lookup; `attend`
+    takes `out_sharding` second, as `nnx.Embed.attend` does."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=explicit)
+    a, b = _embedding_adapter(7)
+    ids_np = np.random.default_rng(3).integers(0, V, (2, 6)).astype(np.int32)
+    slots = jnp.asarray([1, 1, -1, 0, 1, -1] * 2, jnp.int32)
+    plain = lj.FlaxEmbedWithLoRA(nnx.Embed(V, D, rngs=nnx.Rngs(0)), CFG)
+    plain.set_lora(1, a, b)
+
+    @nnx.jit(static_argnums=3)
+    def lookup(layer, ids, slots, out):
+        lj.set_lora_mapping(layer, slots)
+        return layer(ids, out_sharding=out)
+
+    want = np.asarray(lookup(plain, jnp.asarray(ids_np), slots, None))
+    with jax.set_mesh(mesh):
+        layer = lj.FlaxEmbedWithLoRA(nnx.Embed(V, D, rngs=nnx.Rngs(0)), CFG)
+        layer.set_lora(1, a, b)
+        ids = jax.device_put(jnp.asarray(ids_np), NamedSharding(mesh, P("dp", None)))
+        got = lookup(layer, ids, slots, P("dp", None, None))
+        assert jax.typeof(got).sharding.spec == P("dp", None, None)
+        h = jax.device_put(jnp.ones((2, D)), NamedSharding(mesh, P()))
+        logits = nnx.jit(lambda m, h: m.attend(h, P(None, "dp")))(layer, h)
+        assert jax.typeof(logits).sharding.spec == P(None, "dp")  # V = 50 splits in 2
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)

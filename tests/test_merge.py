@@ -15,9 +15,9 @@ from flax import nnx
 import lora_jax as lj
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
 from lora_jax.serving.manager import LoRAModelManager
-from lora_jax.serving.merge import merge_adapter, merged_slot, unmerge_adapter
+from lora_jax.serving.merge import merge_adapter, merge_and_unload, merged_slot, unmerge_adapter
 from lora_jax.serving.peft import PEFTConfig, adapter_from_tensors
-from lora_jax.serving.wrap import lora_layers, wrap_model
+from lora_jax.serving.wrap import lora_layers, unwrap_model, wrap_model
 
 B, S, RANK = 2, 5, 4
 PREFIX = "base_model.model"
@@ -108,13 +108,14 @@ def _params(model):
 
 
 @pytest.mark.parametrize(
-    "targets", [("embed_tokens", "lm_head", "o_proj"), ("embed_tokens", "o_proj")]
+    "targets",
+    [("embed_tokens", "lm_head", "o_proj"), ("embed_tokens", "o_proj"), ("lm_head", "o_proj")],
 )
 def test_tied_embeddings_are_refused_when_the_slot_uses_them(targets):
     """A tied model reads the embedding table as its lm_head: a slot with an embedding or
     lm_head adapter is refused (nothing changes); a slot with neither merges the rest."""
     model, config, cfg = _model(tie=True, targets=targets)
-    with_vocab = _tensors(config, 0, head="lm_head" in targets)
+    with_vocab = _tensors(config, 0, embed="embed_tokens" in targets, head="lm_head" in targets)
     o_only = _tensors(config, 1, embed=False, head=False)
     slots = _load(model, config, cfg, {1: with_vocab, 2: o_only})
     before = _params(model)
@@ -129,3 +130,22 @@ def test_tied_embeddings_are_refused_when_the_slot_uses_them(targets):
     np.testing.assert_allclose(merged, lora, rtol=1e-4, atol=1e-4 * np.abs(lora).max())
     unmerge_adapter(model)
     jax.tree.map(np.testing.assert_array_equal, before, _params(model))
+
+
+def test_unwrap_refuses_a_merged_model_unless_asked_to_keep_it():
+    """Unwrapping a merged model would drop the saved originals: refused (nothing
+    changes) unless `keep_merged=True`; `merge_and_unload` does that as PEFT's does, and
+    leaves a plain model computing the LoRA path's logits."""
+    model, config, cfg = _model(targets=("lm_head", "o_proj"))
+    slots = _load(model, config, cfg, {1: _tensors(config, 0, embed=False)})
+    ids, pos = _inputs(config)
+    lora = np.asarray(_logits(model, ids, pos, jnp.full((B * S,), slots[1], jnp.int32)))
+    merge_adapter(model, slots[1])
+    with pytest.raises(ValueError, match="hold a merged adapter"):
+        unwrap_model(model)
+    assert lora_layers(model) and merged_slot(model) == slots[1]
+    unmerge_adapter(model)
+    assert merge_and_unload(model, slots[1]) == 3
+    assert not lora_layers(model)
+    merged = np.asarray(_base_logits(model, ids, pos))
+    np.testing.assert_allclose(merged, lora, rtol=1e-4, atol=1e-4 * np.abs(lora).max())

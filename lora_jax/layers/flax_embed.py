@@ -23,7 +23,7 @@ from lora_jax import ops
 from lora_jax.config import LoRAConfig
 from lora_jax.layers.base import LoRAContext
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
-from lora_jax.sharding import ShardingRules
+from lora_jax.sharding import ShardingRules, unshard
 from lora_jax.vocab import VocabParallelEmbedding
 
 
@@ -56,8 +56,9 @@ class FlaxEmbed(VocabParallelEmbedding):
     def __call__(self, ids: jax.Array, out_sharding=None) -> jax.Array:
         return self.source(ids, **_sharding_kw(out_sharding))
 
-    def attend(self, x: jax.Array, gather: bool = False, out_sharding=None) -> jax.Array:
-        """The source's `attend` (`[..., V]`; one shard, so `gather` changes nothing)."""
+    def attend(self, x: jax.Array, out_sharding=None, *, gather: bool = False) -> jax.Array:
+        """The source's `attend` (`[..., V]`; one shard, so `gather` changes nothing);
+        `out_sharding` second, as `nnx.Embed.attend` takes it."""
         del gather
         return self.source.attend(x, **_sharding_kw(out_sharding))
 
@@ -96,9 +97,10 @@ class FlaxEmbedWithLoRA(VocabParallelEmbeddingWithLoRA):
     def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()) -> bool:
         return isinstance(source_layer, nnx.Embed) and len(packed_modules_list) <= 1
 
-    def attend(self, query: jax.Array, gather: bool = False, out_sharding=None) -> jax.Array:
-        """The source's `attend`, without LoRA (PEFT's embedding LoRA leaves it alone)."""
-        return self.base_layer.attend(query, out_sharding=out_sharding)
+    def attend(self, query: jax.Array, out_sharding=None, *, gather: bool = False) -> jax.Array:
+        """The source's `attend` (`out_sharding` second, as `nnx.Embed.attend` takes it),
+        without LoRA: PEFT's embedding LoRA leaves it alone."""
+        return self.base_layer.attend(query, out_sharding)
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         """As `nnx.Embed.__call__`, plus each token's slot's `B @ A[:, id]`."""
@@ -113,6 +115,9 @@ class FlaxEmbedWithLoRA(VocabParallelEmbeddingWithLoRA):
                 f"has {flat.shape[0]} (ids shape {inputs.shape})"
             )
         slot = mapping.token_lora_indices
+        # ids may be batch-sharded (an Explicit mesh): the gather wants them replicated
+        # like the slots; the expand below re-splits the rows as `y` is split
+        flat = unshard(flat)
         code = self.lora_a[...][jnp.maximum(slot, 0), :, flat]  # [T, R]: each id's A column
         code = jnp.where((slot >= 0)[:, None], code.astype(jnp.float32), 0.0)
         y2 = ops.lora_expand(

@@ -34,11 +34,11 @@ from flax import nnx
 from lora_jax.layers import BaseLayerWithLoRA, LoRASlotRanks, find_lora_context
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.layers.flax_embed import FlaxEmbedWithLoRA
-from lora_jax.layers.logits import ParallelLMHeadWithLoRA, _head_of
+from lora_jax.layers.logits import ParallelLMHeadWithLoRA, TiedLMHeadWithLoRA, _head_of
 from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.linear import _KERNEL_AXES
 from lora_jax.moe import _W2_AXES, _W13_AXES
-from lora_jax.serving.wrap import lora_layers
+from lora_jax.serving.wrap import lora_layers, unwrap_model
 from lora_jax.sharding import shard_map
 
 _TABLE_AXES = ("vocab", "embed")  # VocabParallelEmbedding / ParallelLMHead `[V_pad, D]`
@@ -238,9 +238,13 @@ def _slot_in_use(layer, slot: int) -> bool:
 
 
 def _tied_table(model: nnx.Module) -> int | None:
-    """`id` of the embedding table that a tied model (`lm_head is None`, logits from
-    `model.model.embed_tokens`, as `wrap_model` knows them) also reads as its lm_head."""
-    if getattr(model, "lm_head", True) is not None:
+    """`id` of the embedding table that a tied model reads both as its embedding and as
+    its lm_head (as `wrap_model` knows them: `lm_head` None, or a `TiedLMHeadWithLoRA`,
+    over `model.model.embed_tokens`), whichever of the two is LoRA-wrapped."""
+    head = getattr(model, "lm_head", True)
+    if isinstance(head, TiedLMHeadWithLoRA):
+        return id(_head_of(head.base_layer).embedding)
+    if head is not None:
         return None
     emb = getattr(getattr(model, "model", None), "embed_tokens", None)
     table = getattr(getattr(emb, "base_layer", emb), "embedding", None)
@@ -298,7 +302,7 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
             continue
         in_use = [n for n in names if _slot_in_use(all_layers[n], slot)]
         if in_use:
-            with_ = "the tied lm_head" if len(names) < 2 else "each other"
+            with_ = "the model's tied embedding / lm_head" if len(names) < 2 else "each other"
             raise ValueError(
                 f"merge_adapter: layers {names} share one weight with {with_} and {in_use} "
                 f"hold an adapter in slot {slot}: merging it would change every user of "
@@ -352,3 +356,17 @@ def merged_slot(model: nnx.Module) -> int | None:
         if slot is not None:
             return slot
     return None
+
+
+def merge_and_unload(model: nnx.Module, slot: int) -> int:
+    """PEFT's `merge_and_unload`: merges slot `slot` into the base weights for good and
+    removes every LoRA layer (`unwrap_model(keep_merged=True)`); returns how many layers
+    were merged. The model is then a plain model computing base + that adapter.
+
+    Example:
+        >>> merge_and_unload(model, mgr.slot_of(7))  # doctest: +SKIP
+        7
+    """
+    n = merge_adapter(model, slot)
+    unwrap_model(model, keep_merged=True)
+    return n

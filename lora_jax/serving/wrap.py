@@ -311,14 +311,24 @@ def wrap_model(
     return context
 
 
-def unwrap_model(model: nnx.Module) -> int:
+def unwrap_model(model: nnx.Module, *, keep_merged: bool = False) -> int:
     """Puts every LoRA layer's base layer back in its place; returns how many were removed.
+
+    A model with a merged adapter (`merge_adapter`) is refused unless `keep_merged=True`,
+    which keeps that adapter in the base weights for good (PEFT's `merge_and_unload`;
+    see `lora_jax.serving.merge.merge_and_unload`): unwrapping drops the saved originals.
 
     Example:
         >>> unwrap_model(model)  # doctest: +SKIP
         7
     """
     found = [(tuple(p), n) for p, n in nnx.iter_graph(model) if p and is_lora_layer(n)]
+    merged = [module_name(p) for p, n in found if getattr(n, "merged_original", None) is not None]
+    if merged and not keep_merged:
+        raise ValueError(
+            f"unwrap_model: layers {merged[:4]} hold a merged adapter (merge_adapter); "
+            "unmerge_adapter first, or pass keep_merged=True to keep it in the base weights"
+        )
     # Outermost first so a nested wrapper (never made by wrap_model) is not half-restored.
     found.sort(key=lambda pn: len(pn[0]))
     done = 0
