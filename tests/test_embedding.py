@@ -289,7 +289,8 @@ def test_bad_construction_and_calls():
 
 def test_peft_embedding_tensors_load_and_bad_vocab_is_refused():
     """PEFT keys `lora_embedding_A [r, V]` / `lora_embedding_B [D, r]` reach the layer with
-    the scaling folded into B; the saved base table is skipped; a wrong vocab is refused."""
+    the scaling folded into B; the saved base table (the model's) is not served; a wrong
+    vocab is refused."""
     from lora_jax.models import DecoderConfig, DecoderForCausalLM
     from lora_jax.serving.peft import PEFTConfig, adapter_from_tensors
     from lora_jax.serving.wrap import lora_layers, wrap_model
@@ -305,7 +306,8 @@ def test_peft_embedding_tensors_load_and_bad_vocab_is_refused():
     tensors = {
         f"{key}.lora_embedding_A": a,
         f"{key}.lora_embedding_B": b,
-        f"{key}.base_layer.weight": np.zeros((V, Dm), np.float32),  # save_embedding_layers
+        # save_embedding_layers: the base table, the model's own
+        f"{key}.base_layer.weight": np.asarray(layer.base_layer.embedding[...])[:V],
     }
     peft_cfg = PEFTConfig(r=4, lora_alpha=8, target_modules=("embed_tokens",))
     adapter = adapter_from_tensors(tensors, peft_cfg, model, cfg, adapter_id=1)
