@@ -10,9 +10,15 @@ Nothing is downloaded; text goes through a built-in byte-level tokenizer.
     lora-jax-serve --model DIR --adapter sql=DIR --adapter chat=DIR \\
         --prompt "SELECT" --max-new-tokens 16 --temperature 0.7 --top-p 0.9 --tp 2
 
-The batch holds one request per adapter plus one without an adapter; prompts are given
-out round-robin. For each request the adapter name, the generated token ids and their
-decoded text are printed.
+The batch holds one request per adapter plus one without an adapter, and one more
+without an adapter for every prompt left over; prompts are given out round-robin, so
+every prompt is served. For each request the adapter name, the generated token ids and
+their decoded text are printed.
+
+Models: the decoders of `lora_jax.models` (Llama, Mistral, Qwen2, Qwen3) and of
+`lora_jax.models.moe_decoder` (Mixtral, Qwen3-MoE), by `config.json`'s `model_type`.
+Text goes through the model's own tokenizer (`tokenizer.json` / `tokenizer.model`, read
+with transformers), or UTF-8 bytes where the directory has none.
 """
 
 from __future__ import annotations
@@ -80,23 +86,45 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+        """Bytes for ids below 256; a larger id (a model with a bigger vocabulary) shows
+        as `<id>`."""
+        out, run = [], bytearray()
+        for i in (int(t) for t in ids):
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            out.append(f"<{i}>")
+            run = bytearray()
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 def _tokenizer(model_dir: str | None, vocab_size: int):
     if model_dir is not None and any(
-        os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model")
+        os.path.exists(os.path.join(model_dir, f)) for f in TOKENIZER_FILES
     ):
         try:
             from transformers import AutoTokenizer
         except ImportError:
-            pass
-        else:
-            return AutoTokenizer.from_pretrained(model_dir)
+            raise ValueError(
+                f"{model_dir} has its own tokenizer, which needs transformers "
+                "(pip install transformers); without it the prompts would be fed as bytes"
+            ) from None
+        return AutoTokenizer.from_pretrained(model_dir)
     if vocab_size < 256:
         raise ValueError(
-            f"{model_dir}: no tokenizer files (or transformers missing) and vocab_size "
-            f"{vocab_size} < 256, so the byte tokenizer cannot be used"
+            f"{model_dir}: no tokenizer files and vocab_size {vocab_size} < 256, so the "
+            "byte tokenizer cannot be used"
+        )
+    if model_dir is not None:
+        print(
+            f"lora-jax-serve: {model_dir} has no {' / '.join(TOKENIZER_FILES)}: prompts are "
+            "encoded as UTF-8 bytes (token ids 0-255)",
+            file=sys.stderr,
         )
     return ByteTokenizer()
 
@@ -205,11 +233,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="NAME=DIR",
         help="a PEFT LoRA adapter directory; repeat for more",
     )
-    p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for more")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="a prompt; repeat for more (given out round-robin to one request per adapter "
+        "and one without; prompts left over get requests without an adapter)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, in [-2**31, 2**32)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel mesh over N devices")
     p.add_argument(
         "--max-lora-rank",
@@ -224,6 +258,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--temperature must be >= 0 and --top-p in (0, 1]")
     if args.tp < 1:
         p.error("--tp must be >= 1")
+    if not -(2**31) <= args.seed < 2**32:
+        p.error(f"--seed {args.seed}: must be in [-2**31, 2**32)")
+    if args.max_lora_rank is not None and args.max_lora_rank < 1:
+        p.error(f"--max-lora-rank {args.max_lora_rank}: must be >= 1 (leave it out for auto)")
     names = []
     for spec in args.adapter:
         if "=" not in spec or not spec.split("=", 1)[0]:
@@ -283,8 +321,8 @@ def run(argv: Sequence[str] | None = None) -> list[RequestResult]:
     args = parse_args(argv)
     _cpu_devices_for(args.tp)
     with tempfile.TemporaryDirectory(prefix="lora_jax_serve_") as tmp:
-        if args.model is None:
-            model_dir, adapter_dirs = write_default(tmp, seed=args.seed)
+        if args.model is None:  # the same model whatever --seed (that seeds sampling)
+            model_dir, adapter_dirs = write_default(tmp)
         else:
             model_dir = args.model
             adapter_dirs = dict(spec.split("=", 1) for spec in args.adapter)
@@ -294,22 +332,25 @@ def run(argv: Sequence[str] | None = None) -> list[RequestResult]:
 def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestResult]:
     from lora_jax.config import LoRAConfig
     from lora_jax.models import load_hf_model
+    from lora_jax.models.loading import read_config_json
+    from lora_jax.models.moe_decoder import MOE_MODEL_TYPES, load_hf_moe_model
     from lora_jax.serving.generate import generate
     from lora_jax.serving.manager import LRUCacheLoRAModelManager
     from lora_jax.serving.wrap import wrap_model
 
     rules = _rules(args.tp)
-    model = load_hf_model(model_dir, rules=rules)
+    moe = read_config_json(model_dir)[1].get("model_type") in MOE_MODEL_TYPES
+    model = (load_hf_moe_model if moe else load_hf_model)(model_dir, rules=rules)
     tokenizer = _tokenizer(None if args.model is None else model_dir, model.config.vocab_size)
     n = max(1, len(adapter_dirs))
-    cfg = LoRAConfig(
-        max_loras=n, max_cpu_loras=n, max_lora_rank=args.max_lora_rank or _max_rank(adapter_dirs)
-    )
+    rank = args.max_lora_rank if args.max_lora_rank is not None else _max_rank(adapter_dirs)
+    cfg = LoRAConfig(max_loras=n, max_cpu_loras=n, max_lora_rank=rank)
     wrap_model(model, cfg)
     manager = LRUCacheLoRAModelManager(model, cfg)
     adapters = manager.load_adapters(adapter_dirs, activate=True) if adapter_dirs else []
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     requests = [a.name for a in adapters] + [None]
+    requests += [None] * max(0, len(prompts) - len(requests))  # every prompt is served
     by_name = {a.name: a.id for a in adapters}
     texts = [prompts[i % len(prompts)] for i in range(len(requests))]
     token_prompts = [tokenizer.encode(t) for t in texts]

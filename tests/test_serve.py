@@ -85,3 +85,67 @@ def test_a_model_dirs_eos_ids_stop_its_requests(tmp_path):
     assert stopped[-1].tokens == base[:3]
     with pytest.raises(SystemExit):
         serve.parse_args(["--model", "m", "--adapter", "x=a", "--adapter", "x=b"])
+
+
+def test_every_prompt_is_served_and_the_default_model_ignores_the_seed():
+    """Prompts beyond the adapters' requests get requests without an adapter (none is
+    dropped); --seed seeds sampling only, not the embedded model's weights."""
+    prompts = ["a", "b", "c", "d", "e", "f"]
+    args = [x for p in prompts for x in ("--prompt", p)] + ["--max-new-tokens", "3"]
+    results = serve.run(args)
+    assert [r.prompt for r in results] == prompts
+    assert [r.adapter for r in results] == [*serve.DEFAULT_ADAPTERS, None, None, None]
+    other = serve.run([*args, "--seed", "5"])  # greedy: the same model, the same tokens
+    assert [r.tokens for r in other] == [r.tokens for r in results]
+
+
+def test_byte_tokenizer_shows_ids_past_a_byte():
+    assert serve.ByteTokenizer().decode([104, 300, 105, 256]) == "h<300>i<256>"
+
+
+def test_cli_refuses_bad_numbers_and_unreadable_models(tmp_path, capsys, monkeypatch):
+    import sys
+
+    for argv in (["--max-lora-rank", "0"], ["--seed", str(2**32)], ["--seed", str(-(2**31) - 1)]):
+        with pytest.raises(SystemExit):
+            serve.parse_args(argv)
+    assert "--max-lora-rank 0: must be >= 1" in capsys.readouterr().err
+    model_dir, _ = serve.write_default(str(tmp_path))
+    weights = tmp_path / "model" / "model.safetensors"
+    full = weights.read_bytes()
+    for cut in (1000, len(full) // 2):
+        weights.write_bytes(full[:cut])
+        assert serve.main(["--model", model_dir, "--max-new-tokens", "2"]) == 2
+        assert "model.safetensors: " in capsys.readouterr().err
+    weights.write_bytes(full)
+    config = tmp_path / "model" / "config.json"
+    text = config.read_text()
+    config.write_text(text[:-5])
+    assert serve.main(["--model", model_dir, "--max-new-tokens", "2"]) == 2
+    assert "config.json: cannot read it as JSON" in capsys.readouterr().err
+    config.write_text(text)
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
+    assert serve.main(["--model", model_dir, "--max-new-tokens", "2"]) == 2
+    assert "needs transformers" in capsys.readouterr().err
+
+
+def test_cli_serves_an_moe_checkpoint(tmp_path):
+    """A Mixtral directory goes to the MoE loader: the CLI's tokens are `generate`'s on
+    `load_hf_moe_model`'s model."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from lora_jax.models.moe_decoder import load_hf_moe_model
+    from lora_jax.serving.generate import generate
+
+    cfg = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, eos_token_id=None,
+        bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path)
+    got = serve.run(["--model", str(tmp_path), "--prompt", "Hi", "--max-new-tokens", "4"])
+    want = generate(load_hf_moe_model(str(tmp_path)), [list(b"Hi")], max_new_tokens=4)
+    assert [r.tokens for r in got] == [tuple(want.tokens[0])]

@@ -48,8 +48,7 @@ class SafetensorsCheckpoint:
         index_path = os.path.join(directory, INDEX_FILE)
         single_path = os.path.join(directory, SINGLE_FILE)
         if os.path.exists(index_path):
-            with open(index_path) as f:
-                index = json.load(f)
+            index = _read_json(index_path)
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{index_path}: no 'weight_map' dict")
@@ -68,7 +67,13 @@ class SafetensorsCheckpoint:
             )
         # The "flax" reader: safetensors' numpy reader cannot return bfloat16, the dtype
         # of most HF checkpoints. Tensors are read onto the host CPU device.
-        self._handles = {f: safe_open(os.path.join(directory, f), framework="flax") for f in files}
+        self._handles = {}
+        for f in files:
+            path = os.path.join(directory, f)
+            try:
+                self._handles[f] = safe_open(path, framework="flax")
+            except Exception as e:  # safetensors' own error type: a bad header or size
+                raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
         if self.weight_map is None:
             self.weight_map = {k: SINGLE_FILE for k in self._handles[SINGLE_FILE].keys()}
         for name, fname in self.weight_map.items():
@@ -88,7 +93,11 @@ class SafetensorsCheckpoint:
             raise ValueError(f"{self.directory}: tensor {name!r} (shape {shape}) is missing")
         fname = self.weight_map[name]
         with jax.default_device(jax.devices("cpu")[0]):
-            arr = np.asarray(self._handles[fname].get_tensor(name))
+            try:
+                arr = np.asarray(self._handles[fname].get_tensor(name))
+            except Exception as e:  # truncated data past the header
+                path = os.path.join(self.directory, fname)
+                raise ValueError(f"{path}: cannot read tensor {name!r} ({e})") from e
         if tuple(arr.shape) != tuple(shape):
             raise ValueError(
                 f"{os.path.join(self.directory, fname)}: tensor {name!r} has shape "
@@ -106,8 +115,18 @@ def read_config_json(path_or_dir: str) -> tuple[str, dict]:
     cfg_path = os.path.join(directory or ".", "config.json")
     if not os.path.exists(cfg_path):
         raise ValueError(f"{directory or '.'}: no config.json")
-    with open(cfg_path) as f:
-        return directory, json.load(f)
+    config = _read_json(cfg_path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{cfg_path}: expected a JSON object")
+    return directory, config
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read it as JSON: {e}") from e
 
 
 def read_hf_config(path_or_dir: str) -> tuple[str, DecoderConfig]:
