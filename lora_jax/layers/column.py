@@ -44,8 +44,11 @@ class ReplicatedLinearWithLoRA(_ColumnLoRA):
     """LoRA around a `ReplicatedLinear` (no tensor parallelism).
 
     Example:
-        >>> base = ReplicatedLinear(16, 32, rngs=nnx.Rngs(0))  # doctest: +SKIP
+        >>> base = ReplicatedLinear(16, 32, rngs=nnx.Rngs(0))
         >>> layer = ReplicatedLinearWithLoRA(base, LoRAConfig(max_loras=2, max_lora_rank=8))
+        >>> layer.set_lora(1, np.ones((4, 16)), np.ones((32, 4)))  # A [r, in], B [out, r]
+        >>> layer(jnp.ones((3, 16))).shape  # no mapping set: the base output
+        (3, 32)
     """
 
     def _check_base(self, base):

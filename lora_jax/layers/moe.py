@@ -58,10 +58,14 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
     w3 is omitted or None for non-gated experts; None = the adapter lacks that module).
 
     Example:
-        >>> base = FusedMoE(8, 2, 64, 32, rngs=nnx.Rngs(0))  # doctest: +SKIP
+        >>> base = FusedMoE(8, 2, 64, 32, rngs=nnx.Rngs(0))  # 8 experts, top 2
         >>> layer = FusedMoEWithLoRA(base, LoRAConfig(max_loras=4, max_lora_rank=8))
-        >>> layer.set_lora(0, [a1, a2, a3], [b1, b2, b3])
-        >>> layer.lora_context.set_value(make_lora_mapping(idx_t, 4)); y = layer(x, logits)
+        >>> a13, a2 = np.ones((8, 4, 64)), np.ones((8, 4, 32))  # [E, r, in]
+        >>> b13, b2 = np.ones((8, 32, 4)), np.ones((8, 64, 4))  # [E, out, r]
+        >>> layer.set_lora(0, [a13, a2, a13], [b13, b2, b13])  # w1, w2, w3
+        >>> layer.lora_context.set_value(make_lora_mapping(jnp.array([0, -1, 0]), 4))
+        >>> layer(jnp.ones((3, 64)), jnp.zeros((3, 8))).shape
+        (3, 64)
     """
 
     fused_w13: bool = False  # FusedMoE3DWithLoRA: one A/B over the fused gate|up
