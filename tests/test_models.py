@@ -527,3 +527,33 @@ def test_checkpoint_reader_returns_bfloat16_tensors(tmp_path):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(w, np.float32))
     with pytest.raises(ValueError, match="shape"):
         ckpt.get("model.norm.weight", (3, 2))
+
+
+def test_checkpoint_index_must_name_shards_in_the_directory_and_wide_dtypes_stay_exact(tmp_path):
+    """A sharded checkpoint's index names file names inside the directory (no `..`, no
+    absolute path, strings only) and is an object; 64-bit tensors are read exactly even
+    with jax's x64 off (the flax reader would narrow them)."""
+    import json
+
+    from lora_jax.models.loading import SafetensorsCheckpoint
+    from lora_jax.serving.peft import write_safetensors
+
+    write_safetensors(
+        tmp_path / "model.safetensors",
+        {"w": np.array([2**31 + 5, -3], np.int64), "f": np.array([1e300, 1.5])},
+    )
+    ckpt = SafetensorsCheckpoint(str(tmp_path))
+    np.testing.assert_array_equal(ckpt.get("w", (2,)), [2**31 + 5, -3])
+    np.testing.assert_array_equal(ckpt.get("f", (2,)), [1e300, 1.5])
+    index = tmp_path / "model.safetensors.index.json"
+    for bad in (
+        {"weight_map": {"w": "../model.safetensors"}},
+        {"weight_map": {"w": str(tmp_path / "model.safetensors")}},
+        {"weight_map": {"w": ["model.safetensors"]}},
+        {"weight_map": {"w": 3}},
+        ["weight_map"],
+        None,
+    ):
+        index.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="index.json"):
+            SafetensorsCheckpoint(str(tmp_path))

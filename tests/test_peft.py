@@ -393,3 +393,75 @@ def test_read_safetensors_matches_library_and_reads_bf16(tmp_path):
     got = read_safetensors(tmp_path / "bf.safetensors")["w"]
     assert got.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(got.astype(np.float32), value.astype(np.float32))
+
+
+def _st_file(path, header: str, data: bytes) -> str:
+    raw = header.encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return str(path)
+
+
+HOSTILE_HEADERS = {
+    "float_offsets": ('{"w":{"dtype":"U8","shape":[4],"data_offsets":[0.0,4.0]}}', 4),
+    "str_offsets": ('{"w":{"dtype":"U8","shape":[4],"data_offsets":["0",4]}}', 4),
+    "list_dtype": ('{"w":{"dtype":["U8"],"shape":[4],"data_offsets":[0,4]}}', 4),
+    "huge_shape": ('{"w":{"dtype":"U8","shape":[18446744073709551616],"data_offsets":[0,4]}}', 4),
+    "inf_shape": ('{"w":{"dtype":"U8","shape":[Infinity],"data_offsets":[0,4]}}', 4),
+    "negative_shape": ('{"w":{"dtype":"U8","shape":[-4],"data_offsets":[0,4]}}', 4),
+    "str_shape": ('{"w":{"dtype":"U8","shape":"4","data_offsets":[0,4]}}', 4),
+    "bool_shape": ('{"w":{"dtype":"U8","shape":[true,4],"data_offsets":[0,4]}}', 4),
+    "deep_nesting": ("[" * 100_000 + "]" * 100_000, 0),
+    "duplicate_keys": (
+        '{"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},'
+        '"w":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}',
+        4,
+    ),
+    "overlap": (
+        '{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},'
+        '"b":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}',
+        4,
+    ),
+    "gap": ('{"w":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}', 4),
+    "trailing": ('{"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}', 4),
+    "metadata_not_str": (
+        '{"__metadata__":{"k":1},"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}',
+        4,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_HEADERS))
+def test_hostile_safetensors_headers_are_refused_naming_the_file(tmp_path, case):
+    """Headers the reference reader refuses (ill-typed entries, overflowing shapes, deep
+    JSON, duplicate keys, spans that overlap, leave gaps or trailing bytes — which would
+    let a small file expand into any amount of memory) give a `ValueError` naming the
+    file, never another exception."""
+    header, size = HOSTILE_HEADERS[case]
+    f = _st_file(tmp_path / f"{case}.safetensors", header, bytes(range(size)))
+    with pytest.raises(ValueError, match=f"{case}.safetensors"):
+        read_safetensors(f)
+
+
+def test_safetensors_round_trip_every_dtype_and_a_scalar(tmp_path):
+    """What `write_safetensors` writes reads back (unsigned ints and 0-d arrays too), and
+    the reference reader agrees with ours."""
+    from safetensors.numpy import load_file
+
+    rng = np.random.default_rng(0)
+    tensors = {
+        f"t_{dt}": rng.integers(0, 100, (2, 3)).astype(dt)
+        for dt in ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64")
+    }
+    tensors |= {"f16": np.float16([1.5, -2]), "f64": np.float64([1e300]), "s": np.float32(3.0)}
+    tensors |= {"bf16": np.array([1.5, -2], ml_dtypes.bfloat16), "empty": np.zeros((0, 4))}
+    f = tmp_path / "all.safetensors"
+    write_safetensors(f, tensors)
+    got = read_safetensors(f)
+    plain = {k: v for k, v in tensors.items() if k != "bf16"}  # beyond safetensors.numpy
+    write_safetensors(tmp_path / "plain.safetensors", plain)
+    ref = load_file(str(tmp_path / "plain.safetensors"))
+    for k, v in tensors.items():
+        assert got[k].dtype == v.dtype and got[k].shape == np.shape(v), k
+        np.testing.assert_array_equal(got[k], v)
+        if k in ref:
+            np.testing.assert_array_equal(ref[k], got[k])

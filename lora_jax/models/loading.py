@@ -49,9 +49,19 @@ class SafetensorsCheckpoint:
         single_path = os.path.join(directory, SINGLE_FILE)
         if os.path.exists(index_path):
             index = _read_json(index_path)
-            weight_map = index.get("weight_map")
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict):
                 raise ValueError(f"{index_path}: no 'weight_map' dict")
+            bad = [
+                f
+                for f in weight_map.values()
+                if not isinstance(f, str) or os.path.basename(f) != f or f in ("", ".", "..")
+            ]
+            if bad:
+                raise ValueError(
+                    f"{index_path}: shard names must be file names in the checkpoint "
+                    f"directory, got {bad[:3]}"
+                )
             files = sorted(set(weight_map.values()))
             for fname in files:
                 if not os.path.exists(os.path.join(directory, fname)):
@@ -93,10 +103,17 @@ class SafetensorsCheckpoint:
             raise ValueError(f"{self.directory}: tensor {name!r} (shape {shape}) is missing")
         fname = self.weight_map[name]
         with jax.default_device(jax.devices("cpu")[0]):
+            path = os.path.join(self.directory, fname)
             try:
-                arr = np.asarray(self._handles[fname].get_tensor(name))
+                if self._handles[fname].get_slice(name).get_dtype() in _WIDE_DTYPES:
+                    # jax without x64 would narrow these: read them as numpy, exactly
+                    from safetensors import safe_open
+
+                    with safe_open(path, framework="numpy") as f:
+                        arr = f.get_tensor(name)
+                else:
+                    arr = np.asarray(self._handles[fname].get_tensor(name))
             except Exception as e:  # truncated data past the header
-                path = os.path.join(self.directory, fname)
                 raise ValueError(f"{path}: cannot read tensor {name!r} ({e})") from e
         if tuple(arr.shape) != tuple(shape):
             raise ValueError(
@@ -105,6 +122,9 @@ class SafetensorsCheckpoint:
             )
         self.used.add(name)
         return arr
+
+
+_WIDE_DTYPES = ("F64", "I64", "U64")
 
 
 def read_config_json(path_or_dir: str) -> tuple[str, dict]:
