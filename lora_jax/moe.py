@@ -193,6 +193,12 @@ class FusedMoE(nnx.Module):
             raise ValueError(f"{name}: top_k={top_k} must be in [1, num_experts={num_experts}]")
         self.tp = self.rules.size("tensor")
         self.ep = self.rules.size("expert")
+        expert_axis = self.rules.mesh_axis("expert")
+        if expert_axis is not None and expert_axis == self.rules.mesh_axis("tensor"):
+            raise ValueError(
+                f"{name}: the logical axes 'expert' and 'tensor' both map to mesh axis "
+                f"{expert_axis!r}; experts and the intermediate dim need axes of their own"
+            )
         if self.intermediate_size % self.tp:
             raise ValueError(
                 f"{name}: intermediate_size={intermediate_size} not divisible by the tensor "
@@ -298,7 +304,12 @@ class FusedMoE(nnx.Module):
         )
 
     def batch_axis(self, num_tokens: int) -> str | None:
-        """ "batch" when the tokens split evenly over it, else None (replicated)."""
+        """ "batch" when the tokens split evenly over it, else None (replicated). Tokens
+        stay replicated over the expert axis: where "batch" maps to that mesh axis too,
+        they are not split (each shard's experts need every token)."""
+        batch = self.rules.mesh_axis("batch")
+        if batch is not None and batch == self.rules.mesh_axis("expert"):
+            return None
         return "batch" if num_tokens % self.rules.size("batch") == 0 else None
 
     def gate_up(self, g: jax.Array) -> jax.Array:

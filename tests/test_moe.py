@@ -651,3 +651,28 @@ def test_merge_matches_oracle_and_unmerge_restores(dp, tp, ep, gated, layout, fu
     assert unmerge_adapter(holder) is True
     np.testing.assert_array_equal(np.asarray(base.w13[...]), np.asarray(before[0]))
     np.testing.assert_array_equal(np.asarray(base.w2[...]), np.asarray(before[1]))
+
+
+def test_experts_over_the_data_parallel_axis_keep_every_token():
+    """Custom rules that put the experts on the "dp" mesh axis (expert parallelism over
+    the data-parallel devices): tokens are not split over that axis too (each shard's
+    experts need every token), so the LoRA layer still matches the oracle; experts and
+    the intermediate dim on one axis are refused."""
+    from lora_jax.sharding import DEFAULT_RULES
+
+    rng = np.random.default_rng(21)
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"))
+    rules = ShardingRules(mesh, rules={**DEFAULT_RULES, "expert": "dp"})
+    w = make_weights(rng, True)
+    base = FusedMoE(E, K, H, INTER, rules=rules, impl="grouped", rngs=nnx.Rngs(0))
+    base.load_weights(w13=np.concatenate([w["w1"], w["w3"]], -1), w2=w["w2"])
+    layer = FusedMoEWithLoRA(base, LoRAConfig(max_loras=L, max_lora_rank=R))
+    layer.lora_context.set_value(make_lora_mapping(jnp.full((T,), -1, jnp.int32), L))
+    ads = fill(layer, rng, gated=True, fused_w13=False)
+    x, logits = inputs(rng)
+    y = forward(layer, x, logits, IDX)  # T = 12 tokens would split 4 ways over "dp"
+    ref = oracle(x, logits, w, ads, IDX, gated=True, layout="concat")
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="'expert' and 'tensor' both map to mesh axis 'tp'"):
+        FusedMoE(E, K, H, INTER, rules=ShardingRules(mesh, rules={**DEFAULT_RULES, "expert": "tp"}),
+                 rngs=nnx.Rngs(0))  # fmt: skip
