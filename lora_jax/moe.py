@@ -290,6 +290,19 @@ class FusedMoE(nnx.Module):
             self.w2.set_value(self.rules.place(jnp.asarray(w2, self.param_dtype), *_W2_AXES))
 
     # -- forward --------------------------------------------------------------------------
+    def check_router_logits(self, router_logits: jax.Array, num_tokens: int) -> None:
+        """`router_logits` must be `[..., num_experts]` with one row per token."""
+        if router_logits.shape[-1] != self.num_experts:
+            raise ValueError(
+                f"{type(self).__name__}: router_logits last dim {router_logits.shape[-1]} != "
+                f"num_experts {self.num_experts}"
+            )
+        if router_logits.size // self.num_experts != num_tokens:
+            raise ValueError(
+                f"{type(self).__name__}: router_logits has {router_logits.size // self.num_experts}"
+                f" rows but the input has {num_tokens} tokens"
+            )
+
     def select_experts(self, router_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         if router_logits.shape[-1] != self.num_experts:
             raise ValueError(
@@ -385,19 +398,23 @@ class FusedMoE(nnx.Module):
         )
         return jax.lax.psum(y, axes) if axes else y
 
-    def run(self, x, topk_weights, topk_ids, make_lora=None, extra_args=(), extra_specs=()):
-        """Runs the experts per shard. `make_lora(*extra_local)` builds the LoRA hook."""
+    def run(self, x, router_logits, make_lora=None, extra_args=(), extra_specs=()):
+        """Routes and runs the experts per shard: each shard picks the experts of its own
+        tokens (no gather of the router logits over "batch"). `make_lora(*extra_local)`
+        builds the LoRA hook."""
         dtype = self.dtype or x.dtype
+        logits = router_logits.reshape(-1, self.num_experts)
 
-        def local(xl, wl, il, w13, w2, *extra):
+        def local(xl, ll, w13, w2, *extra):
+            wl, il = self.select_experts(ll)
             lora = None if make_lora is None else make_lora(*extra)
             return self.reduce(self.experts_local(xl, wl, il, w13, w2, lora), dtype)
 
-        args = (x, topk_weights, topk_ids, self.w13[...], self.w2[...], *extra_args)
+        args = (x, logits, self.w13[...], self.w2[...], *extra_args)
         if self.rules.mesh is None:
             return local(*args)
         b = self.batch_axis(x.shape[0])
-        specs = ((b, None), (b, None), (b, None), _W13_AXES, _W2_AXES, *extra_specs)
+        specs = ((b, None), (b, None), _W13_AXES, _W2_AXES, *extra_specs)
         return shard_map(self.rules, local, specs, (b, None))(*args)
 
     def check_input(self, x: jax.Array) -> jax.Array:
@@ -410,5 +427,5 @@ class FusedMoE(nnx.Module):
 
     def __call__(self, hidden_states: jax.Array, router_logits: jax.Array) -> jax.Array:
         x = self.check_input(hidden_states)
-        w, ids = self.select_experts(router_logits)
-        return self.run(x, w, ids).reshape(hidden_states.shape)
+        self.check_router_logits(router_logits, x.shape[0])
+        return self.run(x, router_logits).reshape(hidden_states.shape)

@@ -574,6 +574,24 @@ def test_hlo_one_reduction_for_tp_and_ep():
     assert found == [("all-reduce", (T, H))], found
 
 
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "auto"])
+def test_hlo_dp_shards_route_their_own_tokens(explicit):
+    """dp 2 x ep 4: each dp shard picks the experts of its own tokens (the router logits
+    are not gathered over dp); the one all-reduce holds a dp shard's (T / 2, hidden)."""
+    rng = np.random.default_rng(12)
+    mesh = make_mesh(2, 1, 4, explicit=explicit)
+    layer, _ = build(rng, mesh=mesh)
+    fill(layer, rng, gated=True, fused_w13=False)
+    x, logits = inputs(rng)
+    rules = layer.base_layer.rules
+    x, logits = (
+        rules.place(jnp.asarray(x), "batch", None),
+        rules.place(jnp.asarray(logits), "batch", None),
+    )
+    found = _collectives(layer, x, logits)
+    assert found == [("all-reduce", (T // 2, H))], found
+
+
 def test_hlo_fully_sharded_rank_sized_collectives():
     """S-LoRA: besides the output all-reduce, only (T*k, rank)-sized LoRA collectives."""
     rng = np.random.default_rng(11)

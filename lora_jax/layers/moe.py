@@ -279,7 +279,7 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
                 f"{self.name}: the LoRA mapping has {mapping.num_tokens} tokens but the input "
                 f"has {x.shape[0]}"
             )
-        w, ids = base.select_experts(router_logits)
+        base.check_router_logits(router_logits, x.shape[0])
         a13, b13, a2, b2 = self.lora_axes()
         stacks = (
             tuple(v[...] for v in self.w13_lora_a),
@@ -293,7 +293,7 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
         make = lambda st, ranks, idx: _MoELoRAHook(  # noqa: E731
             self, st, ranks, idx, is_prefill=mapping.is_prefill
         )
-        y = base.run(x, w, ids, make, extra, extra_specs)
+        y = base.run(x, router_logits, make, extra, extra_specs)
         return y.reshape(hidden_states.shape)
 
 
