@@ -283,3 +283,49 @@ def test_merge_refuses_a_slot_on_tied_kernels():
     assert merge_adapter(model, 1) == 0  # an empty slot: nothing to merge, nothing changed
     np.testing.assert_array_equal(np.asarray(model.enc.base_layer.kernel[...]), kernel)
     unmerge_adapter(model)
+
+
+def test_shared_and_stacked_linears_are_refused_and_outside_kernels_never_merged():
+    """One `nnx.Linear` reached from two attributes would get LoRA at one place only:
+    refused, naming both (nothing swapped). Stacked layers (`nnx.vmap`, kernel
+    `[L, in, out]`) are refused. A kernel that an unwrapped module also holds is never
+    merged: the slot is refused while it has an adapter there."""
+
+    class Shared(nnx.Module):
+        def __init__(self, rngs):
+            lin = nnx.Linear(D, D, rngs=rngs)
+            self.enc, self.dec = lin, lin
+
+    model = Shared(nnx.Rngs(0))
+    lin = model.enc
+    with pytest.raises(ValueError, match=r"reached from 2 places \['dec', 'enc'\]"):
+        wrap_model(model, CFG)
+    assert model.enc is lin and model.dec is lin
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def stacked(key):
+        return nnx.Linear(D, D, rngs=nnx.Rngs(key))
+
+    class Scanned(nnx.Module):
+        def __init__(self):
+            self.q_proj = stacked(jax.random.split(jax.random.key(0), 3))
+
+    with pytest.raises(ValueError, match=r"q_proj: .*kernel of shape \(3, 16, 16\): stacked"):
+        wrap_model(Scanned(), CFG)
+
+    class TiedKernel(nnx.Module):
+        def __init__(self, rngs):
+            self.q_proj = nnx.Linear(D, D, rngs=rngs)
+            self.v_proj = nnx.Linear(D, D, rngs=rngs)
+            self.v_proj.kernel = self.q_proj.kernel  # v_proj will not be wrapped
+
+    model = TiedKernel(nnx.Rngs(0))
+    wrap_model(model, CFG, target_modules=["q_proj"])
+    rng = np.random.default_rng(0)
+    model.q_proj.set_lora(0, rng.normal(size=(4, D)), rng.normal(size=(D, 4)))
+    before = np.asarray(model.v_proj.kernel[...])
+    with pytest.raises(ValueError, match="share one weight with modules outside the LoRA layers"):
+        merge_adapter(model, 0)
+    np.testing.assert_array_equal(np.asarray(model.v_proj.kernel[...]), before)
+    assert merge_adapter(model, 1) == 0  # an empty slot: nothing to merge there
+    unmerge_adapter(model)

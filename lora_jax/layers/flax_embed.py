@@ -41,9 +41,17 @@ class FlaxEmbed(VocabParallelEmbedding):
         (True, (2, 16))
     """
 
-    def __init__(self, source: nnx.Embed):  # no super().__init__: no new table is drawn
+    def __init__(self, source: nnx.Embed, *, name: str | None = None):  # no new table drawn
         if not isinstance(source, nnx.Embed):
             raise ValueError(f"FlaxEmbed: expected a flax.nnx.Embed, got {type(source).__name__}")
+        shape = tuple(source.embedding.shape)
+        if shape != (int(source.num_embeddings), int(source.features)):
+            raise ValueError(
+                f"{name or 'FlaxEmbed'}: an nnx.Embed({source.num_embeddings}, "
+                f"{source.features}) with a "
+                f"table of shape {shape}: stacked layers (nnx.vmap / scan over layers) are "
+                "not supported"
+            )
         self.source = source
         self.rules = ShardingRules()
         self.num_embeddings = int(source.num_embeddings)
@@ -85,7 +93,7 @@ class FlaxEmbedWithLoRA(VocabParallelEmbeddingWithLoRA):
         name: str | None = None,
     ):
         if isinstance(base_layer, nnx.Embed):
-            base_layer = FlaxEmbed(base_layer)
+            base_layer = FlaxEmbed(base_layer, name=name)
         if not isinstance(base_layer, FlaxEmbed):
             raise ValueError(
                 f"{name or type(self).__name__}: base layer must be a flax.nnx.Embed, got "

@@ -35,9 +35,17 @@ class FlaxLinear(ReplicatedLinear):
         (True, (2, 8))
     """
 
-    def __init__(self, source: nnx.Linear):  # no super().__init__: no new kernel is drawn
+    def __init__(self, source: nnx.Linear, *, name: str | None = None):  # no new kernel drawn
         if not isinstance(source, nnx.Linear):
             raise ValueError(f"FlaxLinear: expected a flax.nnx.Linear, got {type(source).__name__}")
+        shape = tuple(source.kernel.shape)
+        if shape != (int(source.in_features), int(source.out_features)):
+            raise ValueError(
+                f"{name or 'FlaxLinear'}: an nnx.Linear({source.in_features}, "
+                f"{source.out_features}) with "
+                f"a kernel of shape {shape}: stacked layers (nnx.vmap / scan over layers) are "
+                "not supported; build the layers unstacked (one nnx.Linear per layer)"
+            )
         self.source = source
         self.in_features = int(source.in_features)
         self.output_sizes = (int(source.out_features),)
@@ -78,7 +86,7 @@ class FlaxLinearWithLoRA(ReplicatedLinearWithLoRA):
         name: str | None = None,
     ):
         if isinstance(base_layer, nnx.Linear):
-            base_layer = FlaxLinear(base_layer)
+            base_layer = FlaxLinear(base_layer, name=name)
         super().__init__(base_layer, lora_config, context, name=name)
 
     def __call__(self, x: jax.Array, out_sharding=None):

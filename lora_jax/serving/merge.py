@@ -38,7 +38,7 @@ from lora_jax.layers.logits import ParallelLMHeadWithLoRA, TiedLMHeadWithLoRA, _
 from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.linear import _KERNEL_AXES
 from lora_jax.moe import _W2_AXES, _W13_AXES
-from lora_jax.serving.wrap import lora_layers, unwrap_model
+from lora_jax.serving.wrap import lora_layers, reference_paths, unwrap_model
 from lora_jax.sharding import shard_map
 
 _TABLE_AXES = ("vocab", "embed")  # VocabParallelEmbedding / ParallelLMHead `[V_pad, D]`
@@ -296,13 +296,20 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
     for name, (weights, *_) in plans.items():
         for w in weights:
             groups.setdefault(id(w), []).append(name)
-    tied = _tied_table(model)
+    # ... and so would one read outside its LoRA layers too (an nnx.Linear's kernel
+    # that another, unwrapped module also holds; the table of a tied lm_head)
+    refs = reference_paths(model)
+    outside = {tied} if (tied := _tied_table(model)) is not None else set()
     for key, names in groups.items():
-        if len(names) < 2 and key != tied:
+        homes = [lp for n in names for lp in refs.get(id(all_layers[n]), [])]
+        if any(not any(p[: len(h)] == h for h in homes) for p in refs.get(key, [])):
+            outside.add(key)
+    for key, names in groups.items():
+        if len(names) < 2 and key not in outside:
             continue
         in_use = [n for n in names if _slot_in_use(all_layers[n], slot)]
         if in_use:
-            with_ = "the model's tied embedding / lm_head" if len(names) < 2 else "each other"
+            with_ = "modules outside the LoRA layers" if len(names) < 2 else "each other"
             raise ValueError(
                 f"merge_adapter: layers {names} share one weight with {with_} and {in_use} "
                 f"hold an adapter in slot {slot}: merging it would change every user of "

@@ -196,6 +196,50 @@ def _candidates(model: nnx.Module, lora_config, mapping):
     return [c for c in out if not any(c[0][: len(p)] == p for p in inside_lora)]
 
 
+def reference_paths(model: nnx.Module) -> dict[int, list[tuple]]:
+    """Every path at which each module and variable of `model` can be reached, by `id`
+    (`nnx.iter_graph` names a shared one once: this finds the others).
+
+    Example:
+        >>> lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+        >>> class Tied(nnx.Module):
+        ...     def __init__(self):
+        ...         self.enc, self.dec = lin, lin
+        >>> sorted(reference_paths(Tied())[id(lin)])
+        [('dec',), ('enc',)]
+    """
+    paths: dict[int, list[tuple]] = {}
+    on_path: set[int] = set()
+
+    def visit(node, path):
+        if isinstance(node, nnx.Variable):
+            paths.setdefault(id(node), []).append(path)
+            return
+        if isinstance(node, nnx.Module):
+            paths.setdefault(id(node), []).append(path)
+            is_list = isinstance(node, nnx.List)
+            items = [
+                (int(k) if is_list and k.isdigit() else k, v)
+                for k, v in vars(node).items()
+                if not k.startswith("_")
+            ]
+        elif isinstance(node, Mapping):
+            items = list(node.items())
+        elif isinstance(node, (list, tuple)):
+            items = list(enumerate(node))
+        else:
+            return
+        if id(node) in on_path:  # a cycle
+            return
+        on_path.add(id(node))
+        for key, child in items:
+            visit(child, (*path, key))
+        on_path.discard(id(node))
+
+    visit(model, ())
+    return paths
+
+
 def _wrapped_names(model: nnx.Module) -> list[str]:
     """Names (and packed member names) of the model's existing LoRA layers."""
     return [
@@ -292,6 +336,16 @@ def wrap_model(
         if context is None:
             context = LoRAContext(None)
     chosen = [c for c in candidates if _matches(targets, [c[4], *packed_names(c[4], c[2])])]
+    refs = reference_paths(model)
+    for _path, node, _, cls, name in chosen:
+        places = refs.get(id(node), [])
+        if len(places) > 1 and not getattr(cls, "tied", False):
+            raise ValueError(
+                f"wrap_model: {name!r} is one module reached from {len(places)} places "
+                f"{sorted(module_name(p) for p in places)}; its LoRA layer would replace it "
+                "at one of them only. Give each place its own module, or leave it out of "
+                "target_modules"
+            )
     # Every wrapper is built (and may refuse) before the first one is swapped in.
     swaps = []
     for path, node, packed, cls, name in chosen:
