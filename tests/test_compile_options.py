@@ -101,9 +101,14 @@ def test_concurrent_decode_computes_what_the_default_order_does(batch):
     model = DecoderForCausalLM(CFG, rngs=nnx.Rngs(0))
     wrap_model(model, lora_jax.LoRAConfig(max_loras=4, max_lora_rank=16), target_modules=TARGETS)
     rng = np.random.default_rng(0)
-    adapters = nnx.state(model, nnx.LoRAParam)  # every slot random
+    base = _decode_logits(model, batch, {})  # every slot empty: the base model
+    adapters = nnx.state(model, nnx.LoRAParam)  # every slot random, at the full rank
     nnx.update(model, jax.tree.map(lambda w: rng.normal(0, 0.2, w.shape).astype(w.dtype), adapters))
+    for _, var in nnx.iter_graph(model):
+        if isinstance(var, lora_jax.LoRASlotRanks):  # the ranks travel with the stacks
+            var.set_value(jnp.full(var.shape, 16, jnp.int32))
     serial = _decode_logits(model, batch, {})
+    assert np.abs(serial - base).max() > 1e-2  # the adapters matter
     concurrent = _decode_logits(model, batch, CONCURRENT_OPTIONS)
     if batch < lora_jax.ops.PALLAS_MIN_TOKENS:  # no atomics: the same sums, bit for bit
         np.testing.assert_array_equal(concurrent, serial)

@@ -329,3 +329,33 @@ def test_shared_and_stacked_linears_are_refused_and_outside_kernels_never_merged
     np.testing.assert_array_equal(np.asarray(model.v_proj.kernel[...]), before)
     assert merge_adapter(model, 1) == 0  # an empty slot: nothing to merge there
     unmerge_adapter(model)
+
+
+def test_rewrapping_with_other_slots_and_merging_a_custom_dot_general_are_refused():
+    """`wrap_model` again with another slot count / rank would mix layers of two configs:
+    refused (the same config adds layers, as before). An `nnx.Linear` with its own
+    `dot_general` (a scaled or quantized matmul) cannot take B @ A into its kernel."""
+    model = Model(nnx.Rngs(0))
+    wrap_model(model, CFG, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match=r"built with .* = \(2, 8, False, None\), not \(4, 16"):
+        wrap_model(model, lj.LoRAConfig(max_loras=4, max_lora_rank=16))
+    wrap_model(model, CFG, target_modules=["v_proj"])  # the same config: more layers
+    assert len(lora_layers(model)) == 4
+
+    def half_dot(x, k, *args, **kwargs):
+        return 0.5 * jax.lax.dot_general(x, k, *args, **kwargs)
+
+    class Scaled(nnx.Module):
+        def __init__(self, rngs):
+            self.q_proj = nnx.Linear(D, D, dot_general=half_dot, rngs=rngs)
+            self.v_proj = nnx.Linear(D, D, rngs=rngs)
+
+    model = Scaled(nnx.Rngs(0))
+    wrap_model(model, CFG)
+    rng = np.random.default_rng(0)
+    model.q_proj.set_lora(0, rng.normal(size=(4, D)), rng.normal(size=(D, 4)))
+    model.v_proj.set_lora(1, rng.normal(size=(4, D)), rng.normal(size=(D, 4)))
+    with pytest.raises(ValueError, match="'q_proj' .* own dot_general"):
+        merge_adapter(model, 0)
+    assert merge_adapter(model, 1) == 1  # the plain one merges; q_proj's slot 1 is empty
+    unmerge_adapter(model)

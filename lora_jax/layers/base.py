@@ -77,7 +77,12 @@ def check_finite(name: str, prepared: PreparedLoRA, dtype) -> PreparedLoRA:
 
 
 class LoRASlotRanks(nnx.Variable):
-    """True adapter rank per (slice, slot), `i32[S, max_loras]`; 0 = empty slot."""
+    """True adapter rank per (slice, slot), `i32[S, max_loras]`; 0 = empty slot.
+
+    The ops mask each slot's rank columns past its rank, so stacks written other than by
+    `set_lora` / the managers (`nnx.update`, a restored state) need their ranks too:
+    `nnx.state(model, nnx.LoRAParam, LoRASlotRanks)` carries both.
+    """
 
 
 @jax.jit

@@ -34,6 +34,7 @@ from flax import nnx
 from lora_jax.layers import BaseLayerWithLoRA, LoRASlotRanks, find_lora_context
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.layers.flax_embed import FlaxEmbedWithLoRA
+from lora_jax.layers.flax_linear import FlaxLinearWithLoRA
 from lora_jax.layers.logits import ParallelLMHeadWithLoRA, TiedLMHeadWithLoRA, _head_of
 from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.linear import _KERNEL_AXES
@@ -171,17 +172,29 @@ def _lm_head_plan(layer: ParallelLMHeadWithLoRA):
 
 
 # Why a layer kind cannot be merged (when its slot holds an adapter).
-_UNMERGEABLE = {
-    FlaxEmbedWithLoRA: "a plain nnx.Embed's table may also be read through attend() as a "
-    "tied lm_head, which merge_adapter cannot see",
-}
+def _unmergeable(layer) -> str | None:
+    """Why a LoRA layer of a known kind cannot take its adapter into its weights, or None."""
+    if isinstance(layer, FlaxEmbedWithLoRA):
+        return (
+            "a plain nnx.Embed's table may also be read through attend() as a tied lm_head, "
+            "which merge_adapter cannot see"
+        )
+    if isinstance(layer, FlaxLinearWithLoRA):
+        dot = getattr(layer.base_layer.source, "dot_general", jax.lax.dot_general)
+        if dot is not jax.lax.dot_general:
+            return (
+                "its nnx.Linear computes with its own dot_general, which need not be linear "
+                "in the kernel (a scaled or quantized matmul): B @ A added to the kernel "
+                "would not give the served output"
+            )
+    return None
 
 
 def _plan(layer):
     """`(weights, local_fn, (weight specs, lora specs), lora arrays)` for a mergeable layer,
     or None; `local_fn(*weights, *lora, slot)` gives the merged weights of one shard."""
-    if isinstance(layer, FlaxEmbedWithLoRA):
-        return None  # see _UNMERGEABLE
+    if _unmergeable(layer) is not None:
+        return None
     if isinstance(layer, FusedMoEWithLoRA):
         return _moe_plan(layer)
     if isinstance(layer, BaseLayerWithLoRA):
@@ -284,7 +297,7 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
         if plan is not None:
             plans[name] = plan
         elif _slot_in_use(layer, slot):
-            why = next((w for k, w in _UNMERGEABLE.items() if isinstance(layer, k)), "")
+            why = _unmergeable(layer)
             raise ValueError(
                 f"merge_adapter: layer {name!r} ({type(layer).__name__}) holds an adapter in "
                 f"slot {slot} and cannot be merged" + (f": {why}" if why else "")

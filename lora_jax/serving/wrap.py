@@ -20,6 +20,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from flax import nnx
 
 from lora_jax.config import LoRAConfig
@@ -331,6 +332,19 @@ def wrap_model(
                 f"wrap_model: target_modules regex {targets!r} matches no supported module; "
                 f"e.g. {[c[4] for c in candidates[:4]]}"
             )
+
+    def key(c: LoRAConfig):
+        dtype = None if c.lora_dtype is None else np.dtype(c.lora_dtype).name
+        return (c.max_loras, c.max_lora_rank, c.fully_sharded_loras, dtype)
+
+    other = {key(la.lora_config) for la in lora_layers(model).values()} - {key(lora_config)}
+    if other:
+        raise ValueError(
+            f"wrap_model: the model's LoRA layers were built with (max_loras, max_lora_rank, "
+            f"fully_sharded_loras, lora_dtype) = {sorted(other, key=str)[0]}, not "
+            f"{key(lora_config)}: one step has one mapping over one set of slots; "
+            "unwrap_model first to change them"
+        )
     if context is None:
         context = find_lora_context(model)
         if context is None:
