@@ -586,9 +586,16 @@ def test_a_merged_slot_is_not_rewritten_until_unmerged():
     with pytest.raises(RuntimeError, match="merged"):
         mgr.set_active_adapters([2, 3])  # 2 would need the merged slot
     assert (_slots(mgr), sorted(mgr.list_adapters())) == before
-    mgr.deactivate_adapter(1)  # the merged slot is free now, but still not written
-    mgr.activate_adapter(2)
-    assert _slots(mgr)[merged] is None and _slots(mgr)[1 - merged] == 2
+    # the merged adapter stays registered and in its slot until unmerged
+    for drop in (mgr.deactivate_adapter, mgr.remove_adapter):
+        with pytest.raises(ValueError, match=f"slot {merged}, which merge_adapter folded"):
+            drop(1)
+    assert (_slots(mgr), sorted(mgr.list_adapters())) == before
+    assert list(mgr._registered_adapters.cache)[0] == 1  # the least recently used...
+    mgr.add_adapter(_adapter(model, 4))  # ... but a full CPU cache never evicts it
+    assert sorted(mgr.list_adapters()) == [1, 3, 4]
+    assert _slots(mgr)[merged] == 1 and _slots(mgr)[1 - merged] == 3
     unmerge_adapter(model)
-    mgr.activate_adapter(3)
-    assert _slots(mgr)[merged] == 3
+    mgr.deactivate_adapter(1)  # unmerged: free to go
+    mgr.activate_adapter(4)
+    assert _slots(mgr)[merged] == 4

@@ -291,6 +291,22 @@ BAD_CONFIGS = {
 }
 
 
+def test_name_map_targets_name_the_checkpoints_modules(tmp_path, model):
+    """With `name_map`, `target_modules` (a regex or dotted names) names the checkpoint's
+    modules, as PEFT trained them: it is not checked against the model's names; a config
+    with only `target_parameters` targets no dense module."""
+    tensors = peft_tensors(["q_proj", "v_proj"], 8, seed=5)
+    renamed = {k.replace("model.layers.", "transformer.h."): v for k, v in tensors.items()}
+    back = lambda n: n.replace("transformer.h.", "model.layers.")  # noqa: E731
+    for targets in (r"transformer\.h\.\d+\.self_attn\.(q|v)_proj", ["self_attn.q_proj", "v_proj"]):
+        config = {"r": 8, "lora_alpha": 16, "target_modules": targets}
+        d = _dir(tmp_path, config, renamed, f"t{len(str(targets))}")
+        got = load_peft_adapter(d, model, CFG, name_map=back)
+        assert sorted(got.modules) == [f"model.layers.{i}.self_attn.qkv_proj" for i in (0, 1)]
+    cfg = PEFTConfig(r=8, lora_alpha=8, target_parameters=("experts.down_proj",))
+    assert not cfg.targets("model.layers.0.self_attn.q_proj")
+
+
 @pytest.mark.parametrize("case", list(BAD_CONFIGS))
 def test_bad_config_raises_naming_the_file(tmp_path, model, case):
     extra, match = BAD_CONFIGS[case]

@@ -20,9 +20,15 @@ class LRUCache:
         (['b'], ['a', 'c'])
     """
 
-    def __init__(self, capacity: int, on_remove: Callable[[Hashable, Any], None]):
+    def __init__(
+        self,
+        capacity: int,
+        on_remove: Callable[[Hashable, Any], None],
+        keep: Callable[[Hashable], bool] | None = None,
+    ):
         self.capacity = capacity
         self.on_remove = on_remove
+        self.keep = keep  # keys `remove_oldest` must pass over, as if pinned
         self.cache: collections.OrderedDict = collections.OrderedDict()
         self.pinned: set = set()
 
@@ -62,7 +68,7 @@ class LRUCache:
 
     def remove_oldest(self) -> None:
         for key in self.cache:
-            if key not in self.pinned:
+            if key not in self.pinned and not (self.keep is not None and self.keep(key)):
                 self.pop(key)
                 return
         raise RuntimeError("All items are pinned, cannot remove oldest from the cache.")

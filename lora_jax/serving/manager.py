@@ -273,10 +273,20 @@ class LoRAModelManager:
             raise ValueError(f"No free lora slots{extra}")
         return free[0], None
 
+    def _check_not_in_merged_slot(self, adapter_id: int) -> None:
+        slot = self.slot_of(adapter_id)
+        if slot is not None and slot in self._merged_slots():
+            raise ValueError(
+                f"adapter {adapter_id} is in slot {slot}, which merge_adapter folded into the "
+                "model's kernels: unmerge_adapter before deactivating or removing it"
+            )
+
     def deactivate_adapter(self, adapter_id: int) -> bool:
-        """Frees the adapter's slot (its weights stay until overwritten); False if inactive."""
+        """Frees the adapter's slot (its weights stay until overwritten); False if inactive.
+        An adapter in a merged slot stays until `unmerge_adapter` (ValueError)."""
         if adapter_id not in self._active_adapters:
             return False
+        self._check_not_in_merged_slot(adapter_id)
         self._active_adapters.pop(adapter_id)
         self._free_slot(adapter_id)
         return True
@@ -306,6 +316,9 @@ class LoRAModelManager:
         new = self._validate_requests(reqs)
         staying = [a for a in self.lora_index_to_id if a is not None and a in reqs]
         usable = self.lora_slots - len(self._merged_slots() - {self.slot_of(a) for a in staying})
+        for aid in list(_keys(self._registered_adapters)):
+            if aid not in reqs:
+                self._check_not_in_merged_slot(aid)  # it would be removed
         if len(reqs) > usable:
             raise RuntimeError(
                 f"set_active_adapters: {len(reqs)} requested adapters do not fit the {usable} "
@@ -469,7 +482,12 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
     """
 
     def _make_registry(self):
-        return LRUCache(self.capacity, lambda key, _: self.deactivate_adapter(key))
+        # an adapter in a merged slot is never the one evicted to make room
+        return LRUCache(
+            self.capacity,
+            lambda key, _: self.deactivate_adapter(key),
+            keep=lambda key: self.slot_of(key) in self._merged_slots(),
+        )
 
     def _make_active(self):
         return LRUCache(self.lora_slots, lambda key, _: self._free_slot(key))
@@ -517,6 +535,7 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
     def deactivate_adapter(self, adapter_id: int) -> bool:
         if adapter_id not in self._active_adapters:
             return False
+        self._check_not_in_merged_slot(adapter_id)
         self._active_adapters.pop(adapter_id)  # frees the slot through on_remove
         return True
 
@@ -549,15 +568,18 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
         adapters do not fit the slots (or the CPU cache) together, `RuntimeError` and
         nothing changes."""
         reqs = self._distinct(requests)
+        merged = {
+            a for a in _keys(self._registered_adapters) if self.slot_of(a) in self._merged_slots()
+        }
         for cache, room, what in (
             (self._active_adapters, self.lora_slots, "device slots"),
             (self._registered_adapters, self.capacity, "CPU cache entries (max_cpu_loras)"),
         ):
-            pinned = sorted(k for k in cache.pinned if k not in reqs)
+            pinned = sorted(k for k in cache.pinned | merged if k not in reqs)
             if len(reqs) + len(pinned) > room:
                 raise RuntimeError(
                     f"set_active_adapters: {len(reqs)} requested adapters and {len(pinned)} "
-                    f"other pinned ones {pinned} do not fit the {room} {what}"
+                    f"other pinned or merged ones {pinned} do not fit the {room} {what}"
                 )
         new = self._validate_requests(reqs)
         needed = sum(1 for aid in reqs if aid not in self._active_adapters)

@@ -263,7 +263,8 @@ def adapter_from_tensors(
     """
     cfg.validate(lora_config)
     index, layers, all_names = _module_index(model)
-    _check_targets(cfg, all_names)
+    if name_map is None:  # with one, the config names the checkpoint's modules, not ours
+        _check_targets(cfg, all_names)
     if adapter_id is None:
         adapter_id = next(_ids)
     if (
@@ -286,12 +287,6 @@ def adapter_from_tensors(
         mod, raw, kind = _parse_key(key, source, name_map)
         owner = _strip_base_layer(mod)
         if owner in index and hasattr(layers[index[owner][0]], "fused_w13"):
-            if cfg.target_parameters and not any(
-                cfg.targets_parameter(f"{_strip_base_layer(raw)}.{p.rpartition('.')[2]}")
-                for p in EXPERT_PARAMS
-            ):
-                untargeted.append(key)
-                continue
             expert_keys.setdefault(index[owner][0], {}).setdefault(mod, {})[kind] = (key, value)
             checkpoint_names[index[owner][0]] = _strip_base_layer(raw)
             continue
@@ -311,13 +306,6 @@ def adapter_from_tensors(
                 f"{source}: tensor {key!r}: module {mod!r} has two lora_{kind} tensors"
             )
         pairs[mod][kind] = (key, np.asarray(value))
-    if untargeted:
-        warnings.warn(
-            f"{source}: {len(untargeted)} tensors are for modules that {cfg.source} does not "
-            f"target (target_modules / exclude_modules / target_parameters) and are ignored, "
-            f"as PEFT ignores them: {untargeted[:4]}{' ...' if len(untargeted) > 4 else ''}",
-            stacklevel=2,
-        )
     if not pairs and not expert_keys:
         raise ValueError(f"{source}: no LoRA tensors")
     members: dict[str, list] = {}
@@ -355,7 +343,9 @@ def adapter_from_tensors(
         for ln, (a, b) in members.items()
     }
     for ln, found in expert_keys.items():
-        modules[ln] = _expert_lora(layers[ln], ln, checkpoint_names[ln], found, cfg, source)
+        m = _expert_lora(layers[ln], ln, checkpoint_names[ln], found, cfg, source, untargeted)
+        if m is not None:
+            modules[ln] = m
     for ln, m in modules.items():
         prepare = getattr(layers[ln], "prepare_lora", None)
         if prepare is not None:
@@ -363,6 +353,15 @@ def adapter_from_tensors(
                 prepare(0, *m.set_lora_args())
             except ValueError as e:
                 raise ValueError(f"{source}: module {ln!r}: {e}") from e
+    if untargeted:
+        warnings.warn(
+            f"{source}: {len(untargeted)} tensors are for modules that {cfg.source} does not "
+            f"target (target_modules / exclude_modules / target_parameters) and are ignored, "
+            f"as PEFT ignores them: {untargeted[:4]}{' ...' if len(untargeted) > 4 else ''}",
+            stacklevel=2,
+        )
+    if not modules:
+        raise ValueError(f"{source}: no LoRA tensors for a module {cfg.source} targets")
     rank = max(m.rank for m in modules.values())
     return LoRAAdapter(id=int(adapter_id), name=name, rank=rank, modules=modules, source=source)
 
@@ -393,8 +392,8 @@ def _strip_base_layer(name: str) -> str:
 
 
 def _expert_lora(
-    layer, name: str, checkpoint_name: str, found: Mapping[str, Mapping], cfg, source
-) -> ModuleLoRA:
+    layer, name: str, checkpoint_name: str, found: Mapping[str, Mapping], cfg, source, untargeted
+) -> ModuleLoRA | None:
     """PEFT ParamWrapper tensors of one fused-experts module → `[w13, w2]` 3D LoRA.
 
     Which parameter a pair belongs to follows from its shapes (w13: in = hidden,
@@ -424,9 +423,14 @@ def _expert_lora(
                 f"the experts of {name!r}: expected [r*E, in] / [out, r*E] with r={r}, E={E}, "
                 f"(in, out) in {sorted(shapes)}"
             )
+        if cfg.target_parameters and not cfg.targets_parameter(param):
+            untargeted += [ka, kb]  # PEFT makes no LoRA for that expert weight
+            continue
         if out_a[which] is not None:
             raise ValueError(f"{source}: module {name!r} has two LoRAs for one expert weight")
         scale = np.float32(cfg.scaling_for(param))
         out_a[which] = a.reshape(E, r, -1)  # [E, r, in]
         out_b[which] = b.reshape(b.shape[0], r, E).transpose(2, 0, 1) * scale  # [E, out, r]
+    if all(a is None for a in out_a):
+        return None
     return ModuleLoRA(module_name=name, lora_a=tuple(out_a), lora_b=tuple(out_b))

@@ -99,6 +99,8 @@ class PEFTConfig:
         if self.exclude_modules is not None and matches_targets(self.exclude_modules, name):
             return False
         t = self.target_modules
+        if t is None and self.target_parameters:  # only the expert parameters are targeted
+            return False
         return t == ALL_LINEAR or matches_targets(t, name)
 
     def targets_parameter(self, name: str) -> bool:
