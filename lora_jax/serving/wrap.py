@@ -351,8 +351,12 @@ def wrap_model(
             context = LoRAContext(None)
     chosen = [c for c in candidates if _matches(targets, [c[4], *packed_names(c[4], c[2])])]
     refs = reference_paths(model)
+    # a LoRA wrapper holding the module (a tied lm_head over the embedding) is by design
+    wrapped_at = {p for la in lora_layers(model).values() for p in refs.get(id(la), [])}
     for _path, node, _, cls, name in chosen:
-        places = refs.get(id(node), [])
+        places = [
+            p for p in refs.get(id(node), []) if not any(p[:k] in wrapped_at for k in range(len(p)))
+        ]
         if len(places) > 1 and not getattr(cls, "tied", False):
             raise ValueError(
                 f"wrap_model: {name!r} is one module reached from {len(places)} places "
