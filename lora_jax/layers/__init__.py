@@ -37,6 +37,11 @@ from lora_jax.layers.embedding import (
 )
 from lora_jax.layers.flax_embed import FlaxEmbed as FlaxEmbed
 from lora_jax.layers.flax_embed import FlaxEmbedWithLoRA as FlaxEmbedWithLoRA
+from lora_jax.layers.flax_general import FlaxEinsumWithLoRA as FlaxEinsumWithLoRA
+from lora_jax.layers.flax_general import FlaxGeneralLinear as FlaxGeneralLinear
+from lora_jax.layers.flax_general import (
+    FlaxLinearGeneralWithLoRA as FlaxLinearGeneralWithLoRA,
+)
 from lora_jax.layers.flax_linear import FlaxLinear as FlaxLinear
 from lora_jax.layers.flax_linear import FlaxLinearWithLoRA as FlaxLinearWithLoRA
 from lora_jax.layers.logits import LogitsProcessor as LogitsProcessor

@@ -34,6 +34,7 @@ from flax import nnx
 from lora_jax.layers import BaseLayerWithLoRA, LoRASlotRanks, find_lora_context
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.layers.flax_embed import FlaxEmbedWithLoRA
+from lora_jax.layers.flax_general import FlaxGeneralLinear, unmergeable_reason
 from lora_jax.layers.flax_linear import FlaxLinearWithLoRA
 from lora_jax.layers.logits import ParallelLMHeadWithLoRA, TiedLMHeadWithLoRA, _head_of
 from lora_jax.layers.moe import FusedMoEWithLoRA
@@ -99,7 +100,10 @@ def _linear_plan(layer: BaseLayerWithLoRA):
             if sharded and row:
                 b_nr = jax.lax.all_gather(b_nr, tp_axis, axis=0, tiled=True)
             deltas.append((b_nr @ a_rk).T)  # [in_l, out_s_l]
-        return (_add(k, jnp.concatenate(deltas, axis=1)),)  # the local kernel layout
+        delta = jnp.concatenate(deltas, axis=1)
+        if isinstance(base, FlaxGeneralLinear):  # the flat map → the source kernel's axes
+            delta = base.kernel_delta(delta)
+        return (_add(k, delta),)  # the local kernel layout
 
     n = len(layer.lora_a)
     k_axes = _KERNEL_AXES[base.parallel]
@@ -179,6 +183,8 @@ def _unmergeable(layer) -> str | None:
             "a plain nnx.Embed's table may also be read through attend() as a tied lm_head, "
             "which merge_adapter cannot see"
         )
+    if isinstance(getattr(layer, "base_layer", None), FlaxGeneralLinear):
+        return unmergeable_reason(layer)
     if isinstance(layer, FlaxLinearWithLoRA):
         dot = getattr(layer.base_layer.source, "dot_general", jax.lax.dot_general)
         if dot is not jax.lax.dot_general:

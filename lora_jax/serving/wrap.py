@@ -28,7 +28,9 @@ from lora_jax.layers import (
     BaseLayerWithLoRA,
     ColumnParallelLinearWithLoRA,
     ColumnParallelLinearWithShardedLoRA,
+    FlaxEinsumWithLoRA,
     FlaxEmbedWithLoRA,
+    FlaxLinearGeneralWithLoRA,
     FlaxLinearWithLoRA,
     LoRAContext,
     MergedColumnParallelLinearVariableSliceWithLoRA,
@@ -72,6 +74,8 @@ LORA_LAYER_CLASSES: list[type] = [
     FusedMoEWithLoRA,  # FusedMoE experts named as separate w1 / w3 (2-item packed list)
     FlaxLinearWithLoRA,  # a plain flax.nnx.Linear (models not built from lora_jax.linear)
     FlaxEmbedWithLoRA,  # a plain flax.nnx.Embed
+    FlaxLinearGeneralWithLoRA,  # a plain flax.nnx.LinearGeneral (nnx.MultiHeadAttention)
+    FlaxEinsumWithLoRA,  # a plain flax.nnx.Einsum that is one flat linear map
 ]
 
 TargetModules = Sequence[str] | str | None
@@ -188,7 +192,9 @@ def _candidates(model: nnx.Module, lora_config, mapping):
             continue
         name = module_name(path)
         packed = list(mapping.get(str(path[-1]), [str(path[-1])]))
-        if isinstance(node, (nnx.Linear, nnx.Embed)):  # one plain layer: one checkpoint module
+        if isinstance(
+            node, (nnx.Linear, nnx.Embed, nnx.LinearGeneral, nnx.Einsum)
+        ):  # one plain layer: one checkpoint module
             packed = [str(path[-1])]
         cls = _pick_class(node, lora_config, packed)
         if cls is not None:
@@ -286,8 +292,9 @@ def wrap_model(
 
     Args:
       model: an NNX module built from `lora_jax.linear` layers, or from plain
-        `flax.nnx.Linear` / `flax.nnx.Embed` layers (wrapped as `FlaxLinearWithLoRA` /
-        `FlaxEmbedWithLoRA`), or both.
+        `flax.nnx.Linear` / `flax.nnx.Embed` / `flax.nnx.LinearGeneral` / `flax.nnx.Einsum`
+        layers (wrapped as `FlaxLinearWithLoRA` / `FlaxEmbedWithLoRA` /
+        `FlaxLinearGeneralWithLoRA` / `FlaxEinsumWithLoRA`), or both.
       lora_config: slot count, max rank, `fully_sharded_loras` (picks the S-LoRA classes).
       target_modules: PEFT-style list of names (a module matches when its dotted path
         equals a name or ends with `.name`), a regex string (`re.fullmatch` on the path),

@@ -1,0 +1,379 @@
+"""Multi-LoRA around `flax.nnx.LinearGeneral` and `flax.nnx.Einsum`, so that `wrap_model`
+takes Flax's own attention (`nnx.MultiHeadAttention` projects with `LinearGeneral`) and
+einsum-style models.
+
+Both layers contract some axes of x with some axes of a kernel. Seen as a linear map, the
+contracted axes flatten to `in = prod(contracted sizes)` and the kernel's other axes to
+`out = prod(feature sizes)`, each in the kernel's axis order; x's remaining axes are the
+tokens. The LoRA is the flat one: `A [r, in]`, `B [out, r]`, the layout of an `nn.Linear`
+whose weight is the kernel flattened that way (`LinearGeneral(E, (H, D))`'s kernel
+`[E, H, D]` is torch's `q_proj.weight [H * D, E]` transposed). The base output is the
+source layer's own forward (dtype promotion, precision, bias, `out_sharding`); the LoRA
+delta is computed on the flat view and added back in the output's layout.
+
+Refused (not LoRA-able as one flat linear): `LinearGeneral` with `batch_axis`, einsum
+axes shared by x, kernel and output (per-group kernels), axes summed out of x or of the
+kernel alone, repeated letters, an ellipsis in the kernel, and an `nnx.Einsum` built
+without its equation. Like `FlaxLinearWithLoRA`, these layers are replicated (no tensor
+parallelism of their own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import string
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lora_jax.config import LoRAConfig
+from lora_jax.layers.base import LoRAContext
+from lora_jax.layers.column import ReplicatedLinearWithLoRA
+from lora_jax.linear import ReplicatedLinear
+from lora_jax.sharding import ShardingRules
+
+
+@dataclasses.dataclass(frozen=True)
+class Contraction:
+    """One einsum `inp,ker->out` read as a flat linear map (letters, one per axis).
+
+    ``contract`` / ``feature``: the kernel's contracted / kept letters, in kernel order;
+    ``tokens``: x's letters that are not contracted, in x's order."""
+
+    inp: str
+    ker: str
+    out: str
+
+    @property
+    def contract(self) -> str:
+        return "".join(c for c in self.ker if c in self.inp)
+
+    @property
+    def feature(self) -> str:
+        return "".join(c for c in self.ker if c in self.out)
+
+    @property
+    def tokens(self) -> str:
+        return "".join(c for c in self.inp if c not in self.ker)
+
+    def flat_x(self, x: jax.Array) -> jax.Array:
+        """x → `[T, in]` (tokens in x's order, contracted axes in the kernel's order)."""
+        perm = [self.inp.index(c) for c in self.tokens + self.contract]
+        xt = jnp.transpose(x, perm)
+        return xt.reshape(-1, math.prod(xt.shape[len(self.tokens) :]))
+
+    def flat_y(self, y: jax.Array) -> jax.Array:
+        """The output → `[T, out]` (features in the kernel's order)."""
+        perm = [self.out.index(c) for c in self.tokens + self.feature]
+        yt = jnp.transpose(y, perm)
+        return yt.reshape(-1, math.prod(yt.shape[len(self.tokens) :]))
+
+    def unflat_y(self, y2: jax.Array, like: jax.Array) -> jax.Array:
+        """`flat_y`'s inverse, into the layout of ``like`` (the base output)."""
+        order = self.tokens + self.feature
+        shape = [like.shape[self.out.index(c)] for c in order]
+        perm = [order.index(c) for c in self.out]
+        return jnp.transpose(y2.reshape(shape), perm)
+
+    def kernel_delta(self, delta: jax.Array, kernel_shape) -> jax.Array:
+        """A flat `[in, out]` delta → the kernel's shape and axis order."""
+        order = self.contract + self.feature
+        shape = [kernel_shape[self.ker.index(c)] for c in order]
+        return jnp.transpose(delta.reshape(shape), [order.index(c) for c in self.ker])
+
+
+def parse_einsum(equation: str, kernel_ndim: int, x_ndim: int | None = None) -> Contraction:
+    """The `Contraction` of an `nnx.Einsum` equation, or a `ValueError` saying why it is
+    not one flat linear map. An ellipsis (x's leading axes) is expanded for ``x_ndim``
+    (None: left as token axes of unknown count).
+
+    Example:
+        >>> c = parse_einsum("BTD,NDH->BTNH", 3)
+        >>> c.tokens, c.contract, c.feature
+        ('BT', 'D', 'NH')
+    """
+    eq = equation.replace(" ", "")
+    if eq.count("->") != 1 or eq.count(",") != 1:
+        raise ValueError(f"einsum {equation!r}: expected 'x,kernel->out'")
+    lhs, out = eq.split("->")
+    inp, ker = lhs.split(",")
+    if "..." in ker:
+        raise ValueError(f"einsum {equation!r}: an ellipsis in the kernel is not supported")
+    if ("..." in inp) != ("..." in out):
+        raise ValueError(f"einsum {equation!r}: the ellipsis must be in x and in the output")
+    if "..." in inp:
+        used = set(inp + ker + out)
+        free = [c for c in string.ascii_letters if c not in used]
+        n = 1 if x_ndim is None else x_ndim - (len(inp) - 3)
+        if n < 0:
+            raise ValueError(f"einsum {equation!r}: x has {x_ndim} axes, too few")
+        fill = "".join(free[:n])
+        inp, out = inp.replace("...", fill), out.replace("...", fill)
+    for what, s in (("x", inp), ("kernel", ker), ("output", out)):
+        if not s.isalpha() or len(set(s)) != len(s):
+            raise ValueError(f"einsum {equation!r}: {what} letters {s!r} must be distinct letters")
+    if len(ker) != kernel_ndim:
+        raise ValueError(
+            f"einsum {equation!r}: the kernel has {kernel_ndim} axes, the equation {len(ker)}"
+        )
+    if x_ndim is not None and len(inp) != x_ndim:
+        raise ValueError(f"einsum {equation!r}: x has {x_ndim} axes, the equation {len(inp)}")
+    shared = [c for c in ker if c in inp and c in out]
+    if shared:
+        raise ValueError(
+            f"einsum {equation!r}: axes {shared} are in x, kernel and output (a kernel per "
+            "group): not one flat linear map"
+        )
+    summed = [c for c in inp + ker if c not in out and not (c in inp and c in ker)]
+    if summed:
+        raise ValueError(f"einsum {equation!r}: axes {summed} are summed out of one operand")
+    c = Contraction(inp, ker, out)
+    if not c.contract or not c.feature:
+        raise ValueError(f"einsum {equation!r}: nothing contracted or no output feature axis")
+    return c
+
+
+def linear_general_contraction(source: nnx.LinearGeneral, x_ndim: int) -> Contraction:
+    """The `Contraction` of an `nnx.LinearGeneral` applied to an x of ``x_ndim`` axes."""
+    if source.batch_axis:
+        raise ValueError(
+            f"nnx.LinearGeneral with batch_axis={dict(source.batch_axis)}: a kernel per batch "
+            "group is not one flat linear map"
+        )
+    axes = [a % x_ndim for a in source.axis]
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"nnx.LinearGeneral axis={source.axis}: repeated axes")
+    letters = string.ascii_letters
+    inp = letters[:x_ndim]
+    feat = letters[x_ndim : x_ndim + len(source.out_features)]
+    ker = "".join(inp[a] for a in axes) + feat
+    out = "".join(c for i, c in enumerate(inp) if i not in axes) + feat
+    return Contraction(inp, ker, out)
+
+
+def _contracted_positions(c: Contraction) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Kernel axis positions that are contracted, and those kept (order-free form)."""
+    return (
+        tuple(c.ker.index(x) for x in c.contract),
+        tuple(c.ker.index(x) for x in c.feature),
+    )
+
+
+class FlaxGeneralLinear(ReplicatedLinear):
+    """A flat `ReplicatedLinear` view of an `nnx.LinearGeneral` or `nnx.Einsum` (kernel
+    shared, not copied): `in_features` / `output_sizes` are the flattened contracted /
+    feature sizes. Calling it runs the source layer.
+
+    Example:
+        >>> lg = nnx.LinearGeneral(8, (2, 4), rngs=nnx.Rngs(0))
+        >>> view = FlaxGeneralLinear(lg)
+        >>> view.kernel is lg.kernel, view.in_features, view.output_sizes
+        (True, 8, (8,))
+    """
+
+    def __init__(self, source: nnx.LinearGeneral | nnx.Einsum, *, name: str | None = None):
+        label = name or type(source).__name__
+        kshape = tuple(source.kernel.shape)
+        if isinstance(source, nnx.LinearGeneral):
+            ins, outs = tuple(source.in_features), tuple(source.out_features)
+            if kshape != (*tuple(source.batch_axis.values()), *ins, *outs):
+                raise ValueError(
+                    f"{label}: an nnx.LinearGeneral({ins}, {outs}) with a kernel of shape "
+                    f"{kshape}: stacked layers (nnx.vmap / scan over layers) are not "
+                    "supported; build the layers unstacked"
+                )
+            try:
+                # the kernel's axes read the same for any x: take the fewest x axes it fits
+                n = max([a + 1 for a in source.axis if a >= 0] + [-a for a in source.axis]) + 1
+                self.contraction = linear_general_contraction(source, n)
+            except ValueError as e:
+                raise ValueError(f"{label}: {e}") from None
+            in_flat, out_flat = math.prod(ins), math.prod(outs)
+        elif isinstance(source, nnx.Einsum):
+            if source.einsum_str is None:
+                raise ValueError(
+                    f"{label}: an nnx.Einsum built without its equation (given at call "
+                    "time): the LoRA's shapes need it at construction"
+                )
+            if tuple(source.kernel_shape) != kshape:
+                raise ValueError(
+                    f"{label}: an nnx.Einsum with kernel_shape {tuple(source.kernel_shape)} "
+                    f"but a kernel of shape {kshape}: stacked layers are not supported"
+                )
+            try:
+                self.contraction = parse_einsum(source.einsum_str, len(kshape))
+            except ValueError as e:
+                raise ValueError(f"{label}: {e}") from None
+            c = self.contraction
+            in_flat = math.prod(kshape[c.ker.index(x)] for x in c.contract)
+            out_flat = math.prod(kshape[c.ker.index(x)] for x in c.feature)
+        else:
+            raise ValueError(
+                f"FlaxGeneralLinear: expected a flax.nnx.LinearGeneral or nnx.Einsum, got "
+                f"{type(source).__name__}"
+            )
+        self.source = source
+        self.positions = _contracted_positions(self.contraction)
+        self.in_features = int(in_flat)
+        self.output_sizes = (int(out_flat),)
+        self.physical_sizes = self.output_sizes
+        self.use_bias, self.skip_bias_add, self.return_bias = False, False, False
+        self.bias = None  # the source adds its own
+        self.dtype = source.dtype
+        self.param_dtype = source.param_dtype
+        self.rules = ShardingRules()
+        self.tp = self.out_tp = 1
+        self.kernel = source.kernel  # the same variable: merging edits the source's kernel
+
+    def contraction_for(self, x_ndim: int, einsum_str: str | None = None) -> Contraction:
+        """The contraction of a call on an x of ``x_ndim`` axes (an `nnx.Einsum` may be
+        called with its own equation: it must contract the same kernel axes)."""
+        src = self.source
+        if isinstance(src, nnx.LinearGeneral):
+            c = linear_general_contraction(src, x_ndim)
+        else:
+            c = parse_einsum(einsum_str or src.einsum_str, src.kernel.ndim, x_ndim)
+        if _contracted_positions(c) != self.positions:
+            raise ValueError(
+                f"einsum {einsum_str!r} contracts kernel axes {_contracted_positions(c)[0]} "
+                f"(keeps {_contracted_positions(c)[1]}), the LoRA was built for "
+                f"{self.positions[0]} (keeps {self.positions[1]})"
+            )
+        return c
+
+    def kernel_delta(self, delta: jax.Array) -> jax.Array:
+        """A flat `[in, out]` kernel delta in the source kernel's shape."""
+        return self.contraction.kernel_delta(delta, self.kernel.shape)
+
+    def __call__(self, x: jax.Array, *args, **kwargs) -> jax.Array:
+        return self.source(x, *args, **kwargs)
+
+
+class _FlaxGeneralWithLoRA(ReplicatedLinearWithLoRA):
+    """Per-token multi-LoRA around an `nnx.LinearGeneral` / `nnx.Einsum` (replicated)."""
+
+    source_type: type = object
+
+    def __init__(
+        self,
+        base_layer,
+        lora_config: LoRAConfig,
+        context: LoRAContext | None = None,
+        *,
+        name: str | None = None,
+    ):
+        if isinstance(base_layer, self.source_type):
+            base_layer = FlaxGeneralLinear(base_layer, name=name)
+        super().__init__(base_layer, lora_config, context, name=name)
+
+    def _check_base(self, base):
+        if not isinstance(base, FlaxGeneralLinear) or not isinstance(base.source, self.source_type):
+            raise ValueError(
+                f"{self.name}: base layer must be a flax.nnx.{self.source_type.__name__}, got "
+                f"{type(getattr(base, 'source', base)).__name__}"
+            )
+
+    def _run(self, x: jax.Array, einsum_str: str | None, call) -> jax.Array:
+        y = call()  # the source's own forward
+        mapping = self.lora_context.get_value()
+        if mapping is None:
+            return y
+        try:
+            c = self.base_layer.contraction_for(x.ndim, einsum_str)
+        except ValueError as e:
+            raise ValueError(f"{self.name}: {e}") from None
+        x2, y2 = c.flat_x(x), c.flat_y(y)
+        if mapping.num_tokens != x2.shape[0]:
+            raise ValueError(
+                f"{self.name}: the LoRA mapping has {mapping.num_tokens} tokens but the input "
+                f"has {x2.shape[0]} (token axes {[x.shape[c.inp.index(t)] for t in c.tokens]})"
+            )
+        a = tuple(v[...] for v in self.lora_a)
+        b = tuple(v[...] for v in self.lora_b)
+        y2 = self._lora_local(y2, x2, a, b, self.slot_ranks[...], mapping)
+        return c.unflat_y(y2, y)
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+        if not isinstance(source_layer, cls.source_type) or len(packed_modules_list) > 1:
+            return False
+        try:  # only what is one flat linear map; the rest is left as it is
+            FlaxGeneralLinear(source_layer)
+        except ValueError:
+            return False
+        return True
+
+
+class FlaxLinearGeneralWithLoRA(_FlaxGeneralWithLoRA):
+    """Per-token multi-LoRA around a plain `nnx.LinearGeneral` (flat `A [r, in]`,
+    `B [out, r]`: see the module doc); `wrap_model` picks it for `nnx.LinearGeneral`
+    modules (e.g. `nnx.MultiHeadAttention`'s query / key / value / out).
+
+    Example:
+        >>> lg = nnx.LinearGeneral(16, (2, 4), rngs=nnx.Rngs(0))
+        >>> layer = FlaxLinearGeneralWithLoRA(lg, LoRAConfig(max_loras=2, max_lora_rank=8))
+        >>> layer.set_lora(1, np.ones((4, 16)), np.ones((8, 4)))  # A [r, in], B [2 * 4, r]
+        >>> layer(jnp.ones((3, 16))).shape  # no mapping set: the base output
+        (3, 2, 4)
+    """
+
+    source_type = nnx.LinearGeneral
+
+    def __call__(self, x: jax.Array, out_sharding=None):
+        """As `nnx.LinearGeneral.__call__`, plus each token's LoRA."""
+        source = self.base_layer.source
+        return self._run(x, None, lambda: source(x, out_sharding=out_sharding))
+
+
+class FlaxEinsumWithLoRA(_FlaxGeneralWithLoRA):
+    """Per-token multi-LoRA around a plain `nnx.Einsum` whose equation is one flat linear
+    map (flat `A [r, in]`, `B [out, r]`, in the kernel's axis order: see the module doc);
+    `wrap_model` picks it for such `nnx.Einsum` modules.
+
+    Example:
+        >>> ein = nnx.Einsum("btd,ndh->btnh", (2, 16, 4), rngs=nnx.Rngs(0))
+        >>> layer = FlaxEinsumWithLoRA(ein, LoRAConfig(max_loras=2, max_lora_rank=8))
+        >>> layer.set_lora(0, np.ones((4, 16)), np.ones((8, 4)))  # A [r, 16], B [2 * 4, r]
+        >>> layer(jnp.ones((1, 3, 16))).shape
+        (1, 3, 2, 4)
+    """
+
+    source_type = nnx.Einsum
+
+    def __call__(self, x: jax.Array, einsum_str: str | None = None, out_sharding=None):
+        """As `nnx.Einsum.__call__`, plus each token's LoRA."""
+        source = self.base_layer.source
+        return self._run(
+            x, einsum_str, lambda: source(x, einsum_str=einsum_str, out_sharding=out_sharding)
+        )
+
+
+def unmergeable_reason(layer) -> str | None:
+    """Why `merge_adapter` cannot fold this layer's adapter into its kernel, or None."""
+    src = layer.base_layer.source
+    if isinstance(src, nnx.LinearGeneral):
+        dot = src.dot_general
+        if src.dot_general_cls is not None or (dot is not None and dot is not jax.lax.dot_general):
+            return (
+                "its nnx.LinearGeneral computes with its own dot_general, which need not be "
+                "linear in the kernel: B @ A added to the kernel would not give the served output"
+            )
+    elif src.einsum_op is not jnp.einsum:
+        return (
+            "its nnx.Einsum computes with its own einsum_op, which need not be linear in the "
+            "kernel: B @ A added to the kernel would not give the served output"
+        )
+    return None
+
+
+__all__ = [
+    "Contraction",
+    "FlaxEinsumWithLoRA",
+    "FlaxGeneralLinear",
+    "FlaxLinearGeneralWithLoRA",
+    "linear_general_contraction",
+    "parse_einsum",
+    "unmergeable_reason",
+]
