@@ -280,6 +280,22 @@ def _tied_candidates(model: nnx.Module, candidates) -> list[tuple]:
     return []
 
 
+def _why_not(model: nnx.Module, missing: Sequence[str]) -> str:
+    """Why the plain Flax layers that ``missing`` names cannot take a LoRA ("" if none)."""
+    from lora_jax.layers.flax_general import FlaxGeneralLinear
+
+    reasons = []
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, (nnx.LinearGeneral, nnx.Einsum)) and path:
+            name = module_name(path)
+            if _matches(tuple(missing), [name]):
+                try:
+                    FlaxGeneralLinear(node, name=name)
+                except ValueError as e:
+                    reasons.append(str(e))
+    return "".join(f"; {r}" for r in reasons[:4])
+
+
 def wrap_model(
     model: nnx.Module,
     lora_config: LoRAConfig,
@@ -331,7 +347,7 @@ def wrap_model(
             leaves = sorted({n.rpartition(".")[2] for n in all_names})
             raise ValueError(
                 f"wrap_model: target_modules {missing} match no supported module of the model; "
-                f"supported module names: {leaves}"
+                f"supported module names: {leaves}{_why_not(model, missing)}"
             )
     elif isinstance(targets, str):
         if not _matches(targets, all_names):
