@@ -599,3 +599,37 @@ def test_a_merged_slot_is_not_rewritten_until_unmerged():
     mgr.deactivate_adapter(1)  # unmerged: free to go
     mgr.activate_adapter(4)
     assert _slots(mgr)[merged] == 4
+
+
+@pytest.mark.parametrize("lru", [False, True])
+def test_a_worker_step_prepares_each_new_adapter_once(monkeypatch, lru):
+    """`set_active_adapters` validates every new adapter before anything changes, and the
+    activation writes those prepared arrays: each layer prepares a new adapter once (it
+    was twice), and the slots hold what `set_lora` would write."""
+    model, mgr = _setup(lru=lru)
+    ad = _adapters(model, 2)
+    calls = []
+    real = lj.BaseLayerWithLoRA.prepare_lora
+
+    def counting(self, index, a, b):
+        calls.append(self.name)
+        return real(self, index, a, b)
+
+    monkeypatch.setattr(lj.BaseLayerWithLoRA, "prepare_lora", counting)
+    mgr.set_active_adapters([ad[1], ad[2]])
+    layers = lora_layers(model)
+    want = [n for aid in (1, 2) for n in layers if ad[aid].get_lora(n) is not None]
+    assert want and sorted(calls) == sorted(want)
+    calls.clear()
+    mgr.set_active_adapters([ad[1], ad[2]])  # both active: nothing prepared
+    assert calls == []
+    monkeypatch.setattr(lj.BaseLayerWithLoRA, "prepare_lora", real)
+    for aid in (1, 2):
+        slot = mgr.slot_of(aid)
+        for name, layer in layers.items():
+            m = ad[aid].get_lora(name)
+            if m is None:
+                continue
+            ref = real(layer, slot, *m.set_lora_args())
+            for var, want in zip(layer.lora_a, ref.a):
+                np.testing.assert_array_equal(np.asarray(var[...][slot], np.float32), want)

@@ -240,6 +240,11 @@ class LoRAModelManager:
 
         The adapter is validated for every layer before any slot (or eviction) changes.
         """
+        return self._activate(adapter_id, None)
+
+    def _activate(self, adapter_id: int, plan) -> bool:
+        """`activate_adapter`, with the adapter's `_plan_slot` result when the caller has
+        already validated it (the prepared arrays do not depend on the slot)."""
         if adapter_id in self._active_adapters:
             self._touch_active(adapter_id)
             return False
@@ -247,7 +252,8 @@ class LoRAModelManager:
             raise ValueError(f"activate_adapter: adapter {adapter_id!r} is not registered")
         slot, victim = self._choose_slot()
         adapter = _peek(self._registered_adapters, adapter_id)  # touched once written
-        plan = self._plan_slot(slot, adapter)
+        if plan is None:
+            plan = self._plan_slot(slot, adapter)
         if victim is not None:
             self.deactivate_adapter(victim)
         self._commit(slot, plan)
@@ -313,7 +319,7 @@ class LoRAModelManager:
         activates the rest. More distinct requests than slots raise `RuntimeError`.
         """
         reqs = self._distinct(requests)
-        new = self._validate_requests(reqs)
+        new, plans = self._validate_requests(reqs)
         staying = [a for a in self.lora_index_to_id if a is not None and a in reqs]
         usable = self.lora_slots - len(self._merged_slots() - {self.slot_of(a) for a in staying})
         for aid in list(_keys(self._registered_adapters)):
@@ -330,13 +336,14 @@ class LoRAModelManager:
         for aid in reqs:
             if aid not in self._registered_adapters:
                 self.add_adapter(new[aid])
-            self.activate_adapter(aid)
+            self._activate(aid, plans.get(aid))
 
-    def _validate_requests(self, reqs: Mapping[int, Any]) -> dict[int, LoRAAdapter]:
+    def _validate_requests(self, reqs: Mapping[int, Any]) -> tuple[dict[int, LoRAAdapter], dict]:
         """Loads the requested adapters that are not registered and checks every one that
         is not active against every layer, before anything changes: a bad request costs
-        no other adapter its place. Returns the newly loaded ones by id."""
-        new = {}
+        no other adapter its place. Returns the newly loaded ones by id, and every checked
+        one's slot plan by id (activation writes it without validating again)."""
+        new, plans = {}, {}
         for aid, req in reqs.items():
             if aid in self._active_adapters:
                 continue
@@ -348,8 +355,8 @@ class LoRAModelManager:
                     raise ValueError(
                         f"set_active_adapters: request {aid} loaded an adapter with id {adapter.id}"
                     )
-            self._plan_slot(0, adapter)
-        return new
+            plans[aid] = self._plan_slot(0, adapter)
+        return new, plans
 
     # -- slot writes ----------------------------------------------------------------------
     def write_slot(self, slot: int, adapter: LoRAAdapter | None) -> None:
@@ -581,7 +588,7 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
                     f"set_active_adapters: {len(reqs)} requested adapters and {len(pinned)} "
                     f"other pinned or merged ones {pinned} do not fit the {room} {what}"
                 )
-        new = self._validate_requests(reqs)
+        new, plans = self._validate_requests(reqs)
         needed = sum(1 for aid in reqs if aid not in self._active_adapters)
         room = len(self._free_slots()) + len(self._victims(keep=reqs))
         if needed > room:
@@ -600,7 +607,7 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
                 if len(self._registered_adapters) + 1 > self.capacity:
                     self.remove_oldest_adapter()
                 self.add_adapter(new[aid])
-            self.activate_adapter(aid)
+            self._activate(aid, plans.get(aid))
 
 
 def _peek(cache, key):
