@@ -9,6 +9,7 @@ the same oracle.
 """
 
 import shutil
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -279,3 +280,70 @@ def test_tensors_the_config_does_not_target_are_ignored_as_peft_does(hf, tmp_pat
         (adapter,) = mgr.load_adapters({"no_o": d}, activate=True, progress=False)
     assert not any(k.endswith("o_proj") for k in adapter.modules)
     np.testing.assert_allclose(_logits(model, mgr, ids, [adapter.id] * 2), want, **TOL)
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [{"layers_to_transform": [1]}, {"layers_to_transform": 0, "layers_pattern": "layers"}],
+)
+def test_layers_to_transform_serves_the_layers_peft_serves(hf, tmp_path, layers):
+    """Adapter A's file (every layer's q, k, v, o) under a config with PEFT's layer filter:
+    PEFT gives only those layers a LoRA and ignores the other tensors; so does lora_jax."""
+    import json
+
+    _, base_dir, dirs, _ = hf
+    d = tmp_path / "some_layers"
+    shutil.copytree(dirs["A"], d)
+    config = json.loads((d / "adapter_config.json").read_text())
+    config.update(layers)
+    (d / "adapter_config.json").write_text(json.dumps(config))
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT warns of the tensors it leaves out
+        pm = peft.PeftModel.from_pretrained(base, str(d)).eval()
+    ids = _ids(seed=4, shape=(2, S))
+    with torch.no_grad():
+        want = pm(input_ids=torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
+    model, mgr = _serve(base_dir)
+    with pytest.warns(UserWarning, match="ignored"):
+        (adapter,) = mgr.load_adapters({"some": d}, activate=True, progress=False)
+    keep = layers["layers_to_transform"]
+    keep = keep if isinstance(keep, list) else [keep]
+    assert {int(k.split(".")[2]) for k in adapter.modules} == set(keep)
+    np.testing.assert_allclose(_logits(model, mgr, ids, [adapter.id] * 2), want, **TOL)
+
+
+def test_target_rule_is_peft_check_target_module_exists():
+    """`PEFTConfig.targets` against PEFT's own rule over names and configs with layer
+    filters, exact names, regexes and exclusions."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from lora_jax.serving.peft_config import PEFTConfig
+
+    names = [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.12.mlp.experts.3.down_proj",
+        "model.layers.3.mlp.experts.12.down_proj",
+        "transformer.h.1.attn.c_attn",
+        "lm_head",
+        "q_proj",
+    ]
+    configs = [
+        dict(target_modules=["q_proj", "down_proj"], layers_to_transform=[1, 12]),
+        dict(target_modules=["q_proj"], layers_to_transform=0, layers_pattern="layers"),
+        dict(
+            target_modules=["c_attn", "down_proj"], layers_to_transform=[1, 3], layers_pattern=["h"]
+        ),
+        dict(target_modules=["model.layers.0.self_attn.q_proj", "q_proj"], layers_to_transform=[1]),
+        dict(target_modules=r".*\.(q_proj|down_proj)"),
+        dict(target_modules=["q_proj", "down_proj"], exclude_modules=["down_proj"]),
+    ]
+    for extra in configs:
+        hf_cfg = peft.LoraConfig(r=4, lora_alpha=8, **extra)
+        ours = PEFTConfig.from_dict({"r": 4, "lora_alpha": 8, **extra})
+        for name in names:
+            want = bool(check_target_module_exists(hf_cfg, name)) and not isinstance(
+                check_target_module_exists(hf_cfg, name), peft.tuners.tuners_utils._ExcludedModule
+            )
+            assert ours.targets(name) == want, (extra, name)

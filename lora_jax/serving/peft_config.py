@@ -1,7 +1,8 @@
 """A PEFT `adapter_config.json` → `PEFTConfig`: what decides how an adapter is served.
 
-Refuses what cannot be served exactly (DoRA, `modules_to_save`, LoRA bias, layer filters,
-`target_parameters` other than fused MoE experts) and resolves per-module ranks and alphas
+Refuses what cannot be served exactly (DoRA, `modules_to_save`, LoRA bias, trainable
+tokens, `target_parameters` other than fused MoE experts), keeps PEFT's layer filter
+(`layers_to_transform` / `layers_pattern`) and resolves per-module ranks and alphas
 with PEFT's pattern rule (the first key `k` with `re.match(rf"(.*\\.)?({k})$", name)`).
 """
 
@@ -87,6 +88,12 @@ class PEFTConfig:
     `FusedMoE3DWithLoRA`."""
     exclude_modules: tuple[str, ...] | str | None = None
     """PEFT `exclude_modules`: names (or one regex) of modules that get no LoRA."""
+    layers_to_transform: tuple[int, ...] | int | None = None
+    """PEFT `layers_to_transform`: only modules of these layer indices get a LoRA (where
+    `target_modules` is a list and names the module by suffix, as in PEFT)."""
+    layers_pattern: tuple[str, ...] | None = None
+    """PEFT `layers_pattern`: the name part before the layer index (`layers`, `h`, ...);
+    None: the first numbered part after a dot."""
 
     def targets(self, name: str) -> bool:
         """Whether PEFT would give the checkpoint module `name` a LoRA layer (its
@@ -101,7 +108,39 @@ class PEFTConfig:
         t = self.target_modules
         if t is None and self.target_parameters:  # only the expert parameters are targeted
             return False
-        return t == ALL_LINEAR or matches_targets(t, name)
+        if not (t == ALL_LINEAR or matches_targets(t, name)):
+            return False
+        if isinstance(t, str) and t != ALL_LINEAR:
+            return True  # PEFT filters by layer only the names a list matches by suffix
+        if isinstance(t, tuple) and name in t:
+            return True
+        return self.in_layers(name)
+
+    def in_layers(self, name: str) -> bool:
+        """PEFT's `layers_to_transform` rule for module `name`: its layer index (the first
+        number after `<layers_pattern>.`, or after any dotted part) is one of them; a name
+        with no index is not. True when the config sets no layers.
+
+        Example:
+            >>> cfg = PEFTConfig(r=8, lora_alpha=8, layers_to_transform=(0, 2))
+            >>> cfg.in_layers("model.layers.2.mlp.down_proj"), cfg.in_layers("model.layers.1.x")
+            (True, False)
+        """
+        want = self.layers_to_transform
+        if want is None or want == ():
+            return True
+        if not self.layers_pattern:
+            m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", name)
+        else:
+            m = None
+            for pattern in self.layers_pattern:
+                m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", name)
+                if m is not None:
+                    break
+        if m is None:
+            return False
+        idx = int(m.group("idx"))
+        return idx == want if isinstance(want, int) else idx in want
 
     def targets_parameter(self, name: str) -> bool:
         """Whether `target_parameters` names the expert weight `name` (PEFT: equal, or a
@@ -146,13 +185,34 @@ class PEFTConfig:
         ):
             if d.get(key):
                 raise ValueError(f"{source}: {key}={d[key]!r}: {what} is not supported")
-        for key in (
-            "layers_to_transform",
-            "layers_pattern",
-            "trainable_token_indices",
+        if d.get("trainable_token_indices") not in (None, [], {}, ""):
+            raise ValueError(
+                f"{source}: trainable_token_indices={d['trainable_token_indices']!r} is not "
+                "supported"
+            )
+        layers = d.get("layers_to_transform")
+        if isinstance(layers, list | tuple):
+            layers = tuple(layers)
+        ok = layers is None or isinstance(layers, int) or isinstance(layers, tuple)
+        if not ok or any(
+            isinstance(i, bool) or not isinstance(i, int)
+            for i in (
+                layers if isinstance(layers, tuple) else [layers] if layers is not None else []
+            )
         ):
-            if d.get(key) not in (None, [], {}, ""):
-                raise ValueError(f"{source}: {key}={d[key]!r} is not supported")
+            raise ValueError(
+                f"{source}: layers_to_transform={d['layers_to_transform']!r} must be an int or a "
+                "list of ints"
+            )
+        pattern = d.get("layers_pattern")
+        if isinstance(pattern, str):
+            pattern = (pattern,) if pattern else None
+        elif isinstance(pattern, list | tuple):
+            if not all(isinstance(p, str) for p in pattern):
+                raise ValueError(f"{source}: layers_pattern={pattern!r} must be strings")
+            pattern = tuple(pattern) or None
+        elif pattern is not None:
+            raise ValueError(f"{source}: layers_pattern={pattern!r} must be a string or a list")
         init = d.get("init_lora_weights", True)
         if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
             raise ValueError(
@@ -197,6 +257,8 @@ class PEFTConfig:
             source=source,
             target_parameters=params,
             exclude_modules=excluded,
+            layers_to_transform=layers,
+            layers_pattern=pattern,
         )
 
     @classmethod
