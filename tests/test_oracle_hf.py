@@ -347,3 +347,28 @@ def test_target_rule_is_peft_check_target_module_exists():
                 check_target_module_exists(hf_cfg, name), peft.tuners.tuners_utils._ExcludedModule
             )
             assert ours.targets(name) == want, (extra, name)
+
+
+@pytest.mark.parametrize("targets", [["embed_tokens", "q_proj"], ["embed_tokens", "lm_head"]])
+def test_ensure_weight_tying_serves_the_tied_lm_head_lora(tmp_path, targets):
+    """A tied model's adapter saved with `ensure_weight_tying=True`: PEFT ties a LoRA onto
+    lm_head and saves it, though the saved `target_modules` name only the embedding;
+    lora_jax serves it too (it was dropped as untargeted: logits off by ~30)."""
+    cfg = transformers.LlamaConfig(**{**TINY, "tie_word_embeddings": True})
+    torch.manual_seed(1)
+    base = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    base_dir = str(tmp_path / "base")
+    base.save_pretrained(base_dir, safe_serialization=True)
+    spec = dict(r=4, lora_alpha=8, target_modules=targets, ensure_weight_tying=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = _make_adapter(base_dir, "tied", spec, str(tmp_path / "tied"), seed=3)
+        again = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        pm = peft.PeftModel.from_pretrained(again, d).eval()
+    ids = _ids(seed=5, shape=(2, S))
+    with torch.no_grad():
+        want = pm(input_ids=torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
+    model, mgr = _serve(base_dir)
+    (adapter,) = mgr.load_adapters({"tied": d}, activate=True, progress=False)
+    assert "lm_head" in adapter.modules
+    np.testing.assert_allclose(_logits(model, mgr, ids, [adapter.id] * 2), want, **TOL)

@@ -36,6 +36,14 @@ BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga", "lora-ga")
 ALL_LINEAR = "all-linear"
 
 
+# PEFT's embedding layer names (`peft.utils.constants.EMBEDDING_LAYER_NAMES`)
+EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
+
+
+def _leaf(name: str) -> str:
+    return name.rpartition(".")[2]
+
+
 def matches_targets(targets: tuple[str, ...] | str | None, name: str) -> bool:
     """PEFT's module rule: a regex string must match the whole name; a list matches a name
     equal to an entry or ending in `.entry`. None matches everything.
@@ -91,6 +99,10 @@ class PEFTConfig:
     layers_to_transform: tuple[int, ...] | int | None = None
     """PEFT `layers_to_transform`: only modules of these layer indices get a LoRA (where
     `target_modules` is a list and names the module by suffix, as in PEFT)."""
+    ensure_weight_tying: bool = False
+    """PEFT `ensure_weight_tying`: on a tied model an embedding target also gives the tied
+    lm_head a LoRA (saved as `lm_head.lora_A/B`, though the saved `target_modules` may
+    not name it)."""
     layers_pattern: tuple[str, ...] | None = None
     """PEFT `layers_pattern`: the name part before the layer index (`layers`, `h`, ...);
     None: the first numbered part after a dot."""
@@ -108,6 +120,8 @@ class PEFTConfig:
         t = self.target_modules
         if t is None and self.target_parameters:  # only the expert parameters are targeted
             return False
+        if self.ensure_weight_tying and _leaf(name) == "lm_head" and self._targets_embedding():
+            return True  # PEFT ties a LoRA onto the head tied with the targeted embedding
         if not (t == ALL_LINEAR or matches_targets(t, name)):
             return False
         if isinstance(t, str) and t != ALL_LINEAR:
@@ -115,6 +129,13 @@ class PEFTConfig:
         if isinstance(t, tuple) and name in t:
             return True
         return self.in_layers(name)
+
+    def _targets_embedding(self) -> bool:
+        """PEFT's test of whether `target_modules` names an embedding layer (tied weights)."""
+        t = self.target_modules
+        if isinstance(t, str):
+            return t != ALL_LINEAR and any(re.fullmatch(t, m) for m in EMBEDDING_LAYER_NAMES)
+        return t is not None and any(_leaf(m) in EMBEDDING_LAYER_NAMES for m in t)
 
     def in_layers(self, name: str) -> bool:
         """PEFT's `layers_to_transform` rule for module `name`: its layer index (the first
@@ -259,6 +280,7 @@ class PEFTConfig:
             exclude_modules=excluded,
             layers_to_transform=layers,
             layers_pattern=pattern,
+            ensure_weight_tying=bool(d.get("ensure_weight_tying", False)),
         )
 
     @classmethod
