@@ -570,3 +570,19 @@ def test_tied_decoder_wrapped_in_two_calls():
     wrap_model(model, cfg, target_modules=["lm_head", "embed_tokens"])  # nothing new
     assert len(lora_layers(model)) == 2
     assert unwrap_model(model) == 2 and model.lm_head is None
+
+
+def test_an_org_vocab_narrower_than_the_head_gives_the_base_width():
+    """`LogitsProcessor(V, org_vocab_size=V0 < V)` cuts the logits to V0 columns; its LoRA
+    layer does too, so a -1 row equals the base and an adapter row the dense oracle's
+    first V0 columns (the LoRA path gave V columns)."""
+    V, V0 = 100, 90
+    adapters = make_adapters(vocab=V)
+    layer, head, w = make_layer(None, adapters=adapters, vocab=V, org_vocab_size=V0)
+    x, seq, tok = seq_case()
+    got = run(layer, head, x, tok, seq)
+    base = run_base(layer, head, x)
+    assert got.shape == base.shape == (x.shape[0], V0)
+    np.testing.assert_array_equal(got[seq < 0], base[seq < 0])
+    want = dense(w, adapters, x, seq)[:, :V0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

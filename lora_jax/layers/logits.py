@@ -322,9 +322,10 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
             )
             logits = shard_map(rules, local, specs, (None, None))(*args)
         full = sharded_to_full_mapping(head)
+        V = self.org_vocab_size  # the base's width (LoRA adds no vocabulary)
         if full is not None:
-            logits = jnp.take(logits, jnp.asarray(full[: self.vocab_size]), axis=-1)
-        logits = logits[:, : self.vocab_size].reshape(*lead, self.vocab_size)
+            logits = jnp.take(logits, jnp.asarray(full[:V]), axis=-1)
+        logits = logits[:, :V].reshape(*lead, V)
         if embedding_bias is not None:
             logits = logits + embedding_bias.astype(logits.dtype)
         return logits
