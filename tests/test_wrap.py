@@ -304,3 +304,24 @@ def test_merge_a_moe_model_whole_output():
         np.testing.assert_allclose(np.asarray(logits(model, None)), lora, rtol=1e-4, atol=1e-4)
         assert unmerge_adapter(model)
         jax.tree.map(np.testing.assert_array_equal, before, nnx.state(model, nnx.Param))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_module_skips_an_lm_head_past_the_lora_vocab_limit(tied):
+    """`target_modules=None` ("every supported module") wraps the rest of a model whose
+    vocabulary is past LoRA's lm_head limit (a Gemma-3-sized 262144), with a warning; naming
+    lm_head still raises that limit."""
+    from lora_jax.models import DecoderConfig, DecoderForCausalLM
+
+    def build():
+        cfg = DecoderConfig.tiny(vocab_size=262144, tie_word_embeddings=tied)
+        return DecoderForCausalLM(cfg, rngs=nnx.Rngs(0))
+
+    model = build()
+    with pytest.warns(UserWarning, match="'lm_head' gets no LoRA: its vocabulary of 262144"):
+        wrap_model(model, lj.LoRAConfig(max_loras=2, max_lora_rank=8))
+    names = sorted(lora_layers(model))
+    assert "lm_head" not in names and "model.embed_tokens" in names
+    assert "model.layers.0.self_attn.qkv_proj" in names
+    with pytest.raises(ValueError, match="vocab size must be <= 258048"):
+        wrap_model(build(), lj.LoRAConfig(max_loras=2, max_lora_rank=8), target_modules=["lm_head"])

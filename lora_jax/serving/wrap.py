@@ -17,13 +17,14 @@ its packed names is. New layer kinds (lm_head, embeddings, MoE) join by appendin
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from flax import nnx
 
-from lora_jax.config import LoRAConfig
+from lora_jax.config import MAX_LORA_VOCAB_SIZE, LoRAConfig
 from lora_jax.layers import (
     BaseLayerWithLoRA,
     ColumnParallelLinearWithLoRA,
@@ -280,6 +281,23 @@ def _tied_candidates(model: nnx.Module, candidates) -> list[tuple]:
     return []
 
 
+def _head_too_wide(candidate) -> bool:
+    """Whether a candidate is an lm_head whose vocabulary is past LoRA's limit (vLLM's
+    `MAX_LORA_VOCAB_SIZE`): named in `target_modules` it raises; `None` skips it, warning."""
+    _, node, _, cls, name = candidate
+    if cls not in (ParallelLMHeadWithLoRA, TiedLMHeadWithLoRA):
+        return False
+    vocab = getattr(node, "base_layer", node).num_embeddings
+    if vocab <= MAX_LORA_VOCAB_SIZE:
+        return False
+    warnings.warn(
+        f"wrap_model: {name!r} gets no LoRA: its vocabulary of {vocab} is past LoRA's limit "
+        f"of {MAX_LORA_VOCAB_SIZE} (target_modules=None wraps every supported module)",
+        stacklevel=3,
+    )
+    return True
+
+
 def _why_not(model: nnx.Module, missing: Sequence[str]) -> str:
     """Why the plain Flax layers that ``missing`` names cannot take a LoRA ("" if none)."""
     from lora_jax.layers.flax_general import FlaxGeneralLinear
@@ -373,6 +391,8 @@ def wrap_model(
         if context is None:
             context = LoRAContext(None)
     chosen = [c for c in candidates if _matches(targets, [c[4], *packed_names(c[4], c[2])])]
+    if targets is None:  # "every supported module": an lm_head past the LoRA vocab limit is not
+        chosen = [c for c in chosen if not _head_too_wide(c)]
     refs = reference_paths(model)
     # a LoRA wrapper holding the module (a tied lm_head over the embedding) is by design
     wrapped_at = {p for la in lora_layers(model).values() for p in refs.get(id(la), [])}
