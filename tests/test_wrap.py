@@ -325,3 +325,56 @@ def test_every_module_skips_an_lm_head_past_the_lora_vocab_limit(tied):
     assert "model.layers.0.self_attn.qkv_proj" in names
     with pytest.raises(ValueError, match="vocab size must be <= 258048"):
         wrap_model(build(), lj.LoRAConfig(max_loras=2, max_lora_rank=8), target_modules=["lm_head"])
+
+
+def test_a_scoped_mapping_inside_nnx_jit_compiles_once_per_bucket():
+    """`lj.lora_mapping` inside `nnx.jit` leaves nothing in the model's context: each token
+    bucket compiles once however the buckets alternate, and a later call that sets no
+    mapping gives the base. `set_lora_mapping` keeps its mapping (vLLM's persistent
+    mapping), which `nnx.jit` writes back, so the next call compiles anew."""
+    model = ToyLM()
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
+    wrap_model(model, cfg)
+    rng = np.random.default_rng(0)
+    for layer in lora_layers(model).values():
+        n = layer.n_slices
+        a = [rng.normal(size=(4, layer.base_layer.in_features)) for _ in range(n)]
+        b = [rng.normal(size=(w, 4)) for w in layer.logical_slice_sizes]
+        layer.set_lora(0, a, b)
+    traces = []
+
+    @nnx.jit
+    def scoped(model, ids, slots):
+        traces.append(ids.shape)
+        with lj.lora_mapping(model, slots):
+            return model(ids)
+
+    @nnx.jit
+    def plain(model, ids):
+        return model(ids)
+
+    def ids_of(n):  # ToyLM takes x f32[T, 32]
+        return jnp.asarray(rng.normal(size=(n, 32)), jnp.float32)
+
+    for n in (8, 16, 8, 32, 16, 8):
+        scoped(model, ids_of(n), jnp.zeros((n,), jnp.int32))
+    assert sorted(traces) == [(8, 32), (16, 32), (32, 32)]
+    assert lj.find_lora_context(model).get_value() is None
+    ids = ids_of(8)
+    base = plain(model, ids)
+    lora = scoped(model, ids, jnp.zeros((8,), jnp.int32))
+    assert float(jnp.abs(lora - base).max()) > 1e-3  # the adapter acts
+    np.testing.assert_array_equal(plain(model, ids), base)  # nothing left behind
+
+    @nnx.jit
+    def persistent(model, ids, slots):
+        traces.append(("persistent", ids.shape))
+        lj.set_lora_mapping(model, slots)
+        return model(ids)
+
+    traces.clear()
+    for _ in range(2):
+        persistent(model, ids, jnp.zeros((8,), jnp.int32))
+    assert len(traces) == 2  # the mapping written back is in the second call's key
+    lj.clear_lora_mapping(model)
+    np.testing.assert_array_equal(plain(model, ids), base)

@@ -3,7 +3,9 @@
 from lora_jax.layers.base import BaseLayerWithLoRA as BaseLayerWithLoRA
 from lora_jax.layers.base import LoRAContext as LoRAContext
 from lora_jax.layers.base import LoRASlotRanks as LoRASlotRanks
+from lora_jax.layers.base import clear_lora_mapping as clear_lora_mapping
 from lora_jax.layers.base import find_lora_context as find_lora_context
+from lora_jax.layers.base import lora_mapping as lora_mapping
 from lora_jax.layers.base import set_lora_mapping as set_lora_mapping
 from lora_jax.layers.column import ColumnParallelLinearWithLoRA as ColumnParallelLinearWithLoRA
 from lora_jax.layers.column import (

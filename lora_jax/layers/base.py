@@ -13,8 +13,9 @@ merged column layer; QKVParallelLinearWithLoRA has 1 slice over the packed q|k|v
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -445,6 +446,41 @@ def set_lora_mapping(
         )
     ctx.set_value(mapping)
     return mapping
+
+
+@contextlib.contextmanager
+def lora_mapping(
+    model: nnx.Module,
+    token_lora_indices: jax.Array | LoRAMapping,
+    seq_lora_indices: jax.Array | None = None,
+    **hints,
+) -> Iterator[LoRAMapping | None]:
+    """`set_lora_mapping` for the ``with`` block only: the previous value (usually None)
+    is back on exit. Use it inside `nnx.jit`: a mapping left in the model's context is
+    written back by `nnx.jit` and becomes part of the next call's compile key (a recompile
+    per batch bucket pair) and the mapping of later calls that set none.
+
+    Example:
+        >>> @nnx.jit  # doctest: +SKIP
+        ... def step(model, x, slots):
+        ...     with lora_mapping(model, slots):
+        ...         return model(x)
+    """
+    ctx = find_lora_context(model)
+    old = None if ctx is None else ctx.get_value()
+    try:
+        yield set_lora_mapping(model, token_lora_indices, seq_lora_indices, **hints)
+    finally:
+        if ctx is not None:
+            ctx.set_value(old)
+
+
+def clear_lora_mapping(model: nnx.Module) -> None:
+    """Removes the step's mapping from the model's LoRA context: the LoRA layers then give
+    their base outputs (what `lora_mapping`'s block does on exit)."""
+    ctx = find_lora_context(model)
+    if ctx is not None:
+        ctx.set_value(None)
 
 
 def _context_max_loras(model: nnx.Module) -> int:
