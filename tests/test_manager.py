@@ -633,3 +633,67 @@ def test_a_worker_step_prepares_each_new_adapter_once(monkeypatch, lru):
             ref = real(layer, slot, *m.set_lora_args())
             for var, want in zip(layer.lora_a, ref.a):
                 np.testing.assert_array_equal(np.asarray(var[...][slot], np.float32), want)
+
+
+def test_adapter_ids_below_one_and_colliding_ids_are_refused():
+    """vLLM's `LoRARequest` refuses ids <= 0; an adapter object with such an id was served
+    by the base model without a word. Two different adapters under one id (the loader's
+    counter and the manager's ids both start at 1) sent one's requests to the other."""
+    model, mgr = _setup()
+    with pytest.raises(ValueError, match="lora_int_id must be an int >= 1"):
+        LoRARequest("sql", 0, "/nowhere")
+    zero = dataclasses.replace(_adapter(model, 1), id=0)
+    with pytest.raises(ValueError, match="id must be an int >= 1"):
+        mgr.add_adapter(zero)
+    with pytest.raises(ValueError, match="id must be an int >= 1"):
+        mgr.set_active_adapters([zero])
+    with pytest.raises(ValueError, match="'sql' is not an adapter id"):
+        mgr.set_active_adapters(["sql"])
+    mgr.set_active_adapters([0, None])  # bare ids <= 0 and None: no adapter
+    a1 = _adapter(model, 1)
+    assert mgr.add_adapter(a1) and not mgr.add_adapter(a1)  # the same object: a touch
+    other = dataclasses.replace(_adapter(model, 2), id=1, name="other")
+    with pytest.raises(ValueError, match="id 1 is already adapter 'a1'.*'other'"):
+        mgr.add_adapter(other)
+    assert mgr.get_adapter(1) is a1
+
+
+def test_write_slot_refuses_a_slot_holding_an_active_adapter():
+    model, mgr = _setup()
+    a1, a2 = _adapter(model, 1), _adapter(model, 2)
+    mgr.set_active_adapters([a1])
+    before = _slot_state(model, mgr.slot_of(1))
+    with pytest.raises(ValueError, match="holds active adapter 1"):
+        mgr.write_slot(mgr.slot_of(1), a2)
+    after = _slot_state(model, mgr.slot_of(1))
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+    mgr.deactivate_adapter(1)
+    mgr.write_slot(0, None)  # a free slot: fine
+
+
+@pytest.mark.parametrize("activate", [False, True])
+def test_plain_manager_adding_more_than_fits_changes_nothing(activate):
+    """The plain manager never evicts: adapters (or their slots) past its room raise before
+    any is added (it added some, then raised)."""
+    model, mgr = _setup(lru=False, max_loras=2, max_cpu_loras=3)
+    ads = [_adapter(model, i) for i in (1, 2, 3)] if activate else _adapters(model, 4).values()
+    with pytest.raises(RuntimeError, match="nothing was added"):
+        mgr.add_adapters(list(ads), activate=activate, progress=False)
+    assert len(mgr) == 0 and _slots(mgr) == [None, None]
+
+
+def _slot_state(model, slot):
+    return [np.asarray(v[...][slot]) for la in lora_layers(model).values() for v in la.lora_a]
+
+
+def test_token_mapping_refuses_counts_that_do_not_fit_the_requests():
+    model, mgr = _setup()
+    mgr.set_active_adapters([_adapter(model, 1)])
+    np.testing.assert_array_equal(mgr.token_mapping([1, None], [2, 1]), [0, 0, -1])
+    np.testing.assert_array_equal(mgr.token_mapping([1, None], 2), [0, 0, -1, -1])
+    with pytest.raises(ValueError, match=r"shape \(3,\); expected one count per request \(2\)"):
+        mgr.token_mapping([1, None], [1, 2, 3])
+    with pytest.raises(ValueError, match="counts >= 0"):
+        mgr.token_mapping([1, None], [1, -1])
+    with pytest.raises(ValueError, match="counts >= 0"):
+        mgr.token_mapping([1, None], [1.5, 1])

@@ -51,6 +51,15 @@ class LoRARequest:
     lora_int_id: int
     lora_path: str = ""
 
+    def __post_init__(self):
+        _check_id(self.lora_int_id, f"LoRARequest {self.lora_name!r}: lora_int_id")
+
+
+def _check_id(aid, what: str) -> None:
+    """An adapter id is an int >= 1 (vLLM: 0 and below mean "no adapter")."""
+    if isinstance(aid, bool) or not isinstance(aid, int | np.integer) or aid < 1:
+        raise ValueError(f"{what} must be an int >= 1 (0 / None mean no adapter), got {aid!r}")
+
 
 class LoRAModelManager:
     """Adapters of a wrapped model: a CPU registry (`max_cpu_loras`) and device slots.
@@ -170,15 +179,32 @@ class LoRAModelManager:
         out = np.asarray(slots, np.int32)
         if tokens_per_request is None:
             return out
-        counts = np.broadcast_to(np.asarray(tokens_per_request, np.int64), out.shape)
-        return np.repeat(out, counts).astype(np.int32)
+        counts = np.asarray(tokens_per_request)
+        if counts.ndim > 1 or (counts.ndim == 1 and counts.shape != out.shape):
+            raise ValueError(
+                f"token_mapping: tokens_per_request has shape {counts.shape}; expected one count "
+                f"per request ({len(out)}) or one for all"
+            )
+        if not np.issubdtype(counts.dtype, np.integer) or (counts < 0).any():
+            raise ValueError(
+                f"token_mapping: tokens_per_request must be counts >= 0, got {tokens_per_request!r}"
+            )
+        return np.repeat(out, np.broadcast_to(counts, out.shape)).astype(np.int32)
 
     # -- lifecycle ------------------------------------------------------------------------
     def add_adapter(self, adapter: LoRAAdapter) -> bool:
         """Registers `adapter` in the CPU cache; False (and a touch) when already there."""
         if not isinstance(adapter, LoRAAdapter):
             raise ValueError(f"add_adapter: expected a LoRAAdapter, got {type(adapter).__name__}")
+        _check_id(adapter.id, f"add_adapter: adapter {adapter.name!r}'s id")
         if adapter.id in self._registered_adapters:
+            held = _peek(self._registered_adapters, adapter.id)
+            if held is not adapter:
+                raise ValueError(
+                    f"add_adapter: id {adapter.id} is already adapter {held.name!r} "
+                    f"({held.source}); {adapter.name!r} ({adapter.source}) needs an id of its "
+                    "own (load_peft_adapter(adapter_id=...), or the manager's load_adapters)"
+                )
             self._touch_registered(adapter.id)
             return False
         self._check_modules(adapter)
@@ -190,6 +216,7 @@ class LoRAModelManager:
     ) -> list[bool]:
         """`add_adapter` (and optionally `activate_adapter`) for many, with a progress bar."""
         adapters = list(adapters)
+        self._check_room(adapters, activate, "add_adapters")
         added = []
         for adapter in _progress(adapters, "adding adapters", progress):
             added.append(self.add_adapter(adapter))
@@ -229,11 +256,31 @@ class LoRAModelManager:
                 path, self.model, self.lora_config, adapter_id=first_id + i, name=name
             )
             loaded.append(adapter)
+        self._check_room(loaded, activate, "load_adapters")
         for adapter in loaded:
             self.add_adapter(adapter)
             if activate:
                 self.activate_adapter(adapter.id)
         return loaded
+
+    def _check_room(self, adapters: Sequence[LoRAAdapter], activate: bool, what: str) -> None:
+        """Raises before anything changes when ``adapters`` (and, with ``activate``, their
+        slots) do not fit: this manager never evicts."""
+        new = {a.id for a in adapters if a.id not in self._registered_adapters}
+        room = self.capacity - len(self._registered_adapters)
+        if len(new) > room:
+            raise RuntimeError(
+                f"{what}: {len(new)} new adapters do not fit the CPU cache (max_cpu_loras="
+                f"{self.capacity}, {room} free); nothing was added"
+            )
+        if activate:
+            needed = len({a.id for a in adapters if a.id not in self._active_adapters})
+            free = len(self._free_slots())
+            if needed > free:
+                raise RuntimeError(
+                    f"{what}: {needed} adapters to activate but {free} device slots are free; "
+                    "nothing was added"
+                )
 
     def activate_adapter(self, adapter_id: int) -> bool:
         """Writes a registered adapter into the first free slot; False if already active.
@@ -372,6 +419,12 @@ class LoRAModelManager:
         if not isinstance(slot, int | np.integer) or not 0 <= int(slot) < self.lora_slots:
             raise ValueError(f"write_slot: slot {slot!r} outside [0, {self.lora_slots})")
         self._check_not_merged(int(slot))
+        held = self.lora_index_to_id[int(slot)]
+        if held is not None:
+            raise ValueError(
+                f"write_slot: slot {slot} holds active adapter {held}, whose requests it would "
+                "serve with other weights; deactivate_adapter first (or activate_adapter)"
+            )
         self._commit(int(slot), self._plan_slot(int(slot), adapter))
 
     def _plan_slot(self, slot: int, adapter: LoRAAdapter | None):
@@ -448,9 +501,18 @@ class LoRAModelManager:
         for req in requests:
             if req is None:
                 continue
-            aid = req.id if isinstance(req, LoRAAdapter) else getattr(req, "lora_int_id", req)
-            if isinstance(aid, int | np.integer) and aid <= 0:
+            if isinstance(req, LoRAAdapter | LoRARequest):
+                aid = req.id if isinstance(req, LoRAAdapter) else req.lora_int_id
+                _check_id(aid, f"set_active_adapters: request {req!r}'s id")
+            elif isinstance(req, bool) or not isinstance(req, int | np.integer):
+                raise ValueError(
+                    f"set_active_adapters: request {req!r} is not an adapter id (an int), a "
+                    "LoRARequest, a LoRAAdapter or None"
+                )
+            elif req <= 0:  # a bare id of 0 or below: no adapter, as in vLLM
                 continue
+            else:
+                aid = req
             reqs.setdefault(int(aid), req)
         if len(reqs) > self.lora_slots:
             raise RuntimeError(
@@ -528,6 +590,28 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
                 )
             raise RuntimeError("All items are pinned, cannot remove oldest from the cache.")
         return self.slot_of(victims[0]), victims[0]
+
+    def _check_room(self, adapters: Sequence[LoRAAdapter], activate: bool, what: str) -> None:
+        """Raises before anything changes when pinned or merged adapters leave no room:
+        otherwise the least recently used make room (the call's own ones included)."""
+        ids = {a.id for a in adapters}
+        reg = self._registered_adapters
+        stuck = {
+            k
+            for k in reg.cache
+            if k not in ids and (k in reg.pinned or (reg.keep is not None and reg.keep(k)))
+        }
+        new = {i for i in ids if i not in reg}
+        if new and self.capacity - len(stuck) < 1:
+            raise RuntimeError(
+                f"{what}: every CPU cache entry (max_cpu_loras={self.capacity}) holds a pinned "
+                "or merged adapter; nothing was added"
+            )
+        if activate and any(i not in self._active_adapters for i in ids):
+            if not self._free_slots() and not self._victims(keep=()):
+                raise RuntimeError(
+                    f"{what}: every device slot holds a pinned or merged adapter; nothing was added"
+                )
 
     def _victims(self, keep=()) -> list[int]:
         """Active adapters that may be evicted, least recently used first: not pinned, not
