@@ -131,6 +131,7 @@ def make_lora_mapping(
     prompt_tiles: str | None = None,
     tokens_per_slot: int | None = None,
     whole_tiles: str | None = None,
+    host_hints: bool | None = None,
 ) -> LoRAMapping:
     """Builds the step metadata from `token_lora_indices` (int32 `[T]`, -1 = no adapter).
 
@@ -145,7 +146,14 @@ def make_lora_mapping(
     `host_tokens_per_slot` of numpy indices): a performance hint, never a change of result.
     ``whole_tiles`` likewise (`LoRAMapping.whole_tiles`; "all" for rows of one slot each
     whose length is a power of two of at least `PROMPT_TILE_TOKENS`). A wrong "all" in
-    either hint leaves tokens without their adapter's update on Hopper.
+    either hint computes tokens with another adapter's update (or none) on a GPU, or
+    wherever the Pallas kernels run.
+
+    ``host_hints``: whether numpy indices give the hints above (they are static: each new
+    value is a new trace of a jit the mapping is passed to). None: only where the ops
+    would run the Pallas kernels (`lora_jax.ops.resolve_backend`: a GPU, or a backend set
+    by `set_default_backend`); XLA reads none of them, so elsewhere a jitted step compiles
+    once per bucket.
 
     Example:
         >>> m = jax.jit(make_lora_mapping, static_argnums=1)(jnp.zeros(8, jnp.int32), 4)
@@ -169,9 +177,14 @@ def make_lora_mapping(
         host_idx = token_lora_indices.astype(np.int64)
         valid = (host_idx >= 0) & (host_idx < max_loras)
         token_lora_indices = np.where(valid, host_idx, -1).astype(np.int32)
-    if isinstance(token_lora_indices, np.ndarray) and tokens_per_slot is None:
+    if host_hints is None:
+        from lora_jax import ops
+
+        host_hints = ops.resolve_backend() != "xla"
+    on_host = isinstance(token_lora_indices, np.ndarray) and host_hints
+    if on_host and tokens_per_slot is None:
         tokens_per_slot = host_tokens_per_slot(token_lora_indices, max_loras)
-    host = isinstance(token_lora_indices, np.ndarray) and prompt_tiles is None
+    host = on_host and prompt_tiles is None
     idx = jnp.asarray(token_lora_indices)
     if idx.ndim != 1:
         raise ValueError(f"token_lora_indices must be 1-D [T], got shape {idx.shape}")
@@ -179,7 +192,7 @@ def make_lora_mapping(
         raise ValueError(f"token_lora_indices must be integers, got {idx.dtype}")
     prompts = _prompt_tiles(token_lora_indices, max_loras) if host else prompt_tiles
     whole = whole_tiles
-    if isinstance(token_lora_indices, np.ndarray) and whole is None:
+    if on_host and whole is None:
         whole = _prompt_tiles(token_lora_indices, max_loras, whole=True)
     if is_prefill is False:
         prompts = whole = "none"

@@ -42,7 +42,7 @@ def test_tp_prefill_hints_are_what_the_host_finds():
     prompts = np.repeat(tp.token_slots(4, 4), 128)
     shuffled = np.random.default_rng(0).permutation(prompts)
     for idx, want in ((prompts, "all"), (shuffled, "none")):
-        found = lj.make_lora_mapping(idx, 8, is_prefill=True)
+        found = lj.make_lora_mapping(idx, 8, is_prefill=True, host_hints=True)
         hints = tp.prefill_hints(idx)
         assert hints == dict(prompt_tiles=found.prompt_tiles, whole_tiles=found.whole_tiles)
         assert hints["whole_tiles"] == want

@@ -129,7 +129,7 @@ def test_dp_shards_keep_the_steps_flags(monkeypatch, tokens, want):
     kind = KINDS[1]  # column
     layer, weights, adapters = build(kind, lj.ShardingRules(make_mesh(2, 2)), adapters=ADAPTERS)
     idx = np.repeat(np.array([1, 0, -1, 3], np.int32), tokens // 4)
-    mapping = lj.make_lora_mapping(idx, MAX_LORAS, is_prefill=True)  # host: "all"
+    mapping = lj.make_lora_mapping(idx, MAX_LORAS, is_prefill=True, host_hints=True)  # host: "all"
     assert mapping.prompt_tiles == "all"
     seen = []
     real = base_mod.make_lora_mapping

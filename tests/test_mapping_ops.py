@@ -244,18 +244,22 @@ def test_prompt_tiles_found_on_the_host_only():
     want = {"prompts": "all", "shuffled": "none", "mixed": "some"}
     for layout, tiles in want.items():
         idx = _prompt_step(layout)
-        m = lj.make_lora_mapping(idx, 4)
+        m = lj.make_lora_mapping(idx, 4, host_hints=True)
         assert m.prompt_tiles == tiles, layout
         assert m.shrink_kwargs()["prompt_tiles"] == tiles
         assert all(isinstance(v, jax.Array) for v in jax.tree.leaves(m))
         assert lj.make_lora_mapping(jnp.asarray(idx), 4).prompt_tiles is None
-        assert lj.make_lora_mapping(idx, 4, is_prefill=False).prompt_tiles == "none"
+        assert (
+            lj.make_lora_mapping(idx, 4, is_prefill=False, host_hints=True).prompt_tiles == "none"
+        )
     traced = jax.jit(lambda i: lj.make_lora_mapping(i, 4), static_argnums=())(
         jnp.asarray(_prompt_step("prompts"))
     )
     assert traced.prompt_tiles is None
     # ids past max_loras are -1 before the host looks: slot 7 of 4 is no prompt
-    assert lj.make_lora_mapping(np.full(2048, 7, np.int32), 4).prompt_tiles == "none"
+    assert (
+        lj.make_lora_mapping(np.full(2048, 7, np.int32), 4, host_hints=True).prompt_tiles == "none"
+    )
 
 
 @pytest.mark.parametrize(
@@ -278,7 +282,7 @@ def test_host_prompt_tiles_launch_only_kernels_with_work(monkeypatch, layout, ke
     monkeypatch.setattr(ops, "PALLAS_INTERPRET", False)
     monkeypatch.setenv("LORA_JAX_TRITON_SMEM_BUDGET", str(200 * 1024))
     tokens, hidden, rank = 2048, 1024, 128
-    m = lj.make_lora_mapping(_prompt_step(layout, tokens), 4)
+    m = lj.make_lora_mapping(_prompt_step(layout, tokens), 4, host_hints=True)
     assert (SEGMENTS_KEY in m.work_lists) == ("mosaic_gpu" in kernels)
     x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
     a = jax.ShapeDtypeStruct((4, rank, hidden), jnp.bfloat16)
@@ -314,7 +318,7 @@ def test_told_prompt_tiles_and_the_rows_rule():
     assert PROMPT_ROWS_MIN_TOKENS == work_list.SEGMENT_BLOCK_M // work_list.SEGMENT_MAX_PIECES
     idx = jnp.asarray(_prompt_step("prompts"))
     assert lj.make_lora_mapping(idx, 4, prompt_tiles="all").prompt_tiles == "all"
-    told = lj.make_lora_mapping(_prompt_step("shuffled"), 4, prompt_tiles="some")
+    told = lj.make_lora_mapping(_prompt_step("shuffled"), 4, prompt_tiles="some", host_hints=True)
     assert told.prompt_tiles == "some"  # what the caller said, not re-derived
     assert lj.make_lora_mapping(idx, 4, is_prefill=False, prompt_tiles="all").prompt_tiles == (
         "none"
@@ -329,9 +333,11 @@ def test_told_prompt_tiles_and_the_rows_rule():
                 slots[0] = 2  # at least one mapped token
                 assert work_list.prompt_tiles(np.repeat(slots, rows)) == "all"
     rows = np.repeat(np.arange(2048 // PROMPT_ROWS_MIN_TOKENS) % 7 - 1, PROMPT_ROWS_MIN_TOKENS)
-    assert lj.make_lora_mapping(rows.astype(np.int32), 6).prompt_tiles == "all"  # the same
+    assert (
+        lj.make_lora_mapping(rows.astype(np.int32), 6, host_hints=True).prompt_tiles == "all"
+    )  # the same
     short = np.repeat(np.arange(256) % 6, PROMPT_ROWS_MIN_TOKENS // 4).astype(np.int32)
-    assert lj.make_lora_mapping(short, 6).prompt_tiles != "all"  # 8 runs a tile
+    assert lj.make_lora_mapping(short, 6, host_hints=True).prompt_tiles != "all"  # 8 runs a tile
 
 
 def test_tokens_per_slot_found_on_the_host_only():
@@ -355,7 +361,7 @@ def test_tokens_per_slot_found_on_the_host_only():
         (0,) * 60 + (1,) * 68 + (-1,) * 9: 64,  # 64.0 a slot: a short prompt batch
     }
     for idx, want in cases.items():
-        m = lj.make_lora_mapping(np.asarray(idx, np.int32), 4)
+        m = lj.make_lora_mapping(np.asarray(idx, np.int32), 4, host_hints=True)
         assert m.tokens_per_slot == want, idx
         assert m.shrink_kwargs()["tokens_per_slot"] == want
         assert m.expand_kwargs()["tokens_per_slot"] == want
@@ -435,3 +441,28 @@ def test_tokens_per_slot_changes_no_result(monkeypatch):
         got = ops.add_lora_linear(y, x, [a], [b], m, backend="pallas")
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
         assert np.array_equal(np.asarray(got)[1], np.asarray(y)[1])
+
+
+def test_host_mappings_compile_once_where_the_ops_run_xla():
+    """Where the ops run XLA (a CPU, no backend forced), numpy indices give no host hints:
+    XLA reads none, and each new value (static) recompiled a jit the mapping is passed to.
+    Asked for (or where the kernels run) they are found as before."""
+    assert lj.ops.resolve_backend() == "xla"
+    traces = []
+
+    @jax.jit
+    def step(x, a, m):
+        traces.append(1)
+        return lj.ops.lora_shrink(x, (a,), m, 1.0)
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(64, 16)), jnp.float32)
+    a = jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.float32)
+    mixes = [np.full(64, 0), np.arange(64) % 4, np.repeat(np.arange(4), 16), np.arange(64) % 2]
+    for idx in mixes:
+        m = lj.make_lora_mapping(idx.astype(np.int32), 4)
+        assert (m.tokens_per_slot, m.prompt_tiles, m.whole_tiles) == (None, None, None)
+        step(x, a, m)
+    assert len(traces) == 1
+    told = lj.make_lora_mapping(mixes[0].astype(np.int32), 4, host_hints=True)
+    assert told.tokens_per_slot == 64 and told.prompt_tiles is not None

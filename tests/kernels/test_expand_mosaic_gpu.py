@@ -216,12 +216,12 @@ def test_host_whole_tiles_agree_with_the_device_list():
 
 def test_mapping_says_whole_tiles_to_the_expand():
     idx = np.repeat(np.arange(4, dtype=np.int32), 512)  # 2048 tokens, 64-row tiles
-    m = make_lora_mapping(idx, 8)
+    m = make_lora_mapping(idx, 8, host_hints=True)
     assert m.whole_tiles == "all" and m.expand_kwargs()["prompt_tiles"] == "all"
     assert m.expand_kwargs()["mosaic"] is None
     idx[100:103] = 5
-    assert make_lora_mapping(idx, 8).whole_tiles == "some"
-    decode = make_lora_mapping(idx, 8, is_prefill=False)
+    assert make_lora_mapping(idx, 8, host_hints=True).whole_tiles == "some"
+    decode = make_lora_mapping(idx, 8, is_prefill=False, host_hints=True)
     assert decode.whole_tiles == "none" and decode.expand_kwargs()["mosaic"] is False
     assert make_lora_mapping(jnp.asarray(idx), 8).whole_tiles is None  # device indices
     said = make_lora_mapping(jnp.asarray(idx), 8, whole_tiles="all")  # the caller knows

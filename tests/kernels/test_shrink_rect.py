@@ -252,7 +252,7 @@ def test_ops_pass_the_mappings_whole_tiles(monkeypatch):
     the kernels hands it on: the rectangle kernel's result is the XLA backend's."""
     monkeypatch.setattr(ops, "PALLAS_INTERPRET", True)
     idx = prompts(1024, [0, 3, 6])
-    m = lj.make_lora_mapping(idx, 8)
+    m = lj.make_lora_mapping(idx, 8, host_hints=True)
     assert m.whole_tiles == "all" and m.shrink_kwargs()["whole_tiles"] == "all"
     x = jax.random.normal(jax.random.key(0), (1024, 512), jnp.float32)
     a = jax.random.normal(jax.random.key(1), (8, 16, 512), jnp.float32)
