@@ -47,6 +47,15 @@ class ShardingRules:
     def __post_init__(self):
         if isinstance(self.rules, Mapping):
             object.__setattr__(self, "rules", tuple(self.rules.items()))
+        table = dict(self.rules)
+        # S-LoRA's rank shards go where the tensor axis goes: a table that moves "tensor"
+        # and keeps the default "lora_rank_sharded" means the same axis for both
+        if (
+            table.get("lora_rank_sharded") == DEFAULT_RULES["lora_rank_sharded"]
+            and table.get("tensor", DEFAULT_RULES["tensor"]) != DEFAULT_RULES["tensor"]
+        ):
+            table["lora_rank_sharded"] = table["tensor"]
+            object.__setattr__(self, "rules", tuple(table.items()))
 
     def mesh_axis(self, logical: str | None) -> str | None:
         """Mesh axis for a logical name, or None when it is replicated/absent."""

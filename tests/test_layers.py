@@ -1,5 +1,7 @@
 """Every linear LoRA layer against a dense per-token oracle and against its tp=1 run."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,3 +188,64 @@ def test_shared_input_barrier_changes_nothing_but_the_graph(monkeypatch, mesh):
     np.testing.assert_array_equal(got[True], got[False])
     want = dense_reference(layer, weights, adapters, x, IDX)
     np.testing.assert_allclose(logical_output(layer, got[True]), want, *TOL[jnp.float32])
+
+
+def test_s_lora_follows_a_renamed_tensor_axis_and_refuses_what_cannot_split():
+    """A rules table that moves "tensor" to another mesh axis moves S-LoRA's rank shards
+    with it (A was stored whole while the forward gathered over the tensor axis: a 4 x
+    rank and a crash); a table sharding the rank elsewhere, and an S-LoRA row layer whose
+    out dim the tensor axis does not divide, are refused by name."""
+    from lora_jax.sharding import DEFAULT_RULES
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    moved = {**DEFAULT_RULES, "batch": "data", "tensor": "model", "vocab": "model"}
+    rules = lj.ShardingRules(mesh, moved)
+    assert rules.mesh_axis("lora_rank_sharded") == "model"
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 32)).astype(np.float32)
+    a, b = rng.normal(size=(8, 32)), rng.normal(size=(64, 8))
+    w = rng.normal(size=(32, 64)).astype(np.float32)
+    slots = np.where(np.arange(16) % 2 == 0, 0, -1).astype(np.int32)
+    want = x @ w + (x @ a.T @ b.T) * (slots >= 0)[:, None]
+    base = lj.ColumnParallelLinear(32, 64, rules=rules, rngs=nnx.Rngs(0))
+    base.load_kernel([w])
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, fully_sharded_loras=True)
+    layer = lj.ColumnParallelLinearWithShardedLoRA(base, cfg, lj.LoRAContext(None))
+    layer.set_lora(0, a, b)
+    assert layer.lora_a[0][...].sharding.spec[1] == "model"
+
+    @nnx.jit
+    def f(layer, x, idx):
+        with lj.lora_mapping(layer, idx):
+            return layer(x)
+
+    got = np.asarray(f(layer, jnp.asarray(x), jnp.asarray(slots)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+    elsewhere = lj.ShardingRules(mesh, {**moved, "lora_rank_sharded": "data"})
+    base = lj.ColumnParallelLinear(32, 64, rules=elsewhere, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="rank over mesh axis 'data'.*tensor axis is 'model'"):
+        lj.ColumnParallelLinearWithShardedLoRA(base, cfg)
+    row = lj.RowParallelLinear(64, 34, rules=rules, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"RowParallelLinearWithShardedLoRA: .*out dim \(34\)"):
+        lj.RowParallelLinearWithShardedLoRA(row, cfg)
+    lj.RowParallelLinearWithLoRA(row, dataclasses.replace(cfg, fully_sharded_loras=False))
+
+
+def test_a_bool_or_array_slot_index_is_refused_and_changes_no_slot():
+    """`True` passed the int check: the stacks were written at slot 1 and, as a numpy
+    mask, every slot's recorded rank was overwritten (other slots' outputs changed)."""
+    layer, weights, adapters = build(KINDS[0], lj.ShardingRules(), adapters=ADAPTERS)
+    ranks = np.asarray(layer.slot_ranks[...]).copy()
+    stacks = [np.asarray(v[...]) for v in layer.lora_a]
+    a = [np.ones((2, IN)) for _ in range(layer.n_slices)]
+    b = [np.ones((n, 2)) for n in layer.logical_slice_sizes]
+    for bad in (True, np.bool_(True), jnp.int32(1), np.array(1), 1.0):
+        with pytest.raises(ValueError, match="index must be an int"):
+            layer.set_lora(bad, a, b)
+        with pytest.raises(ValueError, match="index must be an int"):
+            layer.reset_lora(bad)
+    np.testing.assert_array_equal(np.asarray(layer.slot_ranks[...]), ranks)
+    for v, old in zip(layer.lora_a, stacks):
+        np.testing.assert_array_equal(np.asarray(v[...]), old)
+    layer.set_lora(np.int64(1), a, b)  # numpy integers are ints

@@ -697,3 +697,44 @@ def test_token_mapping_refuses_counts_that_do_not_fit_the_requests():
         mgr.token_mapping([1, None], [1, -1])
     with pytest.raises(ValueError, match="counts >= 0"):
         mgr.token_mapping([1, None], [1.5, 1])
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_slot_write_keeps_the_stacks_sharding_objects(explicit):
+    """On Auto axes the write's outputs came back as equivalent shardings spelled otherwise
+    (`P(None, None, None)` as `P()`), and a forward compiled before the first adapter
+    compiled again after it (jit keys on the spelling); now the very same shardings stay."""
+    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(kind, kind))
+    model, mgr = _setup(rules=lj.ShardingRules(mesh))
+    before = jax.tree.map(lambda v: v.sharding, nnx.state(model, nnx.LoRAParam, lj.LoRASlotRanks))
+    traces = []
+    graphdef = nnx.graphdef(model)
+    layer = model.model.layers[0].self_attn.qkv_proj
+
+    @jax.jit
+    def fwd(state, x, idx):
+        traces.append(1)
+        m = nnx.merge(graphdef, state)
+        lj.set_lora_mapping(m, idx)
+        return m.model.layers[0].self_attn.qkv_proj(x)
+
+    x = jnp.ones((8, layer.base_layer.in_features), jnp.float32)
+    idx = jnp.zeros((8,), jnp.int32)
+    fwd(nnx.state(model), x, idx)
+    mgr.set_active_adapters([_adapter(model, 1, targets=ALL)])
+    after = jax.tree.map(lambda v: v.sharding, nnx.state(model, nnx.LoRAParam, lj.LoRASlotRanks))
+    assert jax.tree.leaves(before) == jax.tree.leaves(after)
+    fwd(nnx.state(model), x, idx)
+    assert len(traces) == 1
+
+
+def test_write_slot_updates_refuses_an_index_outside_the_slots():
+    model, _ = _setup()
+    layer = next(iter(lora_layers(model).values()))
+    before = [np.asarray(v[...]) for v in layer.lora_a]
+    for bad in (-1, 2, True, 1.0):
+        with pytest.raises(ValueError, match="must be an int in \\[0, 2\\)"):
+            slot_writes.write_slot_updates(bad, layer.slot_updates(None))
+    for v, old in zip(layer.lora_a, before):
+        np.testing.assert_array_equal(np.asarray(v[...]), old)

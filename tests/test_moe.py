@@ -486,11 +486,15 @@ def test_index_errors():
     rng = np.random.default_rng(8)
     layer, _ = build(rng)
     a, b = to_set_lora(make_adapter(rng, gated=True, fused_w13=False, rank=8), layer)
-    for bad in (-1, L, 1.0):
+    layer.set_lora(0, a, b)
+    ranks = np.asarray(layer.slot_ranks[...]).copy()
+    for bad in (-1, L, 1.0, True, np.bool_(False), jnp.int32(1)):
         with pytest.raises(ValueError, match="FusedMoEWithLoRA.set_lora: index"):
             layer.set_lora(bad, a, b)
         with pytest.raises(ValueError, match="FusedMoEWithLoRA.reset_lora: index"):
             layer.reset_lora(bad)
+    # a bool wrote slot 1's stacks and, as a numpy mask, every slot's recorded rank
+    np.testing.assert_array_equal(np.asarray(layer.slot_ranks[...]), ranks)
 
 
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])

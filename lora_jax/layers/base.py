@@ -134,6 +134,13 @@ class BaseLayerWithLoRA(nnx.Module):
         rules = base_layer.rules
         cfg = lora_config
         L, R = cfg.max_loras, cfg.max_lora_rank
+        rank_axis, tensor_axis = rules.mesh_axis("lora_rank_sharded"), rules.mesh_axis("tensor")
+        if self.fully_sharded and rank_axis != tensor_axis:
+            raise ValueError(
+                f"{self.name}: fully_sharded_loras shards the rank over mesh axis {rank_axis!r} "
+                f"('lora_rank_sharded') but the layer's tensor axis is {tensor_axis!r}: map both "
+                "to one axis in the ShardingRules"
+            )
         if self.fully_sharded and R % max(1, rules.size("lora_rank_sharded")):
             raise ValueError(
                 f"{self.name}: max_lora_rank={R} must be divisible by the tensor axis "
@@ -293,7 +300,13 @@ class BaseLayerWithLoRA(nnx.Module):
 
     def _check_index(self, index, what: str) -> None:
         L = self.lora_config.max_loras
-        if not isinstance(index, (int, np.integer)) or not 0 <= int(index) < L:
+        if isinstance(index, bool | np.bool_) or not isinstance(index, int | np.integer):
+            # a bool would write slot 1's stacks and, as a numpy mask, every slot's rank
+            raise ValueError(
+                f"{self.name}.{what}: index must be an int (a Python or numpy integer), got "
+                f"{index!r}"
+            )
+        if not 0 <= int(index) < L:
             raise ValueError(f"{self.name}.{what}: index {index!r} outside [0, {L})")
 
     def _physical_b(self, s: int, b: np.ndarray) -> jax.Array:
@@ -318,7 +331,7 @@ class BaseLayerWithLoRA(nnx.Module):
     def _set_ranks(self, index: int, ranks: Sequence[int]) -> None:
         old = self.slot_ranks[...]
         new = np.array(old)
-        new[:, index] = ranks
+        new[:, int(index)] = ranks
         self.slot_ranks.set_value(jax.device_put(new, old.sharding))
 
     # -- forward --------------------------------------------------------------------------

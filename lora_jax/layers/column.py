@@ -28,7 +28,7 @@ class _ColumnLoRA(BaseLayerWithLoRA):
 
     def _lora_local(self, y, x, a, b, ranks, mapping):
         base = self.base_layer
-        axis = base.rules.mesh_axis("tensor")
+        axis = base.rules.mesh_axis("lora_rank_sharded")  # where A's rank rows are split
         sharded_rank = self.fully_sharded and axis is not None and base.tp > 1
         offsets = local_offsets(self.slice_widths, base.out_tp)
         if not sharded_rank:  # shrink then expand (one fused launch with "pallas_fused")

@@ -96,6 +96,13 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
         H, n = base.hidden_size, base.intermediate_size
         tp = base.tp
         self.fully_sharded = cfg.fully_sharded_loras
+        rank_axis, tensor_axis = rules.mesh_axis("lora_rank_sharded"), rules.mesh_axis("tensor")
+        if self.fully_sharded and rank_axis != tensor_axis:
+            raise ValueError(
+                f"{self.name}: fully_sharded_loras shards the rank over mesh axis {rank_axis!r} "
+                f"('lora_rank_sharded') but the experts' tensor axis is {tensor_axis!r}: map "
+                "both to one axis in the ShardingRules"
+            )
         if self.fully_sharded and (R % tp or H % tp):
             raise ValueError(
                 f"{self.name}: fully_sharded_loras needs max_lora_rank={R} and hidden_size={H} "
@@ -254,7 +261,7 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
         # variable may live on the mesh, where mixing in a 1-device array fails.
         old = self.slot_ranks[...]
         new = np.array(old)
-        new[:, index] = ranks
+        new[:, int(index)] = ranks
         sharding = getattr(old, "sharding", None)
         named = isinstance(sharding, jax.sharding.NamedSharding)
         self.slot_ranks.set_value(jax.device_put(new, sharding) if named else jnp.asarray(new))

@@ -61,6 +61,16 @@ class RowParallelLinearWithShardedLoRA(RowParallelLinearWithLoRA):
 
     fully_sharded = True
 
+    def _check_base(self, base):
+        super()._check_base(base)
+        tp = base.rules.size("tensor")
+        out = sum(base.output_sizes)
+        if out % tp:
+            raise ValueError(
+                f"{self.name}: fully_sharded_loras splits B's out dim ({out}) over the tensor "
+                f"axis ({tp}); it must be divisible (or use plain LoRA for this layer)"
+            )
+
     def _lora_local(self, y, x, a, b, ranks, mapping):
         base = self.base_layer
         axis = base.rules.mesh_axis("tensor")

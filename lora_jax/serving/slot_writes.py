@@ -59,6 +59,17 @@ def write_slot_updates(index: int, updates: Sequence[tuple[nnx.Variable, int, An
     """
     if not updates:
         return
+    for var, axis, _ in updates:
+        slots = var.get_value().shape[axis]
+        if (
+            isinstance(index, bool | np.bool_)
+            or not isinstance(index, int | np.integer)
+            or not 0 <= index < slots
+        ):
+            raise ValueError(
+                f"write_slot_updates: index {index!r} must be an int in [0, {slots}) (the "
+                "stacks' slots); nothing was written"
+            )
     stacks, values, axes = [], [], []
     for var, axis, value in updates:
         stack = var.get_value()
@@ -72,9 +83,22 @@ def write_slot_updates(index: int, updates: Sequence[tuple[nnx.Variable, int, An
         value = np.asarray(value).astype(stack.dtype)  # cast on host: fewer bytes to move
         # always a jax array: jit keys numpy and jax arguments apart
         values.append(jax.device_put(value, sharding))
+    shardings = [getattr(stack, "sharding", None) for stack in stacks]
     new = _write_slots(tuple(stacks), jnp.int32(index), tuple(values), tuple(axes))
-    for (var, _, _), arr in zip(updates, new):
-        var.set_value(arr)
+    for (var, _, _), arr, old in zip(updates, new, shardings):
+        var.set_value(_same_sharding(arr, old))
+
+
+def _same_sharding(arr: jax.Array, old) -> jax.Array:
+    """``arr`` under the stack's own sharding object where the write gave an equivalent
+    one spelled otherwise (Auto meshes: `P(None, None)` comes back `P()`): jit keys its
+    cache on the spelling, so a forward compiled before the first write would compile
+    again. The shards are reused, not copied."""
+    if old is None or arr.sharding == old or not arr.sharding.is_equivalent_to(old, arr.ndim):
+        return arr
+    return jax.make_array_from_single_device_arrays(
+        arr.shape, old, [s.data for s in arr.addressable_shards]
+    )
 
 
 def layer_variables(layer) -> list[nnx.Variable]:
