@@ -288,6 +288,9 @@ BAD_CONFIGS = {
     "qalora": ({"use_qalora": True}, "QALoRA"),
     "layer_replication": ({"layer_replication": [[0, 2], [1, 2]]}, "layer replication"),
     "arrow": ({"arrow_config": {"top_k": 2}}, "Arrow"),
+    "bdlora": ({"use_bdlora": {"target_modules_bd_a": ["q_proj"]}}, "BD-LoRA"),
+    "kasa": ({"kasa_config": {"a": 1}}, "KaSA"),
+    "monteclora": ({"monteclora_config": {"n": 2}}, "MonteCLoRA"),
     "prefix_tuning": ({"peft_type": "PREFIX_TUNING"}, "peft_type"),
 }
 

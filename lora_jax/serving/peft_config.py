@@ -203,6 +203,9 @@ class PEFTConfig:
             ("use_qalora", "QALoRA (pooled inputs to A)"),
             ("layer_replication", "layer replication (a model with repeated layers)"),
             ("arrow_config", "Arrow routing (per-token mixing of adapters)"),
+            ("use_bdlora", "block-diagonal LoRA (BD-LoRA: sharded A / B blocks)"),
+            ("kasa_config", "KaSA (a learned diagonal between A and B)"),
+            ("monteclora_config", "MonteCLoRA (sampled mixtures of A)"),
         ):
             if d.get(key):
                 raise ValueError(f"{source}: {key}={d[key]!r}: {what} is not supported")
