@@ -143,7 +143,8 @@ def make_lora_mapping(
     knows its layout may say it instead (``prompt_tiles="all"`` for rows of one slot
     each whose length is a power of two of at least `PROMPT_ROWS_MIN_TOKENS`, as a padded
     prefill batch's are). ``tokens_per_slot`` likewise (`LoRAMapping.tokens_per_slot`;
-    `host_tokens_per_slot` of numpy indices): a performance hint, never a change of result.
+    `host_tokens_per_slot` of numpy indices): a performance hint; the kernels it picks give
+    a token the same numbers (bf16 outputs bit for bit).
     ``whole_tiles`` likewise (`LoRAMapping.whole_tiles`; "all" for rows of one slot each
     whose length is a power of two of at least `PROMPT_TILE_TOKENS`). A wrong "all" in
     either hint computes tokens with another adapter's update (or none) on a GPU, or

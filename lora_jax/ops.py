@@ -38,6 +38,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lora_jax.mapping import LoRAMapping
 
@@ -159,6 +160,69 @@ def _check_stacks(name: str, stacks: Sequence[jax.Array], mapping: LoRAMapping) 
             )
 
 
+def _check_ranks(name: str, slot_ranks, num_slices: int, max_loras: int) -> None:
+    if slot_ranks is None:
+        return
+    shape, dtype = jnp.shape(slot_ranks), jnp.result_type(slot_ranks)
+    if shape != (num_slices, max_loras) or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(
+            f"{name}: slot_ranks must be integers of shape (num_slices, max_loras) = "
+            f"({num_slices}, {max_loras}), got {dtype} {shape}"
+        )
+
+
+def _check_float(name: str, what: str, arr, ndim: int) -> None:
+    if jnp.ndim(arr) != ndim or not jnp.issubdtype(jnp.result_type(arr), jnp.floating):
+        raise ValueError(
+            f"{name}: {what} must be a {ndim}-D float array, got {jnp.result_type(arr)} "
+            f"{jnp.shape(arr)}"
+        )
+
+
+def _check_shrink(x, lora_a, mapping, slot_ranks) -> None:
+    """The same input checks on every backend (XLA broadcast what the kernels refuse)."""
+    _check_stacks("lora_a", lora_a, mapping)
+    _check_float("lora_shrink", "x [T, H]", x, 2)
+    if x.shape[0] != mapping.num_tokens:
+        raise ValueError(
+            f"lora_shrink: x has {x.shape[0]} tokens, the mapping {mapping.num_tokens}"
+        )
+    for s, a in enumerate(lora_a):
+        _check_float("lora_shrink", f"lora_a[{s}]", a, 3)
+        if a.shape[1:] != (lora_a[0].shape[1], x.shape[1]):
+            raise ValueError(
+                f"lora_shrink: lora_a[{s}] must be [max_loras, {lora_a[0].shape[1]}, "
+                f"{x.shape[1]}] (one rank for every slice, H of x), got {a.shape}"
+            )
+    _check_ranks("lora_shrink", slot_ranks, len(lora_a), mapping.max_loras)
+
+
+def _check_expand(y, h, lora_b, mapping, slot_ranks) -> None:
+    _check_stacks("lora_b", lora_b, mapping)
+    _check_float("lora_expand", "y [T, N]", y, 2)
+    _check_float("lora_expand", "h [S, T, R]", h, 3)
+    if not y.shape[0] == h.shape[1] == mapping.num_tokens:
+        raise ValueError(
+            f"lora_expand: y has {y.shape[0]} tokens, h {h.shape[1]}, the mapping "
+            f"{mapping.num_tokens}: they must agree"
+        )
+    for s, b in enumerate(lora_b):
+        _check_float("lora_expand", f"lora_b[{s}]", b, 3)
+        if b.shape[2] != h.shape[2]:
+            raise ValueError(f"lora_expand: lora_b[{s}] has rank {b.shape[2]}, h has {h.shape[2]}")
+    _check_ranks("lora_expand", slot_ranks, len(lora_b), mapping.max_loras)
+
+
+def _static_scale(scale):
+    """``scale`` as a Python float when it is known at trace time (a number, a numpy or
+    concrete jax scalar), else None (a traced value: the kernels take it as a static
+    argument, so it is applied to their f32 output instead)."""
+    try:
+        return float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return None
+
+
 ONE_HOT_TOKENS_PER_SLOT = 1.0
 """The XLA backend multiplies against every slot (one matmul) once tokens outnumber slots
 by this factor, and gathers each token's adapter below it (a per-token gather copies one
@@ -203,17 +267,19 @@ def lora_shrink(
         (1, 2, 4)
     """
     lora_a = tuple(lora_a)
-    _check_stacks("lora_a", lora_a, mapping)
+    _check_shrink(x, lora_a, mapping, slot_ranks)
     rank = lora_a[0].shape[1]
     if resolve_backend(backend, x.shape[0], _hinted(mapping, rank)) in ("pallas", "pallas_fused"):
-        return _kernels().lora_shrink(
+        static = _static_scale(scale)
+        h = _kernels().lora_shrink(
             x,
             lora_a,
-            scale=scale,
+            scale=1.0 if static is None else static,
             slot_ranks=slot_ranks,
             **mapping.shrink_kwargs(),
             interpret=PALLAS_INTERPRET,
         )
+        return h if static is not None else h * jnp.asarray(scale, jnp.float32)
     idx = mapping.token_lora_indices
     keep = (idx >= 0)[:, None]
     outs = []
@@ -244,7 +310,11 @@ def lora_expand(
 ) -> jax.Array:
     """Adds each slice's `h[s] @ B_s[idx].T` into `y [T, N]` at column `offsets[s]`.
 
-    `offsets` defaults to the slices laid side by side from column 0.
+    `offsets` defaults to the slices laid side by side from column 0. h is rounded to B's
+    bf16 / fp16 for the products unless y is f32 (vLLM's rule), on every backend. Every
+    slot's B must be finite, its padded rank columns included: the XLA backend multiplies
+    the slots a token does not use by zero once tokens outnumber slots (the layers'
+    `set_lora` refuses non-finite adapters and zero-pads ranks).
 
     Example:
         >>> b = jnp.ones((2, 8, 4))  # [max_loras, N, R]
@@ -254,12 +324,14 @@ def lora_expand(
         [4.0, 0.0]
     """
     lora_b = tuple(lora_b)
-    _check_stacks("lora_b", lora_b, mapping)
+    _check_expand(y, h, lora_b, mapping, slot_ranks)
     if offsets is None:
         offsets, acc = [], 0
         for b in lora_b:
             offsets.append(acc)
             acc += b.shape[1]
+    if any(isinstance(o, bool) or not isinstance(o, int | np.integer) for o in offsets):
+        raise ValueError(f"lora_expand: offsets must be ints, got {tuple(offsets)!r}")
     offsets = tuple(int(o) for o in offsets)
     if len(offsets) != len(lora_b) or h.shape[0] != len(lora_b):
         raise ValueError(
@@ -289,21 +361,29 @@ def lora_expand(
     idx = mapping.token_lora_indices
     keep = (idx >= 0)[:, None]
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
+        # h is rounded as the GPU kernels round it (to B's bf16 / fp16 unless y is f32):
+        # neither the batch size nor the backend changes a token's numbers
+        cdt = (
+            b.dtype
+            if b.dtype in (jnp.bfloat16, jnp.float16) and y.dtype != jnp.float32
+            else jnp.float32
+        )
         hs = h[s].astype(jnp.float32)  # [T, R]
         hs = jnp.where(_within_rank(slot_ranks, s, idx, hs.shape[1]), hs, 0.0)
         if _use_one_hot(idx.shape[0], b.shape[0]):
             L = b.shape[0]
             one_hot = jax.nn.one_hot(jnp.maximum(idx, 0), L, dtype=jnp.float32)  # [T, L]
             h_slot = one_hot[:, :, None] * hs[:, None, :]  # [T, L, R]
-            # h is rounded to B's dtype for the dot, as the GPU kernels (and the gather
-            # below) do: the batch size never changes a token's numbers.
             delta = jnp.einsum(
-                "tlr,lnr->tn", h_slot.astype(b.dtype), b, preferred_element_type=jnp.float32
+                "tlr,lnr->tn",
+                h_slot.astype(cdt),
+                b.astype(cdt),
+                preferred_element_type=jnp.float32,
             )
         else:
             b_t = _gather_slot(b, idx)  # [T, n_s, R]
             delta = jnp.einsum(
-                "tr,tnr->tn", hs.astype(b.dtype), b_t, preferred_element_type=jnp.float32
+                "tr,tnr->tn", hs.astype(cdt), b_t.astype(cdt), preferred_element_type=jnp.float32
             )
         cols = y[:, off : off + b.shape[1]]
         new = (cols.astype(jnp.float32) + delta).astype(y.dtype)
@@ -345,9 +425,11 @@ def add_lora_linear(
     """
     lora_a, lora_b = tuple(lora_a), tuple(lora_b)
     hinted = bool(lora_a) and _hinted(mapping, lora_a[0].shape[1])
-    if resolve_backend(backend, x.shape[0], hinted) == "pallas_fused":
-        _check_stacks("lora_a", lora_a, mapping)
+    fused = resolve_backend(backend, x.shape[0], hinted) == "pallas_fused"
+    if fused and _static_scale(scale) is not None:  # a traced scale: shrink, then expand
+        _check_shrink(x, lora_a, mapping, slot_ranks)
         _check_stacks("lora_b", lora_b, mapping)
+        scale = _static_scale(scale)
         if offsets is None:  # slices side by side from column 0
             offsets = [sum(b.shape[1] for b in lora_b[:s]) for s in range(len(lora_b))]
         return _kernels().lora_shrink_expand(

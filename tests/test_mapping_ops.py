@@ -466,3 +466,79 @@ def test_host_mappings_compile_once_where_the_ops_run_xla():
     assert len(traces) == 1
     told = lj.make_lora_mapping(mixes[0].astype(np.int32), 4, host_hints=True)
     assert told.tokens_per_slot == 64 and told.prompt_tiles is not None
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas", "pallas_fused"])
+def test_every_backend_checks_the_same_inputs_and_takes_a_traced_scale(monkeypatch, backend):
+    """XLA broadcast or truncated what the kernels refuse (slot_ranks of the wrong shape
+    masked the wrong rank columns; an x of 1 token was broadcast over the mapping's 4;
+    offsets 2.7 became 2); a jax or traced `scale` crashed the kernels (a static argument)."""
+    monkeypatch.setattr(lj.ops, "PALLAS_INTERPRET", True)
+    rng = np.random.default_rng(0)
+    T, H, R, L = 4, 32, 8, 3
+    idx = np.array([0, 2, 1, -1], np.int32)
+    m = lj.make_lora_mapping(jnp.asarray(idx), L)
+    x = jnp.asarray(rng.normal(size=(T, H)), jnp.float32)
+    a = jnp.asarray(rng.normal(size=(L, R, H)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(L, 16, R)), jnp.float32)
+    y = jnp.zeros((T, 16), jnp.float32)
+    ops = lj.ops
+    with pytest.raises(ValueError, match=r"slot_ranks must be integers of shape \(num_slices"):
+        ops.lora_shrink(x, [a], m, slot_ranks=jnp.array([2, 5, 8]), backend=backend)
+    with pytest.raises(ValueError, match="slot_ranks must be integers"):
+        ops.lora_expand(
+            y, jnp.zeros((1, T, R)), [b], m, slot_ranks=jnp.ones((1, L)), backend=backend
+        )
+    with pytest.raises(ValueError, match="x has 1 tokens, the mapping 4"):
+        ops.lora_shrink(x[:1], [a], m, backend=backend)
+    with pytest.raises(ValueError, match="y has 4 tokens, h 1"):
+        ops.lora_expand(y, jnp.zeros((1, 1, R)), [b], m, backend=backend)
+    with pytest.raises(ValueError, match="x .* must be a 2-D float array"):
+        ops.lora_shrink(x.astype(jnp.int32), [a], m, backend=backend)
+    with pytest.raises(ValueError, match="offsets must be ints"):
+        ops.lora_expand(y, jnp.zeros((1, T, R)), [b], m, offsets=[0.0], backend=backend)
+    a_np, x_np = np.asarray(a, np.float64), np.asarray(x, np.float64)
+    want = np.stack(
+        [0.5 * x_np[t] @ a_np[i].T if i >= 0 else np.zeros(R) for t, i in enumerate(idx)]
+    )
+    run = jax.jit(lambda x, s: ops.lora_shrink(x, [a], m, s, backend=backend))
+    np.testing.assert_allclose(np.asarray(run(x, 0.5))[0], want, rtol=1e-5, atol=1e-5)
+    got = ops.lora_shrink(x, [a], m, jnp.float32(0.5), backend=backend)
+    np.testing.assert_allclose(np.asarray(got)[0], want, rtol=1e-5, atol=1e-5)
+    lin = jax.jit(lambda y, x, s: ops.add_lora_linear(y, x, [a], [b], m, s, backend=backend))
+    delta = np.einsum("tr,tnr->tn", want, np.asarray(b, np.float64)[np.maximum(idx, 0)])
+    np.testing.assert_allclose(
+        np.asarray(lin(y, x, 0.5)), delta * (idx >= 0)[:, None], rtol=1e-4, atol=1e-4
+    )
+
+
+@pytest.mark.parametrize("y_dtype", [jnp.bfloat16, jnp.float32])
+def test_a_tokens_numbers_do_not_depend_on_the_hint_or_the_backend(monkeypatch, y_dtype):
+    """The per-token expand (tokens_per_slot 1) kept h in f32 where the segment expand
+    rounds it to B's bf16 (1 ulp apart on 132 of 512 outputs), and XLA rounded h to bf16
+    where the kernels keep f32 for an f32 y: one rule now, the kernels' (h in B's bf16 /
+    fp16 unless y is f32): bf16 outputs bit for bit, f32 ones to the last bits (interpret
+    mode)."""
+    monkeypatch.setattr(lj.ops, "PALLAS_INTERPRET", True)
+    rng = np.random.default_rng(0)
+    T, H, R, L, N = 8, 64, 16, 8, 64
+    idx = jnp.asarray(rng.permutation(L)[:T].astype(np.int32))
+    x = jnp.asarray(rng.normal(size=(T, H)), jnp.bfloat16)
+    a = jnp.asarray(rng.normal(size=(L, R, H)) / 8, jnp.bfloat16)
+    b = jnp.asarray(rng.normal(size=(L, N, R)) / 4, jnp.bfloat16)
+    y = jnp.asarray(rng.normal(size=(T, N)), y_dtype)
+    h = lj.ops.lora_shrink(x, [a], lj.make_lora_mapping(idx, L), 0.5, backend="xla")
+    outs = {}
+    for tps in (None, 1, 0):
+        m = lj.make_lora_mapping(idx, L, tokens_per_slot=tps)
+        outs[tps] = np.asarray(lj.ops.lora_expand(y, h, [b], m, backend="pallas"), np.float32)
+    m = lj.make_lora_mapping(idx, L)
+    outs["xla"] = np.asarray(lj.ops.lora_expand(y, h, [b], m, backend="xla"), np.float32)
+    gathered = lj.make_lora_mapping(jnp.concatenate([idx, idx]), L)  # T > L: one-hot path
+    two = lj.ops.lora_expand(jnp.concatenate([y, y]), jnp.concatenate([h, h], 1), [b], gathered)
+    outs["one-hot"] = np.asarray(two[:T], np.float32)
+    for k, v in outs.items():
+        if y_dtype == jnp.bfloat16:  # sums formed in another order vanish in bf16
+            np.testing.assert_array_equal(v, outs[None], err_msg=str(k))
+        else:  # f32 sums in another order: last bits (h rounded to bf16 was 2.7e-2 off)
+            np.testing.assert_allclose(v, outs[None], rtol=1e-6, atol=1e-6, err_msg=str(k))

@@ -11,8 +11,9 @@ along k): no work list, no sort, no dot shape constraint on the token count. Tok
 share an adapter read its rows again, from L2.
 
 Numerics: products of the inputs in f32, summed in f32 (the shrink as the segment kernels;
-the expand keeps h in f32 where the segment expand rounds it to the weights' dtype for the
-tensor cores). Selected with ``BlockSizes(per_token=True)``.
+the expand first rounds h as the segment expand does for the tensor cores, to the weights'
+bf16 / fp16 unless y is f32: `pallas_triton._expand_dtype`, so a token's numbers do not
+depend on which kernel the step's hint picks). Selected with ``BlockSizes(per_token=True)``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, next_pow2
-from lora_jax.kernels.shrink_expand.pallas_triton import _true_rank, expand_refs
+from lora_jax.kernels.shrink_expand.pallas_triton import _expand_dtype, _true_rank, expand_refs
 from lora_jax.kernels.shrink_expand.pallas_triton_shrink import _add_to, _shrink_refs
 
 
@@ -152,6 +153,7 @@ def _expand_kernel(
     widths: tuple[int, ...],
     rank: int,
     bs: BlockSizes,
+    compute_dtype,
 ):
     ranks_ref, h_ref, b_refs, y_ref = expand_refs(refs, has_ranks, num_slices)
     t, sid, grp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -167,7 +169,8 @@ def _expand_kernel(
         @pl.when((sid == s) & (slot >= 0) & (grp * tiles < blocks_s))
         def _(s=s, n_s=n_s, off=off, blocks_s=blocks_s):
             r_mask = r < _true_rank(ranks_ref, s, slot, rank)
-            ht = plgpu.load(h_ref.at[s, t, r], mask=r_mask, other=0).astype(jnp.float32)
+            ht = plgpu.load(h_ref.at[s, t, r], mask=r_mask, other=0)
+            ht = ht.astype(compute_dtype).astype(jnp.float32)  # the segment expand's rounding
 
             def tile(j, carry):
                 c = (grp * tiles + j) * bn + jnp.arange(bn, dtype=jnp.int32)  # [bn]
@@ -207,6 +210,7 @@ def expand(y, h, lora_b, token_lora_indices, slot_ranks, *, offsets, bs: BlockSi
         widths=widths,
         rank=rank,
         bs=bs,
+        compute_dtype=_expand_dtype(lora_b, y),
     )
     inputs = [token_lora_indices.astype(jnp.int32)]
     inputs += ([slot_ranks] if has_ranks else []) + [h, *lora_b, y]
