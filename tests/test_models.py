@@ -557,3 +557,19 @@ def test_checkpoint_index_must_name_shards_in_the_directory_and_wide_dtypes_stay
         index.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match="index.json"):
             SafetensorsCheckpoint(str(tmp_path))
+
+
+def test_a_bf16_decoder_generates_batches_on_the_cpu():
+    """XLA's CPU runtime has no bf16 x bf16 -> f32 dot for attention's output layout at
+    batch > 1 ("Unsupported element type for DotThunk", and every later call in the
+    process failed); the CPU path takes the dot in its own layout. Greedy tokens of a
+    batch equal each request's alone."""
+    from lora_jax.serving.generate import generate
+
+    cfg = DecoderConfig.tiny()
+    model = DecoderForCausalLM(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    prompts = [[1, 2, 3], [4, 5]]
+    both = generate(model, prompts, [-1, -1], max_new_tokens=4).tokens
+    for i, p in enumerate(prompts):
+        alone = generate(model, [p], [-1], max_new_tokens=4).tokens
+        assert list(both[i]) == list(alone[0])

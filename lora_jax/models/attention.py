@@ -178,5 +178,12 @@ def _attend(q, k, v, q_pos, key_pos, key_ok, window):
         ok &= key_ok.astype(bool)[:, None, :]
     scores = jnp.where(ok[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgsl,bkld->bskgd", probs, v, preferred_element_type=jnp.float32)
+    if jax.default_backend() == "cpu":
+        # XLA's CPU runtime has no bf16 x bf16 -> f32 dot for this output layout (batch
+        # > 1: "Unsupported element type for DotThunk"); the dot in its own layout and a
+        # transpose is the same math
+        out = jnp.einsum("bkgsl,bkld->bkgsd", probs, v, preferred_element_type=jnp.float32)
+        out = out.transpose(0, 3, 1, 2, 4)
+    else:
+        out = jnp.einsum("bkgsl,bkld->bskgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(B, S, H, hd).astype(q.dtype)
