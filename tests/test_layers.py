@@ -249,3 +249,22 @@ def test_a_bool_or_array_slot_index_is_refused_and_changes_no_slot():
     for v, old in zip(layer.lora_a, stacks):
         np.testing.assert_array_equal(np.asarray(v[...]), old)
     layer.set_lora(np.int64(1), a, b)  # numpy integers are ints
+
+
+def test_set_lora_refuses_complex_or_traced_adapters_and_takes_vllms_model_config():
+    layer, _, _ = build(KINDS[0], lj.ShardingRules(), adapters=ADAPTERS)
+    ranks = np.asarray(layer.slot_ranks[...]).copy()
+    a = [np.ones((2, IN)) for _ in range(layer.n_slices)]
+    b = [np.ones((n, 2)) for n in layer.logical_slice_sizes]
+    with pytest.raises(ValueError, match="lora_a must be real numbers, got dtype complex128"):
+        layer.set_lora(2, [x + 1j for x in a], b)  # was cast to its real part
+
+    @jax.jit
+    def inside(a0):
+        layer.set_lora(2, [a0, *a[1:]], b)
+
+    with pytest.raises(ValueError, match="lora_a is traced: set_lora checks and pads on the host"):
+        inside(jnp.asarray(a[0]))
+    np.testing.assert_array_equal(np.asarray(layer.slot_ranks[...]), ranks)
+    kind = type(layer)
+    assert kind.can_replace_layer(layer.base_layer, layer.lora_config, [], model_config=None)

@@ -191,7 +191,9 @@ class BaseLayerWithLoRA(nnx.Module):
         return tuple(sum(out[i] for i in g) for g in self.slice_groups)
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()) -> bool:
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ) -> bool:
         return False
 
     # -- slot writes ----------------------------------------------------------------------
@@ -254,6 +256,18 @@ class BaseLayerWithLoRA(nnx.Module):
                 new_b.append(np.zeros((self.slice_widths[s], R), np.float32))
                 ranks.append(0)
                 continue
+            for what, v in (("lora_a", a), ("lora_b", b)):
+                if isinstance(v, jax.core.Tracer):
+                    raise ValueError(
+                        f"{self.name}.set_lora: slice {s} {what} is traced: set_lora checks "
+                        "and pads on the host; call it outside jit"
+                    )
+                kind = np.asarray(v).dtype.kind
+                if kind not in "fiub":
+                    raise ValueError(
+                        f"{self.name}.set_lora: slice {s} {what} must be real numbers, got "
+                        f"dtype {np.asarray(v).dtype}"
+                    )
             with np.errstate(over="ignore"):  # a value past f32 is refused below
                 a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
             if a.ndim != 2 or a.shape[1] != in_features:

@@ -59,7 +59,9 @@ class ReplicatedLinearWithLoRA(_ColumnLoRA):
         return ("lora_slot", "lora_rank", None), ("lora_slot", None, "lora_rank")
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ):
         return type(source_layer) is ReplicatedLinear
 
 
@@ -81,7 +83,9 @@ class ColumnParallelLinearWithLoRA(_ColumnLoRA):
             raise ValueError(f"{self.name}: base layer must be column-parallel, got {type(base)}")
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ):
         if cls.fully_sharded != lora_config.fully_sharded_loras:
             return False
         if type(source_layer) is ColumnParallelLinear:
@@ -119,7 +123,9 @@ class MergedColumnParallelLinearWithLoRA(_ColumnLoRA):
             )
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ):
         if cls.fully_sharded != lora_config.fully_sharded_loras:
             return False
         return (
@@ -151,7 +157,9 @@ class MergedColumnParallelLinearVariableSliceWithLoRA(MergedColumnParallelLinear
             raise ValueError(f"{self.name}: needs >= 3 output slices, got {len(base.output_sizes)}")
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ):
         if cls.fully_sharded != lora_config.fully_sharded_loras:
             return False
         if not isinstance(source_layer, MergedColumnParallelLinear):
@@ -175,7 +183,9 @@ class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
             raise ValueError(f"{self.name}: base layer must be QKVParallelLinear, got {type(base)}")
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ):
         if cls.fully_sharded != lora_config.fully_sharded_loras:
             return False
         return isinstance(source_layer, QKVParallelLinear) and len(packed_modules_list) == 1
@@ -200,7 +210,9 @@ class MergedQKVParallelLinearWithLoRA(MergedColumnParallelLinearWithLoRA):
             raise ValueError(f"{self.name}: base layer must be QKVParallelLinear, got {type(base)}")
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ):
         if cls.fully_sharded != lora_config.fully_sharded_loras:
             return False
         return isinstance(source_layer, QKVParallelLinear) and len(packed_modules_list) == 3

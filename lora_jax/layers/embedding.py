@@ -193,7 +193,9 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, nnx.Module):
 
     # -- vLLM API -------------------------------------------------------------------------
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()) -> bool:
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ) -> bool:
         return isinstance(source_layer, VocabParallelEmbedding) and not isinstance(
             source_layer, ParallelLMHead
         )

@@ -102,7 +102,9 @@ class FlaxEmbedWithLoRA(VocabParallelEmbeddingWithLoRA):
         super().__init__(base_layer, lora_config, context, name=name)
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()) -> bool:
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ) -> bool:
         return isinstance(source_layer, nnx.Embed) and len(packed_modules_list) <= 1
 
     def attend(self, query: jax.Array, out_sharding=None, *, gather: bool = False) -> jax.Array:

@@ -296,7 +296,9 @@ class _FlaxGeneralWithLoRA(ReplicatedLinearWithLoRA):
         return c.unflat_y(y2, y)
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ):
         if not isinstance(source_layer, cls.source_type) or len(packed_modules_list) > 1:
             return False
         try:  # only what is one flat linear map; the rest is left as it is

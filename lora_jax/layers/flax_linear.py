@@ -116,5 +116,7 @@ class FlaxLinearWithLoRA(ReplicatedLinearWithLoRA):
             )
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ):
         return isinstance(source_layer, nnx.Linear) and len(packed_modules_list) <= 1

@@ -195,7 +195,9 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
 
     # -- vLLM API -------------------------------------------------------------------------
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()) -> bool:
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ) -> bool:
         return False  # the logits layer is wrapped specially, as in vLLM
 
     @property
@@ -371,7 +373,9 @@ class ParallelLMHeadWithLoRA(nnx.Module):
         )
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()) -> bool:
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ) -> bool:
         return isinstance(source_layer, ParallelLMHead)
 
     @property
@@ -420,5 +424,7 @@ class TiedLMHeadWithLoRA(ParallelLMHeadWithLoRA):
     tied = True
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()) -> bool:
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ) -> bool:
         return False  # made explicitly by wrap_model for tied models

@@ -147,7 +147,9 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
         )
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()) -> bool:
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ) -> bool:
         """vLLM: separate w1/w2/w3 modules → this class; one fused w13 → the 3D class."""
         n = 1 if cls.fused_w13 else 2
         return isinstance(source_layer, FusedMoE) and len(packed_modules_list) == n

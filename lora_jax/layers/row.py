@@ -37,7 +37,9 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
         return ("lora_slot", "lora_rank", "tensor"), ("lora_slot", b_out, "lora_rank")
 
     @classmethod
-    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list=()):
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ):
         if cls.fully_sharded != lora_config.fully_sharded_loras:
             return False
         return isinstance(source_layer, RowParallelLinear)
