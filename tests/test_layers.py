@@ -268,3 +268,15 @@ def test_set_lora_refuses_complex_or_traced_adapters_and_takes_vllms_model_confi
     np.testing.assert_array_equal(np.asarray(layer.slot_ranks[...]), ranks)
     kind = type(layer)
     assert kind.can_replace_layer(layer.base_layer, layer.lora_config, [], model_config=None)
+
+
+def test_variable_slice_layer_is_chosen_by_its_sizes_without_packed_names():
+    """vLLM picks its variable-slice class for a 3+ slice merged layer with no packed
+    names given (it returned False here)."""
+    from lora_jax.linear import MergedColumnParallelLinear
+
+    base = MergedColumnParallelLinear(16, [8, 8, 16], rngs=nnx.Rngs(0))
+    cfg = lj.LoRAConfig(max_lora_rank=8)
+    cls = lj.MergedColumnParallelLinearVariableSliceWithLoRA
+    assert cls.can_replace_layer(base, cfg, [])
+    assert not lj.MergedColumnParallelLinearWithLoRA.can_replace_layer(base, cfg, [])

@@ -165,7 +165,7 @@ class MergedColumnParallelLinearVariableSliceWithLoRA(MergedColumnParallelLinear
         if not isinstance(source_layer, MergedColumnParallelLinear):
             return False
         n = len(source_layer.output_sizes)
-        return n >= 3 and len(packed_modules_list) in (1, n)
+        return n >= 3 and len(packed_modules_list) in (0, 1, n)  # none given: by its sizes
 
 
 class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
