@@ -436,12 +436,44 @@ def test_sampled_generation_is_seeded_and_top_p_tiny_is_greedy(base_model):
     assert tiny.tokens == greedy
 
 
-def test_seeds_past_32_bits_are_refused():
-    """jax.random.key keeps 32 bits: 2**32 + 5 would give seed 5's tokens."""
-    for seed in (2**32, 2**32 + 5, -(2**31) - 1, True, 1.0):
-        with pytest.raises(ValueError, match=r"seed must be an int in \[-2\*\*31, 2\*\*32\)"):
-            SamplingParams(temperature=1.0, seed=seed)
-    assert SamplingParams(seed=2**32 - 1).seed == 2**32 - 1
+def test_every_int_seed_is_its_own_stream(base_model):
+    """jax.random.key keeps 32 bits: -1 and 2**32 - 1 (and 2**32 + 5 and 5) were one
+    stream; now every int is its own, a 32-bit one keeps its old key, and numpy ints and
+    floats are taken as the numbers they are (bools are not numbers here)."""
+    from lora_jax.serving.sampling import seed_key
+
+    seeds = [0, 5, 2**32 - 1, -1, 2**32 + 5, -(2**32) + 5, 2**31, -(2**31), 2**70 + 3, -(2**70)]
+    keys = {tuple(jax.random.key_data(seed_key(s)).tolist()) for s in seeds}
+    assert len(keys) == len(seeds)
+    assert (jax.random.key_data(seed_key(7)) == jax.random.key_data(jax.random.key(7))).all()
+    run = lambda seed: (
+        generate(  # noqa: E731
+            base_model,
+            PROMPTS,
+            max_new_tokens=NEW,
+            sampling=SamplingParams(temperature=1.0, seed=seed),
+        ).tokens
+    )
+    assert run(-1) != run(2**32 - 1)
+    assert run(np.int64(3)) == run(3)
+    for bad in (True, np.bool_(False), 1.5, "3"):
+        with pytest.raises(ValueError, match="seed must be an int"):
+            SamplingParams(temperature=1.0, seed=bad)
+    p = SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9), seed=np.uint32(3))
+    assert (type(p.temperature), type(p.top_p), type(p.seed)) == (float, float, int)
+    with pytest.raises(ValueError, match="top_p must be a number"):
+        SamplingParams(temperature=1.0, top_p=True)
+
+
+def test_adapter_slots_must_be_ints_or_none(lora_model):
+    """`None` means no adapter (as `token_mapping` gives); a float or bool slot was served
+    as the slot it truncated to, a None crashed in int()."""
+    model = lora_model
+    with_none = generate(model, PROMPTS[:2], [0, None], max_new_tokens=2).tokens
+    assert with_none == generate(model, PROMPTS[:2], [0, -1], max_new_tokens=2).tokens
+    for bad in (0.9, True, "0"):
+        with pytest.raises(ValueError, match="adapter slot of request 0 must be an int"):
+            generate(model, PROMPTS[:2], [bad, -1], max_new_tokens=2)
 
 
 def test_generator_follows_the_decode_compiler_options(lora_model, mixed, monkeypatch):

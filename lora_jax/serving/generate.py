@@ -42,7 +42,7 @@ from lora_jax.mapping import PROMPT_ROWS_MIN_TOKENS, PROMPT_TILE_TOKENS, host_to
 from lora_jax.models.kv_cache import KVCache, cache_batch_axis
 from lora_jax.serving import wrap
 from lora_jax.serving.merge import layer_merged_slot
-from lora_jax.serving.sampling import SamplingParams, row_keys, sample_tokens
+from lora_jax.serving.sampling import SamplingParams, row_keys, sample_tokens, seed_key
 from lora_jax.sharding import ShardingRules, shard_map
 
 # Traces of the jitted steps ("prefill", "decode"); a trace is a (re)compile.
@@ -251,6 +251,18 @@ def _model_max_loras(model) -> int | None:
     return _context_max_loras(model) if find_lora_context(model) is not None else None
 
 
+def _slot(i: int, s) -> int:
+    """Request ``i``'s slot: an int (-1 or None: no adapter, as `token_mapping` gives)."""
+    if s is None:
+        return -1
+    if isinstance(s, bool | np.bool_) or not isinstance(s, int | np.integer):
+        raise ValueError(
+            f"generate: adapter slot of request {i} must be an int (-1 or None: no adapter), "
+            f"got {s!r}"
+        )
+    return int(s)
+
+
 def _check_inputs(model, max_loras, prompts, adapter_slots, max_new_tokens, eos_token_id):
     vocab = model.config.vocab_size
     if len(prompts) == 0:
@@ -263,7 +275,11 @@ def _check_inputs(model, max_loras, prompts, adapter_slots, max_new_tokens, eos_
         if arr.min() < 0 or arr.max() >= vocab:
             raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab})")
         clean.append(arr.astype(np.int32))
-    slots = [-1] * len(prompts) if adapter_slots is None else [int(s) for s in adapter_slots]
+    slots = (
+        [-1] * len(prompts)
+        if adapter_slots is None
+        else [_slot(i, s) for i, s in enumerate(adapter_slots)]
+    )
     if len(slots) != len(prompts):
         raise ValueError(f"generate: {len(prompts)} prompts but {len(slots)} adapter_slots")
     has_lora = max_loras is not None
@@ -421,10 +437,10 @@ def _generate(
     )
     dtype = cache_dtype or getattr(model, "dtype", None) or jnp.float32
     cache = KVCache.init(model.config, B, S + N, rules=rules, dtype=dtype)
-    seed_key = jax.random.key(sampling.seed)
+    key = seed_key(sampling.seed)
     temperature = jnp.float32(sampling.temperature)
     top_p = jnp.float32(sampling.top_p)
-    common = (lengths, slot_arr, row_ids, seed_key, temperature, top_p)
+    common = (lengths, slot_arr, row_ids, key, temperature, top_p)
     ops_state = ops.dispatch_state()  # a new backend setting compiles anew
     first, cache = prefill(cache, ids, *common, mode=sampling.mode, ops_state=ops_state)
     if max_new_tokens == 1:

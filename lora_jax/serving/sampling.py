@@ -10,9 +10,11 @@ is static.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lora_jax.sharding import unshard
 
@@ -42,17 +44,18 @@ class SamplingParams:
     """PRNG seed; the same seed, prompts and params give the same tokens."""
 
     def __post_init__(self):
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+        t, p, seed = self.temperature, self.top_p, self.seed
+        real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool | np.bool_)  # noqa: E731
+        if not real(t) or not 0 <= t < float("inf"):
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {t!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
-        seed = self.seed
-        if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**31) <= seed < 2**32:
-            # jax.random.key keeps 32 bits: a larger seed would repeat a smaller one's tokens
-            raise ValueError(
-                f"SamplingParams.seed must be an int in [-2**31, 2**32), got {self.seed!r}"
-            )
+        if not real(p) or not 0 < p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be a number in (0, 1], got {p!r}")
+        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool | np.bool_):
+            raise ValueError(f"SamplingParams.seed must be an int, got {seed!r}")
+        # numpy scalars (from config code) stored as plain Python numbers
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "seed", int(seed))
 
     @property
     def mode(self) -> str:
@@ -60,6 +63,28 @@ class SamplingParams:
         if self.temperature < SAMPLING_EPS:
             return "greedy"
         return "top_p" if self.top_p < 1 else "sample"
+
+
+def seed_key(seed: int) -> jax.Array:
+    """The PRNG key of any int seed, distinct seeds distinct keys: `key(seed)` for a seed
+    in `[0, 2**32)`; past that (or below 0) the low 32 bits' key with the higher 32-bit
+    words and the sign folded in (`jax.random.key` alone keeps 32 bits, so -1 and
+    2**32 - 1 were one stream).
+
+    Example:
+        >>> data = lambda s: jax.random.key_data(seed_key(s)).tolist()
+        >>> data(-1) != data(2**32 - 1), data(5) == data(5)
+        (True, True)
+    """
+    seed = int(seed)
+    key = jax.random.key(seed & 0xFFFFFFFF)
+    rest = seed >> 32
+    if rest == 0:
+        return key
+    while rest not in (0, -1):
+        key = jax.random.fold_in(key, rest & 0xFFFFFFFF)
+        rest >>= 32
+    return jax.random.fold_in(key, 1 if rest < 0 else 2)  # the sign: no collisions across it
 
 
 def row_keys(seed_key: jax.Array, row_ids: jax.Array, step: jax.Array) -> jax.Array:
