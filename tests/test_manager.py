@@ -652,6 +652,8 @@ def test_adapter_ids_below_one_and_colliding_ids_are_refused():
     mgr.set_active_adapters([0, None])  # bare ids <= 0 and None: no adapter
     a1 = _adapter(model, 1)
     assert mgr.add_adapter(a1) and not mgr.add_adapter(a1)  # the same object: a touch
+    again = dataclasses.replace(_adapter(model, 1))  # the same adapter, loaded again
+    assert not mgr.add_adapter(again)
     other = dataclasses.replace(_adapter(model, 2), id=1, name="other")
     with pytest.raises(ValueError, match="id 1 is already adapter 'a1'.*'other'"):
         mgr.add_adapter(other)

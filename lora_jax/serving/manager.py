@@ -193,13 +193,16 @@ class LoRAModelManager:
 
     # -- lifecycle ------------------------------------------------------------------------
     def add_adapter(self, adapter: LoRAAdapter) -> bool:
-        """Registers `adapter` in the CPU cache; False (and a touch) when already there."""
+        """Registers `adapter` in the CPU cache; False (and a touch) when already there (the
+        same object, or one of the same name and source). Another adapter under a taken id
+        is a `ValueError`: its requests would get the registered one's weights."""
         if not isinstance(adapter, LoRAAdapter):
             raise ValueError(f"add_adapter: expected a LoRAAdapter, got {type(adapter).__name__}")
         _check_id(adapter.id, f"add_adapter: adapter {adapter.name!r}'s id")
         if adapter.id in self._registered_adapters:
             held = _peek(self._registered_adapters, adapter.id)
-            if held is not adapter:
+            # the same adapter loaded again is vLLM's "already there"; another one is not
+            if held is not adapter and (held.name, held.source) != (adapter.name, adapter.source):
                 raise ValueError(
                     f"add_adapter: id {adapter.id} is already adapter {held.name!r} "
                     f"({held.source}); {adapter.name!r} ({adapter.source}) needs an id of its "
