@@ -144,7 +144,8 @@ def test_attention_and_einsum_models_wrap_serve_merge_and_unwrap():
 def test_linear_general_is_the_flat_nn_linear_per_token():
     """`LinearGeneral(E, (N, H))` with per-token slots equals an `nnx.Linear(E, N * H)`
     holding the same kernel flattened and the same adapters; a contraction over a middle
-    and the last axis (`axis=(1, -1)`) matches the folded-kernel oracle token by token."""
+    and the last axis (`axis=(1, -1)`, and `(-1, 1)`, which Flax pairs in ascending order:
+    the LoRA paired them as named, off by 15) matches the folded-kernel oracle."""
     rng = np.random.default_rng(0)
     lg = nnx.LinearGeneral(E, (HEADS, HD), rngs=nnx.Rngs(0))
     lin = nnx.Linear(E, HEADS * HD, rngs=nnx.Rngs(1))
@@ -162,7 +163,12 @@ def test_linear_general_is_the_flat_nn_linear_per_token():
         np.asarray(a_lg(x)).reshape(2, 3, -1), np.asarray(a_lin(x)), rtol=1e-5, atol=1e-5
     )
 
-    mid = nnx.LinearGeneral((2, 3), (4,), axis=(1, -1), rngs=nnx.Rngs(2))
+    for axis in ((1, -1), (-1, 1)):  # Flax pairs kernel and x axes in ascending order
+        _check_mid_axes(rng, axis)
+
+
+def _check_mid_axes(rng, axis):
+    mid = nnx.LinearGeneral((2, 3), (4,), axis=axis, rngs=nnx.Rngs(2))
     layer = lj.FlaxLinearGeneralWithLoRA(mid, CFG)
     a, b = rng.normal(size=(2, 6)), rng.normal(size=(4, 2))
     layer.set_lora(2, a, b)
@@ -269,3 +275,49 @@ def test_merging_a_custom_einsum_op_or_dot_general_is_refused():
         merge_adapter(model, 0)
     with pytest.raises(ValueError, match="own dot_general"):
         merge_adapter(model, 1)
+
+
+def test_multi_head_projections_on_an_explicit_mesh():
+    """Batch-sharded x through `nnx.MultiHeadAttention` on an Explicit mesh, and a
+    `LinearGeneral` with its own `out_sharding` over the heads: flattening tokens and
+    heads in one reshape was refused there; the LoRA path now equals the base for -1
+    tokens and the unsharded LoRA run for an adapter."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(4, 3, E)).astype(np.float32)
+    a, b = rng.normal(size=(4, E)) * 0.3, rng.normal(size=(E, 4)) * 0.3
+
+    def build():
+        m = nnx.MultiHeadAttention(
+            num_heads=HEADS, in_features=E, qkv_features=E, decode=False, rngs=nnx.Rngs(0)
+        )
+        wrap_model(m, CFG)
+        m.query.set_lora(1, a, b)
+        return m
+
+    @nnx.jit
+    def step(m, x, idx):
+        with lj.lora_mapping(m, idx):
+            return m(x)
+
+    slots = jnp.asarray(np.tile([1, -1, 1], 4), jnp.int32)
+    want = np.asarray(step(build(), jnp.asarray(xs), slots))  # unsharded
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.asarray(xs), NamedSharding(mesh, P("data")))
+        got = np.asarray(step(build(), x, slots))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        lg = nnx.LinearGeneral(E, (HEADS, HD), rngs=nnx.Rngs(0))
+        layer = lj.FlaxLinearGeneralWithLoRA(lg, CFG)
+        heads = P(None, None, "model", None)
+        base = nnx.jit(lambda lin, x: lin(x, out_sharding=heads))(lg, jnp.asarray(xs))
+
+        @nnx.jit
+        def f(lin, x, idx):
+            with lj.lora_mapping(lin, idx):
+                return lin(x, out_sharding=heads)
+
+        out = f(layer, jnp.asarray(xs), jnp.full((12,), -1, jnp.int32))
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(base))

@@ -61,27 +61,36 @@ class Contraction:
     def flat_x(self, x: jax.Array) -> jax.Array:
         """x → `[T, in]` (tokens in x's order, contracted axes in the kernel's order)."""
         perm = [self.inp.index(c) for c in self.tokens + self.contract]
-        xt = jnp.transpose(x, perm)
-        return xt.reshape(-1, math.prod(xt.shape[len(self.tokens) :]))
+        return _flatten(jnp.transpose(x, perm), len(self.tokens))
 
     def flat_y(self, y: jax.Array) -> jax.Array:
         """The output → `[T, out]` (features in the kernel's order)."""
         perm = [self.out.index(c) for c in self.tokens + self.feature]
-        yt = jnp.transpose(y, perm)
-        return yt.reshape(-1, math.prod(yt.shape[len(self.tokens) :]))
+        return _flatten(jnp.transpose(y, perm), len(self.tokens))
 
     def unflat_y(self, y2: jax.Array, like: jax.Array) -> jax.Array:
         """`flat_y`'s inverse, into the layout of ``like`` (the base output)."""
         order = self.tokens + self.feature
         shape = [like.shape[self.out.index(c)] for c in order]
-        perm = [order.index(c) for c in self.out]
-        return jnp.transpose(y2.reshape(shape), perm)
+        n = len(self.tokens)
+        # split the tokens, then the features (one reshape of both groups is refused on
+        # Explicit meshes when either is sharded)
+        y = y2.reshape(*shape[:n], y2.shape[-1]).reshape(shape)
+        return jnp.transpose(y, [order.index(c) for c in self.out])
 
     def kernel_delta(self, delta: jax.Array, kernel_shape) -> jax.Array:
         """A flat `[in, out]` delta → the kernel's shape and axis order."""
         order = self.contract + self.feature
         shape = [kernel_shape[self.ker.index(c)] for c in order]
         return jnp.transpose(delta.reshape(shape), [order.index(c) for c in self.ker])
+
+
+def _flatten(a: jax.Array, n: int) -> jax.Array:
+    """``a``'s first ``n`` axes to one, its others to one: the trailing group first, then
+    the leading one (one reshape of both is refused on Explicit meshes when either group
+    is sharded)."""
+    a = a.reshape(*a.shape[:n], math.prod(a.shape[n:]))
+    return a.reshape(math.prod(a.shape[:n]), a.shape[-1])
 
 
 def parse_einsum(equation: str, kernel_ndim: int, x_ndim: int | None = None) -> Contraction:
@@ -142,7 +151,9 @@ def linear_general_contraction(source: nnx.LinearGeneral, x_ndim: int) -> Contra
             f"nnx.LinearGeneral with batch_axis={dict(source.batch_axis)}: a kernel per batch "
             "group is not one flat linear map"
         )
-    axes = [a % x_ndim for a in source.axis]
+    # Flax pairs the kernel's in axes with x's contracted axes in ascending order, whatever
+    # order `axis` names them in
+    axes = sorted(a % x_ndim for a in source.axis)
     if len(set(axes)) != len(axes):
         raise ValueError(f"nnx.LinearGeneral axis={source.axis}: repeated axes")
     letters = string.ascii_letters
