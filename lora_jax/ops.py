@@ -213,6 +213,18 @@ def _check_expand(y, h, lora_b, mapping, slot_ranks) -> None:
     _check_ranks("lora_expand", slot_ranks, len(lora_b), mapping.max_loras)
 
 
+def _offset(o) -> int:
+    """A column offset as a Python int (a concrete integer jax / numpy scalar too)."""
+    if isinstance(o, jax.Array) and o.ndim == 0 and jnp.issubdtype(o.dtype, jnp.integer):
+        try:
+            return int(o)
+        except jax.errors.ConcretizationTypeError:
+            pass
+    if isinstance(o, bool | np.bool_) or not isinstance(o, int | np.integer):
+        raise ValueError(f"lora_expand: offsets must be ints known at trace time, got {o!r}")
+    return int(o)
+
+
 def _static_scale(scale):
     """``scale`` as a Python float when it is known at trace time (a number, a numpy or
     concrete jax scalar), else None (a traced value: the kernels take it as a static
@@ -330,9 +342,7 @@ def lora_expand(
         for b in lora_b:
             offsets.append(acc)
             acc += b.shape[1]
-    if any(isinstance(o, bool) or not isinstance(o, int | np.integer) for o in offsets):
-        raise ValueError(f"lora_expand: offsets must be ints, got {tuple(offsets)!r}")
-    offsets = tuple(int(o) for o in offsets)
+    offsets = tuple(_offset(o) for o in offsets)
     if len(offsets) != len(lora_b) or h.shape[0] != len(lora_b):
         raise ValueError(
             f"lora_expand: {len(lora_b)} B slices, {len(offsets)} offsets and h with "

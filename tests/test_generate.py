@@ -471,6 +471,8 @@ def test_adapter_slots_must_be_ints_or_none(lora_model):
     model = lora_model
     with_none = generate(model, PROMPTS[:2], [0, None], max_new_tokens=2).tokens
     assert with_none == generate(model, PROMPTS[:2], [0, -1], max_new_tokens=2).tokens
+    as_array = generate(model, PROMPTS[:2], jnp.array([0, -1]), max_new_tokens=2).tokens
+    assert as_array == with_none
     for bad in (0.9, True, "0"):
         with pytest.raises(ValueError, match="adapter slot of request 0 must be an int"):
             generate(model, PROMPTS[:2], [bad, -1], max_new_tokens=2)

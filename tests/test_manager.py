@@ -657,7 +657,18 @@ def test_adapter_ids_below_one_and_colliding_ids_are_refused():
     other = dataclasses.replace(_adapter(model, 2), id=1, name="other")
     with pytest.raises(ValueError, match="id 1 is already adapter 'a1'.*'other'"):
         mgr.add_adapter(other)
+    same_name = dataclasses.replace(_adapter(model, 2), id=1, name="a1")  # other weights
+    with pytest.raises(ValueError, match="is another adapter"):
+        mgr.add_adapter(same_name)
+    with pytest.raises(ValueError, match="id 1 is already adapter 'a1'"):
+        mgr.set_active_adapters([other])  # the worker step checks it too
+    with pytest.raises(ValueError, match="'a1' and 'other' are both requested under id 1"):
+        mgr.set_active_adapters([a1, other])
+    mgr.set_active_adapters([a1])
+    with pytest.raises(ValueError, match="id 1 is already adapter 'a1'"):
+        mgr.set_active_adapters([other])  # active now: still refused
     assert mgr.get_adapter(1) is a1
+    np.testing.assert_array_equal(mgr.token_mapping([], tokens_per_request=[]), [])
 
 
 def test_write_slot_refuses_a_slot_holding_an_active_adapter():

@@ -499,6 +499,11 @@ def test_every_backend_checks_the_same_inputs_and_takes_a_traced_scale(monkeypat
         ops.lora_shrink(x.astype(jnp.int32), [a], m, backend=backend)
     with pytest.raises(ValueError, match="offsets must be ints"):
         ops.lora_expand(y, jnp.zeros((1, T, R)), [b], m, offsets=[0.0], backend=backend)
+    hj = jnp.ones((1, T, R))
+    np.testing.assert_array_equal(  # concrete jax ints are offsets as any int
+        ops.lora_expand(y, hj, [b], m, offsets=[jnp.int32(0)], backend=backend),
+        ops.lora_expand(y, hj, [b], m, offsets=[0], backend=backend),
+    )
     a_np, x_np = np.asarray(a, np.float64), np.asarray(x, np.float64)
     want = np.stack(
         [0.5 * x_np[t] @ a_np[i].T if i >= 0 else np.zeros(R) for t, i in enumerate(idx)]

@@ -255,6 +255,8 @@ def _slot(i: int, s) -> int:
     """Request ``i``'s slot: an int (-1 or None: no adapter, as `token_mapping` gives)."""
     if s is None:
         return -1
+    if isinstance(s, jax.Array) and s.ndim == 0 and jnp.issubdtype(s.dtype, jnp.integer):
+        s = int(s)  # a concrete jax scalar (from a slot vector)
     if isinstance(s, bool | np.bool_) or not isinstance(s, int | np.integer):
         raise ValueError(
             f"generate: adapter slot of request {i} must be an int (-1 or None: no adapter), "

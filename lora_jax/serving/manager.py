@@ -185,11 +185,12 @@ class LoRAModelManager:
                 f"token_mapping: tokens_per_request has shape {counts.shape}; expected one count "
                 f"per request ({len(out)}) or one for all"
             )
-        if not np.issubdtype(counts.dtype, np.integer) or (counts < 0).any():
+        if counts.size and (not np.issubdtype(counts.dtype, np.integer) or (counts < 0).any()):
             raise ValueError(
                 f"token_mapping: tokens_per_request must be counts >= 0, got {tokens_per_request!r}"
             )
-        return np.repeat(out, np.broadcast_to(counts, out.shape)).astype(np.int32)
+        counts = np.broadcast_to(counts.astype(np.int64), out.shape)
+        return np.repeat(out, counts).astype(np.int32)
 
     # -- lifecycle ------------------------------------------------------------------------
     def add_adapter(self, adapter: LoRAAdapter) -> bool:
@@ -200,19 +201,25 @@ class LoRAModelManager:
             raise ValueError(f"add_adapter: expected a LoRAAdapter, got {type(adapter).__name__}")
         _check_id(adapter.id, f"add_adapter: adapter {adapter.name!r}'s id")
         if adapter.id in self._registered_adapters:
-            held = _peek(self._registered_adapters, adapter.id)
-            # the same adapter loaded again is vLLM's "already there"; another one is not
-            if held is not adapter and (held.name, held.source) != (adapter.name, adapter.source):
-                raise ValueError(
-                    f"add_adapter: id {adapter.id} is already adapter {held.name!r} "
-                    f"({held.source}); {adapter.name!r} ({adapter.source}) needs an id of its "
-                    "own (load_peft_adapter(adapter_id=...), or the manager's load_adapters)"
-                )
+            self._check_same(adapter, "add_adapter")
             self._touch_registered(adapter.id)
             return False
         self._check_modules(adapter)
         self._register(adapter)
         return True
+
+    def _check_same(self, adapter: LoRAAdapter, what: str) -> None:
+        """The registered adapter under ``adapter.id`` must be ``adapter`` (or the same one
+        loaded again: equal name, source and weights, vLLM's "already there"): another one
+        would get the registered one's weights."""
+        held = _peek(self._registered_adapters, adapter.id)
+        if held is adapter or _same_adapter(held, adapter):
+            return
+        raise ValueError(
+            f"{what}: id {adapter.id} is already adapter {held.name!r} ({held.source}); "
+            f"{adapter.name!r} ({adapter.source}) is another adapter and needs an id of its own "
+            "(load_peft_adapter(adapter_id=...), or the manager's load_adapters)"
+        )
 
     def add_adapters(
         self, adapters: Iterable[LoRAAdapter], *, activate: bool = False, progress: bool = True
@@ -395,6 +402,8 @@ class LoRAModelManager:
         one's slot plan by id (activation writes it without validating again)."""
         new, plans = {}, {}
         for aid, req in reqs.items():
+            if isinstance(req, LoRAAdapter) and aid in self._registered_adapters:
+                self._check_same(req, "set_active_adapters")
             if aid in self._active_adapters:
                 continue
             if aid in self._registered_adapters:
@@ -516,7 +525,13 @@ class LoRAModelManager:
                 continue
             else:
                 aid = req
-            reqs.setdefault(int(aid), req)
+            prev = reqs.setdefault(int(aid), req)
+            both = isinstance(prev, LoRAAdapter) and isinstance(req, LoRAAdapter)
+            if both and prev is not req and not _same_adapter(prev, req):
+                raise ValueError(
+                    f"set_active_adapters: adapters {prev.name!r} and {req.name!r} are both "
+                    f"requested under id {aid}; each adapter needs an id of its own"
+                )
         if len(reqs) > self.lora_slots:
             raise RuntimeError(
                 f"Number of requested adapters ({len(reqs)}) is greater than the number of "
@@ -695,6 +710,21 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
                     self.remove_oldest_adapter()
                 self.add_adapter(new[aid])
             self._activate(aid, plans.get(aid))
+
+
+def _same_adapter(a: LoRAAdapter, b: LoRAAdapter) -> bool:
+    """Equal name, source and weights (the same adapter loaded twice)."""
+    if (a.name, a.source, sorted(a.modules)) != (b.name, b.source, sorted(b.modules)):
+        return False
+    for name, ma in a.modules.items():
+        mb = b.modules[name]
+        for xs, ys in ((ma.lora_a, mb.lora_a), (ma.lora_b, mb.lora_b)):
+            if len(xs) != len(ys):
+                return False
+            for x, y in zip(xs, ys):
+                if (x is None) != (y is None) or (x is not None and not np.array_equal(x, y)):
+                    return False
+    return True
 
 
 def _peek(cache, key):
