@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 # vLLM accepts these ranks; anything else is almost certainly a typo in a launch script.
 SUPPORTED_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -44,8 +45,17 @@ class LoRAConfig:
     """vLLM parity; LoRA biases are not supported (PEFT `bias="none"` only)."""
 
     def __post_init__(self):
-        if not isinstance(self.max_loras, int) or self.max_loras < 1:
+        for field in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            v = getattr(self, field)
+            if v is None and field == "max_cpu_loras":
+                continue
+            if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
+                raise ValueError(f"LoRAConfig.{field} must be an int, got {v!r}")
+            object.__setattr__(self, field, int(v))  # numpy ints stored as Python ints
+        if self.max_loras < 1:
             raise ValueError(f"LoRAConfig.max_loras must be an int >= 1, got {self.max_loras!r}")
+        if isinstance(self.lora_dtype, str) and self.lora_dtype == "auto":
+            object.__setattr__(self, "lora_dtype", None)  # vLLM's default: the base's dtype
         if self.max_lora_rank not in SUPPORTED_MAX_LORA_RANKS:
             raise ValueError(
                 f"LoRAConfig.max_lora_rank={self.max_lora_rank!r} is not supported; "

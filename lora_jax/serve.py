@@ -337,7 +337,8 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
     from lora_jax.serving.wrap import wrap_model
 
     rules = _rules(args.tp)
-    moe = read_config_json(model_dir)[1].get("model_type") in MOE_MODEL_TYPES
+    model_dir, config = read_config_json(model_dir)  # a file in the checkpoint: its directory
+    moe = config.get("model_type") in MOE_MODEL_TYPES
     model = (load_hf_moe_model if moe else load_hf_model)(model_dir, rules=rules)
     tokenizer = _tokenizer(None if args.model is None else model_dir, model.config.vocab_size)
     n = max(1, len(adapter_dirs))

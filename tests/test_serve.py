@@ -83,6 +83,9 @@ def test_a_model_dirs_eos_ids_stop_its_requests(tmp_path):
         stop = full.index(base[2]) if base[2] in full else None
         assert got.tokens == (full if stop is None else full[: stop + 1])
     assert stopped[-1].tokens == base[:3]
+    # --model naming a file in the checkpoint: its directory's eos ids (they were lost)
+    as_file = serve.run([*argv[:1], f"{model_dir}/config.json", *argv[2:]])
+    assert [r.tokens for r in as_file] == [r.tokens for r in stopped]
     with pytest.raises(SystemExit):
         serve.parse_args(["--model", "m", "--adapter", "x=a", "--adapter", "x=b"])
 

@@ -149,6 +149,15 @@ def test_config_checks():
     with pytest.raises(ValueError, match="lora_dtype"):
         lj.LoRAConfig(lora_dtype=jnp.int32)
     assert lj.LoRAConfig(max_loras=3).max_cpu_loras == 3
+    # vLLM's defaults and numpy ints are taken; floats and bools are not ints here
+    assert lj.LoRAConfig(lora_dtype="auto").lora_dtype is None
+    cfg = lj.LoRAConfig(max_loras=np.int64(2), max_lora_rank=np.int64(8), max_cpu_loras=np.int32(4))
+    assert (cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras) == (2, 8, 4)
+    assert all(type(v) is int for v in (cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras))
+    for kw in ({"max_lora_rank": 8.0}, {"max_lora_rank": True}, {"max_cpu_loras": 2.5},
+               {"max_cpu_loras": "4"}, {"max_loras": 2.0}):  # fmt: skip
+        with pytest.raises(ValueError, match=f"LoRAConfig.{next(iter(kw))} must be an int"):
+            lj.LoRAConfig(**kw)
 
 
 def test_fully_sharded_rank_must_divide_tp():

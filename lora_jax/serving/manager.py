@@ -426,7 +426,8 @@ class LoRAModelManager:
         written one by one and rolled back if any of them refuses.
 
         Example:
-            >>> mgr.write_slot(0, None)  # zero slot 0 everywhere  # doctest: +SKIP
+            >>> mgr.deactivate_adapter(mgr.lora_index_to_id[0])  # doctest: +SKIP
+            >>> mgr.write_slot(0, None)  # zero the freed slot 0 everywhere  # doctest: +SKIP
         """
         if not isinstance(slot, int | np.integer) or not 0 <= int(slot) < self.lora_slots:
             raise ValueError(f"write_slot: slot {slot!r} outside [0, {self.lora_slots})")

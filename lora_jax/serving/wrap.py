@@ -434,8 +434,11 @@ def unwrap_model(model: nnx.Module, *, keep_merged: bool = False) -> int:
     see `lora_jax.serving.merge.merge_and_unload`): unwrapping drops the saved originals.
 
     Example:
-        >>> unwrap_model(model)  # doctest: +SKIP
-        7
+        >>> from lora_jax.models import DecoderConfig, DecoderForCausalLM
+        >>> model = DecoderForCausalLM(DecoderConfig.tiny(), rngs=nnx.Rngs(0))  # 2 layers
+        >>> _ = wrap_model(model, LoRAConfig(max_loras=2, max_lora_rank=8))
+        >>> unwrap_model(model)  # 4 projections a layer, embed_tokens, lm_head
+        10
     """
     found = [(tuple(p), n) for p, n in nnx.iter_graph(model) if p and is_lora_layer(n)]
     merged = [module_name(p) for p, n in found if getattr(n, "merged_original", None) is not None]
@@ -464,8 +467,11 @@ def lora_layers(model: nnx.Module) -> dict[str, Any]:
     """The model's LoRA layers by dotted module name, in graph order.
 
     Example:
-        >>> sorted(lora_layers(model))[:1]  # doctest: +SKIP
-        ['model.layers.0.mlp.down_proj']
+        >>> from lora_jax.models import DecoderConfig, DecoderForCausalLM
+        >>> model = DecoderForCausalLM(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> _ = wrap_model(model, LoRAConfig(max_loras=2, max_lora_rank=8))
+        >>> list(lora_layers(model))[:3]
+        ['lm_head', 'model.embed_tokens', 'model.layers.0.mlp.down_proj']
     """
     layers = {}
     for path, node in nnx.iter_graph(model):
