@@ -316,13 +316,16 @@ class FusedMoE(nnx.Module):
             scoring_func=self.scoring_func,
         )
 
+    def tp_axis_name(self) -> str | None:
+        return self.rules.mesh_axis("tensor")
+
     def batch_axis(self, num_tokens: int) -> str | None:
         """ "batch" when the tokens split evenly over it, else None (replicated). Tokens
         stay replicated over the expert axis: where "batch" maps to that mesh axis too,
         they are not split (each shard's experts need every token)."""
         batch = self.rules.mesh_axis("batch")
-        if batch is not None and batch == self.rules.mesh_axis("expert"):
-            return None
+        if batch is not None and batch in (self.rules.mesh_axis("expert"), self.tp_axis_name()):
+            return None  # the tensor axis splits intermediate dims: its shards need all tokens
         return "batch" if num_tokens % self.rules.size("batch") == 0 else None
 
     def gate_up(self, g: jax.Array) -> jax.Array:

@@ -57,6 +57,27 @@ class ShardingRules:
             table["lora_rank_sharded"] = table["tensor"]
             object.__setattr__(self, "rules", tuple(table.items()))
 
+    def check_lora_axes(self, name: str, fully_sharded: bool) -> None:
+        """Raises, naming layer ``name``, on a table whose adapter axes the LoRA layers
+        cannot run: the slot and plain rank axes are replicated (nothing sums rank shards
+        or splits the token mapping over slots), and S-LoRA's rank shards lie on the
+        tensor axis (its collectives run there)."""
+        for key in ("lora_slot", "lora_rank"):
+            if self.size(key) > 1:
+                raise ValueError(
+                    f"{name}: the rules map {key!r} to mesh axis {self.mesh_axis(key)!r}; "
+                    "LoRA stacks keep it replicated (for rank shards use fully_sharded_loras, "
+                    "which splits the rank over the tensor axis)"
+                )
+        if fully_sharded:
+            rank_axis, tensor_axis = self.mesh_axis("lora_rank_sharded"), self.mesh_axis("tensor")
+            if rank_axis != tensor_axis:
+                raise ValueError(
+                    f"{name}: fully_sharded_loras shards the rank over mesh axis {rank_axis!r} "
+                    f"('lora_rank_sharded') but the tensor axis is {tensor_axis!r}: map both "
+                    "to one axis in the ShardingRules"
+                )
+
     def mesh_axis(self, logical: str | None) -> str | None:
         """Mesh axis for a logical name, or None when it is replicated/absent."""
         if logical is None or self.mesh is None:

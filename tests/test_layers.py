@@ -280,3 +280,24 @@ def test_variable_slice_layer_is_chosen_by_its_sizes_without_packed_names():
     cls = lj.MergedColumnParallelLinearVariableSliceWithLoRA
     assert cls.can_replace_layer(base, cfg, [])
     assert not lj.MergedColumnParallelLinearWithLoRA.can_replace_layer(base, cfg, [])
+
+
+def test_adapter_axes_a_layer_cannot_run_are_refused_by_name():
+    """A rules table mapping the slot or the plain rank axis to a mesh axis stored the
+    stacks split with nothing to sum or gather them (5.6 off the unsharded run); a table
+    without `lora_rank_sharded` still builds plain LoRA."""
+    from lora_jax.sharding import DEFAULT_RULES
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    base_rules = {**DEFAULT_RULES, "batch": "data", "tensor": "model", "vocab": "model"}
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
+    for key in ("lora_rank", "lora_slot"):
+        rules = lj.ShardingRules(mesh, {**base_rules, key: "data"})
+        base = lj.ColumnParallelLinear(32, 64, rules=rules, rngs=nnx.Rngs(0))
+        with pytest.raises(
+            ValueError, match=f"ColumnParallelLinearWithLoRA: the rules map '{key}'"
+        ):
+            lj.ColumnParallelLinearWithLoRA(base, cfg)
+    partial = {k: v for k, v in base_rules.items() if k != "lora_rank_sharded"}
+    base = lj.ColumnParallelLinear(32, 64, rules=lj.ShardingRules(mesh, partial), rngs=nnx.Rngs(0))
+    lj.ColumnParallelLinearWithLoRA(base, cfg)

@@ -698,3 +698,18 @@ def test_experts_over_the_data_parallel_axis_keep_every_token():
     with pytest.raises(ValueError, match="'expert' and 'tensor' both map to mesh axis 'tp'"):
         FusedMoE(E, K, H, INTER, rules=ShardingRules(mesh, rules={**DEFAULT_RULES, "expert": "tp"}),
                  rngs=nnx.Rngs(0))  # fmt: skip
+
+
+def test_batch_and_tensor_on_one_mesh_axis_keep_tokens_whole():
+    """Tokens split over the axis that also splits the intermediate dim were summed with
+    other tokens' partial outputs (1.7 off); they stay whole there now."""
+    from lora_jax.sharding import DEFAULT_RULES
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(8, 32)), jnp.float32)
+    logits = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
+    want = FusedMoE(8, 2, 32, 24, rules=ShardingRules(), rngs=nnx.Rngs(0))(x, logits)
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+    rules = ShardingRules(mesh, {**DEFAULT_RULES, "batch": "x", "tensor": "x", "expert": None})
+    got = FusedMoE(8, 2, 32, 24, rules=rules, rngs=nnx.Rngs(0))(x, logits)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

@@ -134,13 +134,7 @@ class BaseLayerWithLoRA(nnx.Module):
         rules = base_layer.rules
         cfg = lora_config
         L, R = cfg.max_loras, cfg.max_lora_rank
-        rank_axis, tensor_axis = rules.mesh_axis("lora_rank_sharded"), rules.mesh_axis("tensor")
-        if self.fully_sharded and rank_axis != tensor_axis:
-            raise ValueError(
-                f"{self.name}: fully_sharded_loras shards the rank over mesh axis {rank_axis!r} "
-                f"('lora_rank_sharded') but the layer's tensor axis is {tensor_axis!r}: map both "
-                "to one axis in the ShardingRules"
-            )
+        rules.check_lora_axes(self.name, self.fully_sharded)
         if self.fully_sharded and R % max(1, rules.size("lora_rank_sharded")):
             raise ValueError(
                 f"{self.name}: max_lora_rank={R} must be divisible by the tensor axis "

@@ -175,6 +175,7 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, nnx.Module):
         self.lora_config = lora_config
         self.lora_context = context if context is not None else LoRAContext(None)
         rules = base_layer.rules
+        rules.check_lora_axes(self.name, False)
         L, R = lora_config.max_loras, lora_config.max_lora_rank
         dtype = lora_config.dtype_for(base_layer.param_dtype)
         self.lora_dtype = dtype

@@ -179,6 +179,7 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
         self.hidden_size = head.embedding_dim
         self.vocab_padded = head.num_embeddings_padded
         self.rules = head.rules
+        self.rules.check_lora_axes(self.name, False)
         L, R = lora_config.max_loras, lora_config.max_lora_rank
         dtype = lora_config.dtype_for(head.param_dtype)
         self.lora_dtype = dtype

@@ -96,13 +96,7 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
         H, n = base.hidden_size, base.intermediate_size
         tp = base.tp
         self.fully_sharded = cfg.fully_sharded_loras
-        rank_axis, tensor_axis = rules.mesh_axis("lora_rank_sharded"), rules.mesh_axis("tensor")
-        if self.fully_sharded and rank_axis != tensor_axis:
-            raise ValueError(
-                f"{self.name}: fully_sharded_loras shards the rank over mesh axis {rank_axis!r} "
-                f"('lora_rank_sharded') but the experts' tensor axis is {tensor_axis!r}: map "
-                "both to one axis in the ShardingRules"
-            )
+        rules.check_lora_axes(self.name, self.fully_sharded)
         if self.fully_sharded and (R % tp or H % tp):
             raise ValueError(
                 f"{self.name}: fully_sharded_loras needs max_lora_rank={R} and hidden_size={H} "
