@@ -649,6 +649,13 @@ def test_adapter_ids_below_one_and_colliding_ids_are_refused():
         mgr.set_active_adapters([zero])
     with pytest.raises(ValueError, match="'sql' is not an adapter id"):
         mgr.set_active_adapters(["sql"])
+    with pytest.raises(ValueError, match=r"^set_active_adapters: request 'a1'.s id must be"):
+        mgr.set_active_adapters([zero])  # named, not printed whole (weights and all)
+    for bad in (True, 1.0):
+        with pytest.raises(ValueError, match="adapter id must be an int or None"):
+            mgr.token_mapping([bad])
+        with pytest.raises(ValueError, match="write_slot: slot must be an int"):
+            mgr.write_slot(bad, None)
     mgr.set_active_adapters([0, None])  # bare ids <= 0 and None: no adapter
     a1 = _adapter(model, 1)
     assert mgr.add_adapter(a1) and not mgr.add_adapter(a1)  # the same object: a touch

@@ -441,7 +441,9 @@ def set_lora_mapping(
     tokens_per_slot: int | None = None,
     whole_tiles: str | None = None,
 ) -> LoRAMapping | None:
-    """Sets the step's mapping on every LoRA layer of `model` (call inside your jit).
+    """Sets the step's mapping on every LoRA layer of `model` (call inside your jit), until
+    changed. Inside `nnx.jit` prefer `lora_mapping`'s block: a mapping left here is written
+    back by `nnx.jit` and enters the next call's compile key.
     ``is_prefill=False`` marks a decode step (`LoRAMapping.is_prefill`); ``prompt_tiles``,
     ``whole_tiles`` and ``tokens_per_slot`` say what the caller knows of its prompts'
     layout and of its tokens per adapter (`make_lora_mapping`).

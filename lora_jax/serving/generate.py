@@ -290,7 +290,11 @@ def _check_inputs(model, max_loras, prompts, adapter_slots, max_new_tokens, eos_
     if bad:
         allowed = f"[-1, {max_loras})" if has_lora else "-1 (the model has no LoRA layers)"
         raise ValueError(f"generate: adapter slots {bad} outside {allowed}")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    if (
+        isinstance(max_new_tokens, bool | np.bool_)
+        or not isinstance(max_new_tokens, (int, np.integer))
+        or max_new_tokens < 1
+    ):
         raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     return clean, slots, _eos_ids(eos_token_id, vocab)
 

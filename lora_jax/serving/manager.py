@@ -163,6 +163,10 @@ class LoRAModelManager:
         """
         slots = []
         for i, aid in enumerate(request_adapter_ids):
+            if isinstance(aid, bool | np.bool_ | float | np.floating):
+                raise ValueError(
+                    f"token_mapping: request {i}'s adapter id must be an int or None, got {aid!r}"
+                )
             if aid is None or (isinstance(aid, int | np.integer) and aid <= 0):
                 slots.append(-1)
                 continue
@@ -429,7 +433,9 @@ class LoRAModelManager:
             >>> mgr.deactivate_adapter(mgr.lora_index_to_id[0])  # doctest: +SKIP
             >>> mgr.write_slot(0, None)  # zero the freed slot 0 everywhere  # doctest: +SKIP
         """
-        if not isinstance(slot, int | np.integer) or not 0 <= int(slot) < self.lora_slots:
+        if isinstance(slot, bool | np.bool_) or not isinstance(slot, int | np.integer):
+            raise ValueError(f"write_slot: slot must be an int, got {slot!r}")
+        if not 0 <= int(slot) < self.lora_slots:
             raise ValueError(f"write_slot: slot {slot!r} outside [0, {self.lora_slots})")
         self._check_not_merged(int(slot))
         held = self.lora_index_to_id[int(slot)]
@@ -516,7 +522,8 @@ class LoRAModelManager:
                 continue
             if isinstance(req, LoRAAdapter | LoRARequest):
                 aid = req.id if isinstance(req, LoRAAdapter) else req.lora_int_id
-                _check_id(aid, f"set_active_adapters: request {req!r}'s id")
+                label = req.name if isinstance(req, LoRAAdapter) else req.lora_name
+                _check_id(aid, f"set_active_adapters: request {label!r}'s id")
             elif isinstance(req, bool) or not isinstance(req, int | np.integer):
                 raise ValueError(
                     f"set_active_adapters: request {req!r} is not an adapter id (an int), a "
