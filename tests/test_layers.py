@@ -301,3 +301,30 @@ def test_adapter_axes_a_layer_cannot_run_are_refused_by_name():
     partial = {k: v for k, v in base_rules.items() if k != "lora_rank_sharded"}
     base = lj.ColumnParallelLinear(32, 64, rules=lj.ShardingRules(mesh, partial), rngs=nnx.Rngs(0))
     lj.ColumnParallelLinearWithLoRA(base, cfg)
+
+
+def test_one_a_with_b_per_slice_and_reset_lora_inside_jit():
+    """A merged layer takes one A shared by its slices with a B per slice (vLLM converts
+    them independently; it was refused); `reset_lora` under jit names the problem (it was
+    a raw tracer error)."""
+    from lora_jax.linear import MergedColumnParallelLinear
+
+    base = MergedColumnParallelLinear(16, [8, 8, 16], rngs=nnx.Rngs(0))
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
+    layer = lj.MergedColumnParallelLinearVariableSliceWithLoRA(base, cfg)
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(4, 16))
+    bs = [rng.normal(size=(n, 4)) for n in (8, 8, 16)]
+    layer.set_lora(1, a, bs)
+    shared = lj.MergedColumnParallelLinearVariableSliceWithLoRA(base, cfg)
+    shared.set_lora(1, [a, a, a], bs)
+    for v, w in zip((*layer.lora_a, *layer.lora_b), (*shared.lora_a, *shared.lora_b)):
+        np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(w[...]))
+
+    @nnx.jit
+    def reset(layer):
+        layer.reset_lora(1)
+
+    with pytest.raises(ValueError, match="reset_lora: the layer is traced"):
+        reset(layer)
+    assert np.asarray(layer.slot_ranks[...])[:, 1].tolist() == [4, 4, 4]

@@ -205,8 +205,10 @@ class BaseLayerWithLoRA(nnx.Module):
                 )
             cuts = np.cumsum(self.logical_slice_sizes)[:-1]
             return [lora_a] * n, list(np.split(b, cuts, axis=0))
-        a_list = list(lora_a) if isinstance(lora_a, (list, tuple)) else [lora_a]
         b_list = list(lora_b) if isinstance(lora_b, (list, tuple)) else [lora_b]
+        if not isinstance(lora_a, (list, tuple)) and len(b_list) == n > 1:
+            lora_a = [lora_a] * n  # one A shared by the slices, B per slice (as vLLM takes it)
+        a_list = list(lora_a) if isinstance(lora_a, (list, tuple)) else [lora_a]
         if len(a_list) != n or len(b_list) != n:
             raise ValueError(
                 f"{self.name}.set_lora: expected {n} slice(s) of lora_a and lora_b, got "
@@ -332,6 +334,11 @@ class BaseLayerWithLoRA(nnx.Module):
     def reset_lora(self, index: int) -> None:
         """Zeroes slot `index`: it then gives exactly the base output."""
         self._check_index(index, "reset_lora")
+        if isinstance(self.slot_ranks.get_value(), jax.core.Tracer):
+            raise ValueError(
+                f"{self.name}.reset_lora: the layer is traced; slot writes are host-side, call "
+                "it outside jit"
+            )
         for var in (*self.lora_a, *self.lora_b):
             self._write(var, index, np.zeros(var.shape[1:], np.float32))
         self._set_ranks(index, [0] * self.n_slices)
