@@ -283,15 +283,27 @@ def lora_shrink(
     rank = lora_a[0].shape[1]
     if resolve_backend(backend, x.shape[0], _hinted(mapping, rank)) in ("pallas", "pallas_fused"):
         static = _static_scale(scale)
-        h = _kernels().lora_shrink(
-            x,
-            lora_a,
-            scale=1.0 if static is None else static,
-            slot_ranks=slot_ranks,
-            **mapping.shrink_kwargs(),
-            interpret=PALLAS_INTERPRET,
+        kscale = 1.0 if static is None else static
+
+        def kernel(x, lora_a, mapping, slot_ranks):
+            return _kernels().lora_shrink(
+                x,
+                lora_a,
+                scale=kscale,
+                slot_ranks=slot_ranks,
+                **mapping.shrink_kwargs(),
+                interpret=PALLAS_INTERPRET,
+            )
+
+        h = _with_xla_vjp(kernel, functools.partial(_shrink_xla, scale=kscale))(
+            (x, lora_a), (mapping, slot_ranks)
         )
         return h if static is not None else h * jnp.asarray(scale, jnp.float32)
+    return _shrink_xla(x, lora_a, mapping, slot_ranks, scale=scale)
+
+
+def _shrink_xla(x, lora_a, mapping, slot_ranks, *, scale) -> jax.Array:
+    """The XLA backend's shrink (checked inputs): f32 `[S, T, R]`."""
     idx = mapping.token_lora_indices
     keep = (idx >= 0)[:, None]
     outs = []
@@ -308,6 +320,32 @@ def lora_shrink(
             h = jnp.einsum("th,trh->tr", x, a_t, preferred_element_type=jnp.float32)
         outs.append(jnp.where(keep & _within_rank(slot_ranks, s, idx, h.shape[1]), h * scale, 0.0))
     return jnp.stack(outs).astype(jnp.float32)  # [S, T, R]
+
+
+def _with_xla_vjp(kernel, xla):
+    """``kernel(*diff, *rest)`` with the XLA backend's VJP as its backward pass.
+
+    Pallas calls have no autodiff (the kernels alias their outputs and add with atomics),
+    so the gradient of a forward that ran the kernels is that of `xla`, the same function
+    on XLA: training through the layers works on every backend. ``diff`` are the float
+    inputs (x, h, y, the A / B stacks), ``rest`` the integer ones (the mapping, the slots'
+    ranks), which get no cotangent.
+    """
+
+    @jax.custom_vjp
+    def run(diff, rest):
+        return kernel(*diff, *rest)
+
+    def fwd(diff, rest):
+        return kernel(*diff, *rest), (diff, rest)
+
+    def bwd(res, g):
+        diff, rest = res
+        _, vjp = jax.vjp(lambda *d: xla(*d, *rest), *diff)
+        return vjp(g), None
+
+    run.defvjp(fwd, bwd)
+    return run
 
 
 def lora_expand(
@@ -359,15 +397,25 @@ def lora_expand(
             raise ValueError(f"lora_expand: slices {s} and {t} overlap at columns {start}..{end}")
     hinted = _hinted(mapping, h.shape[-1])
     if resolve_backend(backend, y.shape[0], hinted) in ("pallas", "pallas_fused"):
-        return _kernels().lora_expand(
-            y,
-            h,
-            lora_b,
-            offsets=offsets,
-            slot_ranks=slot_ranks,
-            **mapping.expand_kwargs(),
-            interpret=PALLAS_INTERPRET,
-        )
+
+        def kernel(y, h, lora_b, mapping, slot_ranks):
+            return _kernels().lora_expand(
+                y,
+                h,
+                lora_b,
+                offsets=offsets,
+                slot_ranks=slot_ranks,
+                **mapping.expand_kwargs(),
+                interpret=PALLAS_INTERPRET,
+            )
+
+        xla = functools.partial(_expand_xla, offsets=offsets)
+        return _with_xla_vjp(kernel, xla)((y, h, lora_b), (mapping, slot_ranks))
+    return _expand_xla(y, h, lora_b, mapping, slot_ranks, offsets=offsets)
+
+
+def _expand_xla(y, h, lora_b, mapping, slot_ranks, *, offsets) -> jax.Array:
+    """The XLA backend's expand (checked inputs, offsets as ints)."""
     idx = mapping.token_lora_indices
     keep = (idx >= 0)[:, None]
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
@@ -442,17 +490,26 @@ def add_lora_linear(
         scale = _static_scale(scale)
         if offsets is None:  # slices side by side from column 0
             offsets = [sum(b.shape[1] for b in lora_b[:s]) for s in range(len(lora_b))]
-        return _kernels().lora_shrink_expand(
-            x,
-            y,
-            lora_a,
-            lora_b,
-            offsets=tuple(int(o) for o in offsets),
-            scale=scale,
-            slot_ranks=slot_ranks,
-            **mapping.kernel_kwargs(),
-            interpret=PALLAS_INTERPRET,
-        )
+        offsets = tuple(int(o) for o in offsets)
+
+        def kernel(y, x, lora_a, lora_b, mapping, slot_ranks):
+            return _kernels().lora_shrink_expand(
+                x,
+                y,
+                lora_a,
+                lora_b,
+                offsets=offsets,
+                scale=scale,
+                slot_ranks=slot_ranks,
+                **mapping.kernel_kwargs(),
+                interpret=PALLAS_INTERPRET,
+            )
+
+        def xla(y, x, lora_a, lora_b, mapping, slot_ranks):
+            h = _shrink_xla(x, lora_a, mapping, slot_ranks, scale=scale)
+            return _expand_xla(y, h, lora_b, mapping, slot_ranks, offsets=offsets)
+
+        return _with_xla_vjp(kernel, xla)((y, x, lora_a, lora_b), (mapping, slot_ranks))
     h = lora_shrink(x, lora_a, mapping, scale, slot_ranks=slot_ranks, backend=backend)
     return lora_expand(
         y, h, lora_b, mapping, offsets=offsets, slot_ranks=slot_ranks, backend=backend

@@ -372,3 +372,48 @@ def test_ensure_weight_tying_serves_the_tied_lm_head_lora(tmp_path, targets):
     (adapter,) = mgr.load_adapters({"tied": d}, activate=True, progress=False)
     assert "lm_head" in adapter.modules
     np.testing.assert_allclose(_logits(model, mgr, ids, [adapter.id] * 2), want, **TOL)
+
+
+def test_a_slot_trained_here_and_exported_serves_in_peft(hf, tmp_path):
+    """An adapter trained in a slot (PEFT init, AdamW, other slots fixed) and written with
+    `save_peft_adapter` gives, loaded by HF peft, the logits lora_jax serves from the slot."""
+    import optax
+
+    from lora_jax.serving.export import save_peft_adapter
+    from lora_jax.serving.training import init_lora_slot, train_only_slots
+
+    _, base_dir, dirs, _ = hf
+    model, mgr = _serve(base_dir, max_loras=3)
+    (served_a,) = mgr.load_adapters({"A": dirs["A"]}, activate=True, progress=False)  # slot 0
+    trained = 2
+    init_lora_slot(model, trained, 8, seed=0, target_modules=["q_proj", "v_proj", "down_proj"])
+    ids = _ids(1)
+    slots = jnp.full(ids.size, trained, jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), ids.shape)
+
+    def loss_fn(m):
+        with lj.lora_mapping(m, slots):
+            logits = m(jnp.asarray(ids), pos)[0]
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(logp, jnp.asarray(ids)[:, 1:, None], -1))
+
+    opt = nnx.Optimizer(
+        model, optax.chain(optax.adam(3e-2), train_only_slots([trained])), wrt=nnx.LoRAParam
+    )
+
+    @nnx.jit
+    def step(model, opt):
+        loss, g = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+        opt.update(model, g)
+        return loss
+
+    losses = [float(step(model, opt)) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    out = save_peft_adapter(model, trained, tmp_path / "trained", base_model_name_or_path=base_dir)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(base, out, adapter_name="T").eval()
+    want = _hf_logits(pm, ids, ["T"] * B_)
+    got = np.asarray(_forward(model, jnp.asarray(ids), slots))
+    np.testing.assert_allclose(got, want, **TOL)
+    served = _logits(model, mgr, ids, [served_a.id] * B_)  # A still as peft serves it
+    np.testing.assert_allclose(served, _hf_logits(hf[3], ids, ["A"] * B_), **TOL)

@@ -1,0 +1,275 @@
+"""Training an adapter in a slot: gradients on every backend, PEFT's initialisation, the
+optax slot mask, and exporting a slot as a PEFT adapter that loads back unchanged.
+
+Oracles: the XLA backend's autodiff for the kernels' gradients; the base model for a
+freshly initialised slot; the stacks before a step for the slots that must not move;
+the slot itself for the exported-and-reloaded adapter (`test_oracle_hf.py` checks the
+exported files against HF peft).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import lora_jax as lj
+from lora_jax import ops
+from lora_jax.mapping import make_lora_mapping
+from lora_jax.models import DecoderConfig, DecoderForCausalLM
+from lora_jax.serving.export import adapter_from_slot, save_peft_adapter
+from lora_jax.serving.peft import load_peft_adapter, read_safetensors
+from lora_jax.serving.training import init_lora_slot, train_only_slots, trainable_layers
+from lora_jax.serving.wrap import wrap_model
+
+MAX_RANK = 8
+
+
+# -- gradients through the ops ----------------------------------------------------------------
+@pytest.fixture
+def interpret():
+    old = ops.PALLAS_INTERPRET
+    ops.PALLAS_INTERPRET = True
+    yield
+    ops.PALLAS_INTERPRET = old
+
+
+def _op_inputs(T=16, H=32, N=(32, 16), R=16, L=4, seed=0):
+    k = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(k[0], (T, H))
+    a = [jax.random.normal(k[1 + s], (L, R, H)) / 4 for s in range(len(N))]
+    b = [jax.random.normal(k[3 + s], (L, n, R)) / 4 for s, n in enumerate(N)]
+    idx = jnp.asarray(np.random.default_rng(seed).integers(-1, L, T), jnp.int32)
+    ranks = jnp.asarray([[3, 16, 5, 8], [16, 2, 0, 9]][: len(N)], jnp.int32)
+    return x, a, b, make_lora_mapping(idx, L), ranks
+
+
+@pytest.mark.parametrize("backend", ["pallas", "pallas_fused"])
+@pytest.mark.parametrize("traced_scale", [False, True])
+def test_op_gradients_on_the_kernels_equal_xla(interpret, backend, traced_scale):
+    """The kernels have no autodiff; their backward pass is XLA's, so the gradient of a
+    forward that ran them is the XLA backend's (x, every A and B, and a traced scale)."""
+    x, a, b, m, ranks = _op_inputs()
+    N = sum(v.shape[1] for v in b)
+    y0 = jnp.linspace(-1, 1, 16 * N).reshape(16, N)
+
+    def loss(x, a, b, y0, scale, backend):
+        y = ops.add_lora_linear(y0, x, a, b, m, scale, slot_ranks=ranks, backend=backend)
+        return jnp.sum(jnp.sin(y))
+
+    scale = 0.7
+    argnums = (0, 1, 2, 3, 4) if traced_scale else (0, 1, 2, 3)
+    f = jax.grad(loss, argnums=argnums)
+    f = jax.jit(f, static_argnums=5) if traced_scale else f
+    want = f(x, a, b, y0, scale, "xla")
+    got = f(x, a, b, y0, scale, backend)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+    # rank columns past a slot's rank get no gradient
+    da = got[1][0]
+    np.testing.assert_array_equal(np.asarray(da[0, 3:]), 0.0)
+
+
+def test_shrink_and_expand_gradients_on_the_kernels(interpret):
+    x, a, b, m, ranks = _op_inputs()
+    h = ops.lora_shrink(x, a, m, 0.5, slot_ranks=ranks, backend="xla")
+
+    def shrink(x, a, backend):
+        return jnp.sum(ops.lora_shrink(x, a, m, 0.5, slot_ranks=ranks, backend=backend) ** 2)
+
+    def expand(h, b, backend):
+        y = ops.lora_expand(jnp.ones((16, 48)), h, b, m, slot_ranks=ranks, backend=backend)
+        return jnp.sum(y**2)
+
+    for f, args in ((shrink, (x, a)), (expand, (h, b))):
+        want = jax.grad(f, argnums=(0, 1))(*args, "xla")
+        got = jax.grad(f, argnums=(0, 1))(*args, "pallas")
+        for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
+# -- a model with a slot to train -------------------------------------------------------------
+def _model(rules=None, max_loras=3):
+    model = DecoderForCausalLM(DecoderConfig.tiny(), rules=rules, rngs=nnx.Rngs(0))
+    wrap_model(model, lj.LoRAConfig(max_loras=max_loras, max_lora_rank=MAX_RANK))
+    return model
+
+
+def _batch(seed=0, B=4, S=8):
+    ids = jnp.asarray(np.random.default_rng(seed).integers(0, 256, (B, S)), jnp.int32)
+    return ids, jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+
+
+@nnx.jit
+def _logits(model, ids, pos, slots):
+    with lj.lora_mapping(model, slots):
+        return model(ids, pos)[0]
+
+
+def _loss(model, ids, pos, slots):
+    with lj.lora_mapping(model, slots):
+        logits = model(ids, pos)[0]
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], -1))
+
+
+@nnx.jit
+def _train_step(model, opt, ids, pos, slots):
+    grad_fn = nnx.value_and_grad(_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))
+    loss, grads = grad_fn(model, ids, pos, slots)
+    opt.update(model, grads)
+    return loss
+
+
+def _stacks(model):
+    return jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam, lj.LoRASlotRanks))
+
+
+def test_init_lora_slot_is_peft_init_and_leaves_the_base_output():
+    model = _model()
+    ids, pos = _batch()
+    base = np.asarray(_logits(model, ids, pos, jnp.full(32, -1, jnp.int32)))
+    names = init_lora_slot(model, 1, 4, seed=1, target_modules=["q_proj", "v_proj", "up_proj"])
+    assert names == [
+        f"model.layers.{i}.{m}"
+        for i in range(2)
+        for m in ("mlp.up_proj", "self_attn.q_proj", "self_attn.v_proj")
+    ]
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    ranks = np.asarray(qkv.slot_ranks[...])
+    assert ranks[:, 1].tolist() == [4, 0, 4] and not ranks[:, [0, 2]].any()
+    a_q = np.asarray(qkv.lora_a[0][...][1])  # [R, in]
+    assert np.abs(a_q[:4]).max() <= 1 / np.sqrt(64) and np.abs(a_q[:4]).min() > 0
+    assert not a_q[4:].any() and not np.asarray(qkv.lora_b[0][...]).any()  # B = 0
+    # B = 0: the slot's tokens get exactly the base output
+    got = np.asarray(_logits(model, ids, pos, jnp.full(32, 1, jnp.int32)))
+    np.testing.assert_array_equal(got, base)
+
+
+def test_init_lora_slot_refuses_and_changes_nothing():
+    model = _model()
+    init_lora_slot(model, 0, 4, seed=1)
+    before = _stacks(model)
+    bad = [
+        (dict(slot=3, rank=4), "outside"),
+        (dict(slot=1, rank=MAX_RANK + 1), "rank 9 is outside"),
+        (dict(slot=1, rank=0), "positive int"),
+        (dict(slot=True, rank=4), "slot must be an int"),
+        (dict(slot=1, rank=4, target_modules=["embed_tokens"]), "not linear LoRA layers"),
+    ]
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            init_lora_slot(model, **kw)
+    jax.tree.map(np.testing.assert_array_equal, _stacks(model), before)
+
+
+def test_training_moves_only_its_slot_and_lowers_the_loss():
+    """One slot trains while slot 0 serves an adapter (AdamW with weight decay): slot 0,
+    slot 2 and the rank columns past the trained slot's rank keep their exact values, and
+    tokens of slot 0 and of no adapter keep their outputs."""
+    model = _model()
+    init_lora_slot(model, 0, 8, seed=2)
+    for layer in trainable_layers(model).values():  # slot 0: a served adapter (B != 0)
+        for v in layer.lora_b:
+            v.set_value(v[...].at[0].set(0.02))
+    init_lora_slot(model, 1, 4, seed=3)
+    ids, pos = _batch()
+    slots = jnp.repeat(jnp.array([1, 1, 0, -1], jnp.int32), 8)
+    before_logits = np.asarray(_logits(model, ids, pos, slots))
+    before = _stacks(model)
+    tx = optax.chain(optax.adamw(1e-2, weight_decay=0.1), train_only_slots([1]))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+    losses = [float(_train_step(model, opt, ids, pos, slots)) for _ in range(4)]
+    assert losses[-1] < losses[0] - 1e-3, losses
+    after = _stacks(model)
+    for was, now in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        if was.ndim == 2:  # slot ranks [S, L]
+            np.testing.assert_array_equal(now, was)
+            continue
+        np.testing.assert_array_equal(now[0], was[0])
+        np.testing.assert_array_equal(now[2], was[2])
+        rank_axis = 1 if was.shape[1] == MAX_RANK else 2  # A [L, R, in], B [L, out, R]
+        np.testing.assert_array_equal(np.take(now[1:2], range(4, MAX_RANK), rank_axis + 0), 0.0)
+    assert any(
+        not np.array_equal(w[1], n[1])
+        for w, n in zip(jax.tree.leaves(before), jax.tree.leaves(after))
+        if w.ndim == 3
+    )
+    got = np.asarray(_logits(model, ids, pos, slots))
+    np.testing.assert_array_equal(got[2:], before_logits[2:])  # slot 0 and no adapter
+    assert not np.allclose(got[:2], before_logits[:2])
+
+
+def test_train_only_slots_refuses_slots_outside_the_stacks():
+    with pytest.raises(ValueError, match="at least one slot"):
+        train_only_slots([])
+    tx = train_only_slots([5])
+    with pytest.raises(ValueError, match=r"slots \[5\] outside the 3 slots"):
+        tx.update({"a": jnp.ones((3, 2, 2))}, tx.init(None))
+
+
+# -- export -----------------------------------------------------------------------------------
+def _trained(rules=None):
+    model = _model(rules)
+    init_lora_slot(model, 1, 4, seed=4, target_modules=["q_proj", "v_proj", "down_proj"])
+    init_lora_slot(model, 2, 8, seed=5, target_modules=["o_proj", "gate_proj", "up_proj"])
+    rng = np.random.default_rng(6)
+    for layer in trainable_layers(model).values():  # a "trained" B: random, rank-limited
+        for s, v in enumerate(layer.lora_b):
+            r = np.asarray(layer.slot_ranks[...])[s]
+            val = np.asarray(v[...]).copy()
+            for slot in (1, 2):
+                val[slot, :, : r[slot]] = rng.normal(size=(val.shape[1], r[slot])) * 0.1
+            v.set_value(jax.device_put(jnp.asarray(val), v[...].sharding))
+    return model
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (1, 2)])
+def test_exported_slot_loads_back_into_the_same_stacks(tmp_path, mesh_shape):
+    if mesh_shape and np.prod(mesh_shape) > jax.device_count():
+        pytest.skip(f"needs {np.prod(mesh_shape)} devices")
+    rules = lj.ShardingRules(jax.make_mesh(mesh_shape, ("dp", "tp"))) if mesh_shape else None
+    model = _trained(rules)
+    ids, pos = _batch()
+    for slot in (1, 2):
+        path = save_peft_adapter(model, slot, tmp_path / f"s{slot}")
+        cfg = json.loads((tmp_path / f"s{slot}" / "adapter_config.json").read_text())
+        tensors = read_safetensors(tmp_path / f"s{slot}" / "adapter_model.safetensors")
+        assert all(v.dtype == np.float32 for v in tensors.values())
+        assert cfg["lora_alpha"] == cfg["r"] == (4 if slot == 1 else 8)
+        key = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
+        assert (key in tensors) == (slot == 1) and (slot != 1 or tensors[key].shape == (64, 4))
+        adapter = load_peft_adapter(path, model, lj.LoRAConfig(max_loras=3, max_lora_rank=8))
+        want = adapter_from_slot(model, slot)
+        assert set(adapter.modules) == set(want.modules)
+        for name, m in adapter.modules.items():
+            for got_a, got_b, a, b in zip(
+                m.lora_a, m.lora_b, want.modules[name].lora_a, want.modules[name].lora_b
+            ):
+                assert (got_a is None) == (a is None)
+                if a is not None:
+                    np.testing.assert_array_equal(got_a, a)
+                    np.testing.assert_allclose(got_b, b, rtol=1e-6)
+        # served from slot 0, the reloaded adapter gives the slot's logits
+        want_logits = np.asarray(_logits(model, ids, pos, jnp.full(32, slot, jnp.int32)))
+        for layer in trainable_layers(model).values():
+            layer.reset_lora(0)
+        for name, m in adapter.modules.items():
+            trainable_layers(model)[name].set_lora(0, *m.set_lora_args())
+        got_logits = np.asarray(_logits(model, ids, pos, jnp.full(32, 0, jnp.int32)))
+        np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_export_refuses_what_it_cannot_write(tmp_path):
+    model = _trained()
+    with pytest.raises(ValueError, match="holds no adapter"):
+        save_peft_adapter(model, 0, tmp_path / "empty")
+    with pytest.raises(ValueError, match=r"slot 3 outside \[0, 3\)"):
+        adapter_from_slot(model, 3)
+    model.model.embed_tokens.set_lora(1, np.ones((4, 256)), np.ones((64, 4)))
+    with pytest.raises(ValueError, match="model.embed_tokens"):
+        save_peft_adapter(model, 1, tmp_path / "emb")
+    assert not (tmp_path / "emb").exists()
