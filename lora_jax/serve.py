@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -254,8 +255,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        p.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    if not 0 <= args.temperature < math.inf:  # nan fails both comparisons
+        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.tp < 1:
         p.error("--tp must be >= 1")
     if args.max_lora_rank is not None and args.max_lora_rank < 1:
@@ -372,16 +375,26 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
 def _eos_ids(model_dir: str | None) -> list[int] | None:
     """The model's end-of-sequence ids, as HF `generate` takes them: `eos_token_id` of
     `generation_config.json`, else of `config.json` (an id or a list); None if neither."""
+    from lora_jax.models.loading import _read_json
+
     if model_dir is None:
         return None
     for name in ("generation_config.json", "config.json"):
         path = os.path.join(model_dir, name)
         if not os.path.isfile(path):
             continue
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        if eos is not None:
-            return [int(e) for e in np.atleast_1d(eos)]
+        data = _read_json(path)
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+        eos = data.get("eos_token_id")
+        if eos is None:
+            continue
+        ids = eos if isinstance(eos, list) else [eos]
+        if not ids or any(isinstance(e, bool) or not isinstance(e, int) for e in ids):
+            raise ValueError(
+                f"{path}: eos_token_id must be an int token id or a list of them, got {eos!r}"
+            )
+        return ids
     return None
 
 

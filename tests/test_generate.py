@@ -553,6 +553,14 @@ def test_sampling_follows_the_softmax():
         (dict(adapter_slots=[-1, -1]), "adapter_slots"),
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(eos_token_id=999), "eos_token_id"),
+        # an integer / bool KV cache truncated keys and values: other tokens, no error
+        (dict(cache_dtype=jnp.int8), "cache_dtype must be a floating dtype.*int8"),
+        (dict(cache_dtype=jnp.bool_), "cache_dtype must be a floating dtype.*bool"),
+        (dict(cache_dtype="int32"), "cache_dtype must be a floating dtype.*int32"),
+        (dict(cache_dtype="no-such-dtype"), "cache_dtype must be a floating dtype"),
+        (dict(sampling=0.7), "sampling must be None, a SamplingParams or a dict"),
+        (dict(sampling="greedy"), "sampling must be None, a SamplingParams or a dict"),
+        (dict(sampling={"top_k": 5}), r"sampling has unknown fields \['top_k'\]"),
     ],
 )
 def test_bad_inputs(base_model, kwargs, match):
@@ -571,6 +579,18 @@ def test_bad_lora_slot_and_sampling_params(lora_model):
     for bad in (float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="finite number"):
             SamplingParams(temperature=bad)
+
+
+def test_float_cache_dtypes_and_sampling_dicts_are_taken(base_model):
+    """The forms of `cache_dtype` and `sampling` that are allowed give what their plain
+    equivalents give."""
+    ref = generate(base_model, PROMPTS, max_new_tokens=NEW, cache_dtype=jnp.float32)
+    for dt in (np.dtype(np.float32), "float32"):
+        assert generate(base_model, PROMPTS, max_new_tokens=NEW, cache_dtype=dt) == ref
+    sp = SamplingParams(temperature=0.8, top_p=0.9, seed=3)
+    want = generate(base_model, PROMPTS, max_new_tokens=NEW, sampling=sp)
+    as_dict = dict(temperature=0.8, top_p=0.9, seed=3)
+    assert generate(base_model, PROMPTS, max_new_tokens=NEW, sampling=as_dict) == want
 
 
 def test_bucket():

@@ -292,6 +292,56 @@ def test_moe_configs_missing_fields_take_transformers_defaults(model_type):
         MoEConfig.from_hf({k: v for k, v in d.items() if k != key})
 
 
+# (model_type, head_dim, kv heads) of the attention transformers builds from a config.json
+# without head_dim and num_key_value_heads (D=256, H=64): its config classes' defaults
+# (Qwen3 head_dim 128; kv heads 32 for Qwen2/3, 8 for Mistral/Mixtral, 4 for Qwen3-MoE,
+# H for Llama). Cross-checked against transformers 5.25's models by the test below
+# wherever torch is installed.
+SHAPE_DEFAULTS = [
+    ("llama", 4, 64),
+    ("mistral", 4, 8),
+    ("qwen2", 4, 32),
+    ("qwen3", 128, 32),
+    ("mixtral", 4, 8),
+    ("qwen3_moe", 4, 4),
+]
+
+
+def _hf_attention_shape(d):
+    """(head_dim, kv heads) of the first attention of the HF model built from ``d``; None
+    without torch / transformers."""
+    try:
+        import torch  # noqa: F401
+        import transformers
+    except ImportError:
+        return None
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**d))
+    attn = hf.model.layers[0].self_attn
+    return attn.head_dim, attn.k_proj.out_features // attn.head_dim
+
+
+@pytest.mark.parametrize("model_type,head_dim,kv", SHAPE_DEFAULTS)
+def test_missing_shape_fields_take_transformers_defaults(model_type, head_dim, kv):
+    """head_dim / num_key_value_heads left out of config.json: the attention shapes
+    transformers builds from the same file; an explicit null is derived (D // H, H)."""
+    from lora_jax.models.moe_decoder import MoEConfig
+
+    d = dict(TINY, model_type=model_type, hidden_size=256, num_attention_heads=64)
+    d |= MOE_FIELDS.get(model_type, {})
+    del d["num_key_value_heads"]
+    read = (
+        (lambda d: MoEConfig.from_hf(d)[0]) if model_type in MOE_FIELDS else DecoderConfig.from_hf
+    )
+    want = _hf_attention_shape(d)
+    if want is not None:
+        assert want == (head_dim, kv)  # the table, for runs without torch
+    ours = read(d)
+    assert (ours.head_dim, ours.num_key_value_heads) == (head_dim, kv)
+    null = read(d | dict(head_dim=None, num_key_value_heads=None))
+    heads = d["num_attention_heads"]
+    assert (null.head_dim, null.num_key_value_heads) == (d["hidden_size"] // heads, heads)
+
+
 def test_presets_and_packed_mapping():
     big = DecoderConfig.llama3_8b()
     assert (big.hidden_size, big.num_key_value_heads, big.vocab_size) == (4096, 8, 128256)
@@ -392,6 +442,14 @@ def test_kv_cache_decode_matches_full_forward(mesh_shape):
     cache = KVCache.init(cfg, B, 16, rules=rules)
     stepped = _decode_by_steps(model, ids, 4, cache)
     np.testing.assert_allclose(np.asarray(stepped), np.asarray(full), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.bool_, "int32", jnp.complex64])
+def test_kv_cache_refuses_non_floating_dtypes(dtype):
+    """Keys and values stored as integers are truncated: a ValueError, not wrong tokens."""
+    with pytest.raises(ValueError, match="KVCache.init: dtype must be a floating dtype"):
+        KVCache.init(DecoderConfig.tiny(), 1, 8, dtype=dtype)
+    assert KVCache.init(DecoderConfig.tiny(), 1, 8, dtype="bfloat16").k[0].dtype == jnp.bfloat16
 
 
 def test_right_padded_prefill_then_decode_matches_unpadded():

@@ -1,5 +1,7 @@
 """The main job (`lora_jax.serve`): the embedded default end to end, its CLI, and --tp."""
 
+import json
+
 import pytest
 
 from lora_jax import serve
@@ -131,6 +133,32 @@ def test_cli_refuses_bad_numbers_and_unreadable_models(tmp_path, capsys, monkeyp
     monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
     assert serve.main(["--model", model_dir, "--max-new-tokens", "2"]) == 2
     assert "needs transformers" in capsys.readouterr().err
+
+
+def test_cli_refuses_non_finite_temperatures(capsys):
+    """nan / inf are refused at parse time naming the flag (not after the model loaded,
+    naming a Python field)."""
+    for t in ("nan", "inf"):
+        with pytest.raises(SystemExit):
+            serve.parse_args(["--temperature", t])
+        assert f"--temperature must be a finite number >= 0, got {t}" in capsys.readouterr().err
+
+
+def test_cli_names_a_bad_generation_config(tmp_path, capsys):
+    """A generation_config.json that is not JSON, or whose eos_token_id is no token id:
+    an error naming the file (and the value)."""
+    model_dir, _ = serve.write_default(str(tmp_path))
+    gen = tmp_path / "model" / "generation_config.json"
+    argv = ["--model", model_dir, "--max-new-tokens", "2"]
+    gen.write_text('{"eos_token_id": ')
+    assert serve.main(argv) == 2
+    assert "generation_config.json: cannot read it as JSON" in capsys.readouterr().err
+    for eos in ('["</s>"]', "1.5", "true", "[[1, 2]]"):
+        gen.write_text(f'{{"eos_token_id": {eos}}}')
+        assert serve.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "generation_config.json: eos_token_id must be an int token id" in err
+        assert repr(json.loads(eos)) in err
 
 
 def test_cli_serves_an_moe_checkpoint(tmp_path):

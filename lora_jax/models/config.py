@@ -17,6 +17,14 @@ from typing import Any
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SUPPORTED_ACTIVATIONS = ("silu",)
+# transformers' defaults (its config classes, 5.25) for shape fields config.json may leave
+# out; None: derived as HF does (kv heads = attention heads, head_dim = hidden // heads)
+HF_SHAPE_DEFAULTS = {
+    "llama": {"num_key_value_heads": None, "head_dim": None},
+    "mistral": {"num_key_value_heads": 8, "head_dim": None},
+    "qwen2": {"num_key_value_heads": 32, "head_dim": None},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128},
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -193,7 +201,11 @@ class DecoderConfig:
         if missing:
             raise ValueError(f"config.json ({mt}) lacks required fields {missing}")
         heads = int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // heads
+        # A field missing from config.json takes transformers' default for the model type,
+        # as HF reads the file; an explicit null is derived (kv = heads, hd = D // H).
+        shape = {k: hf.get(k, v) for k, v in HF_SHAPE_DEFAULTS[mt].items()}
+        head_dim = shape["head_dim"] or int(hf["hidden_size"]) // heads
+        kv_heads = shape["num_key_value_heads"] or heads
         if hf.get("partial_rotary_factor", 1.0) not in (None, 1.0):
             raise ValueError(
                 f"config.json partial_rotary_factor={hf['partial_rotary_factor']} is not "
@@ -230,7 +242,7 @@ class DecoderConfig:
             intermediate_size=int(hf["intermediate_size"]),
             num_hidden_layers=int(hf["num_hidden_layers"]),
             num_attention_heads=heads,
-            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            num_key_value_heads=int(kv_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,

@@ -38,6 +38,24 @@ def physical_kv_heads(config: DecoderConfig, rules: ShardingRules) -> int:
     return max(config.num_key_value_heads, rules.size("tensor"))
 
 
+def float_cache_dtype(dtype, name: str) -> jnp.dtype:
+    """``dtype`` as a `jnp.dtype`; a ValueError naming ``name`` unless it is a floating
+    dtype (an integer or bool cache truncates keys and values: wrong tokens, no error).
+
+    Example:
+        >>> float_cache_dtype("bfloat16", "cache_dtype")
+        dtype(bfloat16)
+    """
+    allowed = "a floating dtype (float32, bfloat16, float16, ...)"
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"{name} must be {allowed}, got {dtype!r}") from None
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"{name} must be {allowed}, got {dt}")
+    return dt
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -71,12 +89,13 @@ class KVCache:
         dtype=jnp.float32,
     ) -> KVCache:
         """Zeros, placed on the mesh (eager) with heads on "tensor", batch on "batch"."""
+        dtype = float_cache_dtype(dtype, "KVCache.init: dtype")
         rules = rules if rules is not None else ShardingRules()
         shape = (batch, physical_kv_heads(config, rules), max_len, config.head_dim)
         b = cache_batch_axis(rules, batch)
         sharding = rules.named(b, "tensor", None, None)
         n = config.num_hidden_layers
-        arrays = _zeros(shape, jnp.dtype(dtype), sharding, 2 * n)()
+        arrays = _zeros(shape, dtype, sharding, 2 * n)()
         return cls(k=tuple(arrays[:n]), v=tuple(arrays[n:]))
 
 

@@ -106,11 +106,19 @@ class MoEConfig:
             raise ValueError(f"config.json ({mt}) lacks required MoE fields {missing}")
         # Fields the file leaves out take the MoE type's transformers defaults, then the
         # file's values: MixtralConfig has no window (Mistral's default is 4096), rope_theta
-        # 1e6 and rms_norm_eps 1e-5.
+        # 1e6 and rms_norm_eps 1e-5; Qwen3MoeConfig has 4 kv heads and no head_dim field
+        # (D // H, where dense Qwen3's is 128). None: derived as for an explicit null.
         defaults, overrides = {}, {}
         if mt == "mixtral":
-            defaults = {"sliding_window": None, "rope_theta": 1e6, "rms_norm_eps": 1e-5}
+            defaults = {
+                "sliding_window": None,
+                "rope_theta": 1e6,
+                "rms_norm_eps": 1e-5,
+                "num_key_value_heads": 8,
+                "head_dim": None,
+            }
         else:
+            defaults = {"num_key_value_heads": 4, "head_dim": None}
             # transformers 5's Qwen3-MoE puts the window (when use_sliding_window) on every
             # layer: it has no max_window_layers / layer_types, unlike dense Qwen3
             overrides = {"layer_types": None, "max_window_layers": 0}

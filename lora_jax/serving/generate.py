@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,7 @@ from lora_jax.layers.base import (
     set_lora_mapping,
 )
 from lora_jax.mapping import PROMPT_ROWS_MIN_TOKENS, PROMPT_TILE_TOKENS, host_tokens_per_slot
-from lora_jax.models.kv_cache import KVCache, cache_batch_axis
+from lora_jax.models.kv_cache import KVCache, cache_batch_axis, float_cache_dtype
 from lora_jax.serving import wrap
 from lora_jax.serving.merge import layer_merged_slot
 from lora_jax.serving.sampling import SamplingParams, row_keys, sample_tokens, seed_key
@@ -299,6 +299,24 @@ def _check_inputs(model, max_loras, prompts, adapter_slots, max_new_tokens, eos_
     return clean, slots, _eos_ids(eos_token_id, vocab)
 
 
+def _sampling_params(sampling) -> SamplingParams:
+    """`sampling` (None, a `SamplingParams` or a dict of its fields) → `SamplingParams`."""
+    if sampling is None:
+        return SamplingParams()
+    if isinstance(sampling, SamplingParams):
+        return sampling
+    fields = tuple(f.name for f in dataclasses.fields(SamplingParams))
+    if not isinstance(sampling, Mapping):
+        raise ValueError(
+            f"generate: sampling must be None, a SamplingParams or a dict of its fields "
+            f"{fields}, got {sampling!r}"
+        )
+    unknown = [k for k in sampling if k not in fields]
+    if unknown:
+        raise ValueError(f"generate: sampling has unknown fields {unknown}; allowed: {fields}")
+    return SamplingParams(**sampling)
+
+
 def _eos_ids(eos_token_id, vocab: int) -> tuple[int, ...]:
     """`eos_token_id` (None, an id, or several as HF configs give them) → a tuple of ids."""
     if eos_token_id is None:
@@ -334,7 +352,7 @@ def generate(
       prompts: token ids per request.
       adapter_slots: device slot per request, -1 for none; `None` = all -1.
       max_new_tokens: tokens to generate per request (fewer when eos stops it).
-      sampling: `SamplingParams` (greedy by default).
+      sampling: `SamplingParams`, or a dict of its fields (greedy by default).
       eos_token_id: stops a request once generated (it is included in the result); a
         list stops at any of them (HF configs such as Llama 3's give several).
       min_batch_bucket / min_prompt_bucket: lower bounds of the power-of-two buckets.
@@ -407,9 +425,9 @@ def _generate(
     """`generate`'s steps around ``prefill(cache, ids, *common, mode)`` and ``decode(cache,
     first, *common, active, max_new, eos, mode, new_bucket, tokens_per_slot)`` (the jitted
     steps bound to one model's graph and state)."""
-    sampling = sampling if sampling is not None else SamplingParams()
-    if isinstance(sampling, dict):
-        sampling = SamplingParams(**sampling)
+    sampling = _sampling_params(sampling)
+    if cache_dtype is not None:
+        cache_dtype = float_cache_dtype(cache_dtype, "generate: cache_dtype")
     clean, slots, eos_ids = _check_inputs(
         model, max_loras, prompts, adapter_slots, max_new_tokens, eos_token_id
     )
@@ -441,8 +459,9 @@ def _generate(
         put(slot_arr, b),
         put(row_ids, b),
     )
-    dtype = cache_dtype or getattr(model, "dtype", None) or jnp.float32
-    cache = KVCache.init(model.config, B, S + N, rules=rules, dtype=dtype)
+    if cache_dtype is None:
+        cache_dtype = getattr(model, "dtype", None) or jnp.float32
+    cache = KVCache.init(model.config, B, S + N, rules=rules, dtype=cache_dtype)
     key = seed_key(sampling.seed)
     temperature = jnp.float32(sampling.temperature)
     top_p = jnp.float32(sampling.top_p)
