@@ -210,3 +210,29 @@ def test_batch_sharded_ids_with_out_sharding_on_an_explicit_mesh():
         logits = nnx.jit(lambda m, h: m.attend(h, P(None, "dp")))(layer, h)
         assert jax.typeof(logits).sharding.spec == P(None, "dp")  # V = 50 splits in 2
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_wrapped_embed_reads_as_the_nnx_embed_it_wraps():
+    """Code that reads the table (`layer.embedding[...]`, a hand-tied head) or the sizes
+    (`layer.features`) runs unchanged after `wrap_model`: every public field of the
+    `nnx.Embed` reads the very same object through its LoRA layer."""
+
+    class HandTied(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(V, D, rngs=rngs)
+
+        def __call__(self, ids):
+            h = self.embed(ids)
+            return h @ self.embed.embedding[...].T / self.embed.features  # [.., V]
+
+    model = HandTied(nnx.Rngs(0))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, V, (2, 3)), jnp.int32)
+    before = model(ids)
+    source = model.embed
+    wrap_model(model, CFG)
+    assert isinstance(model.embed, lj.FlaxEmbedWithLoRA)
+    for name in sorted(k for k in vars(source) if not k.startswith("_")):
+        assert getattr(model.embed, name) is getattr(source, name), name
+    np.testing.assert_array_equal(model(ids), before)  # no mapping set: the base lookup
+    with pytest.raises(AttributeError, match=r"embed: \.features is read from the wrapped"):
+        model.embed.features = 2 * D

@@ -321,3 +321,76 @@ def test_multi_head_projections_on_an_explicit_mesh():
 
         out = f(layer, jnp.asarray(xs), jnp.full((12,), -1, jnp.int32))
         np.testing.assert_array_equal(np.asarray(out), np.asarray(base))
+
+
+@pytest.mark.parametrize("axis", [(1, -2), (-2, 1)])
+def test_a_linear_general_whose_axes_mix_signs_wraps_and_matches_the_oracle(axis):
+    """`axis=(1, -2)` contracts x axes 1 and 2 of a 4-D x (axes 1 and 3 of a 5-D one): a
+    valid layer, wrapped with every supported module, whose per-token LoRA matches the
+    folded-kernel oracle (numpy, float64) for either x rank."""
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.g = nnx.LinearGeneral((3, 5), (2,), axis=axis, rngs=nnx.Rngs(0))
+
+    model = Net()
+    src = model.g
+    wrap_model(model, CFG)
+    assert list(lora_layers(model)) == ["g"] and model.g.base_layer.source is src
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(4, 15)), rng.normal(size=(2, 4))
+    model.g.set_lora(1, a, b)
+    folded = _fold(src.kernel[...], "bijt,ijf->btf", a, b)
+    plain = np.asarray(src.kernel[...], np.float64)
+    for x_shape, eq in [((2, 3, 5, 7), "bijt,ijf->btf"), ((2, 3, 4, 5, 6), "bisjt,ijf->bstf")]:
+        x = jnp.asarray(rng.normal(size=x_shape), jnp.float32)
+        tokens = [n for i, n in enumerate(x_shape) if i not in (1, len(x_shape) - 2)]
+        slots = rng.choice([1, -1], size=int(np.prod(tokens)))
+        model.g.lora_context.set_value(lj.make_lora_mapping(jnp.asarray(slots, jnp.int32), 3))
+        got = np.asarray(model.g(x))
+        xs = np.asarray(x, np.float64)
+        want = np.where(
+            (slots.reshape(tokens) >= 0)[..., None],
+            np.einsum(eq, xs, folded),
+            np.einsum(eq, xs, plain),
+        ) + np.asarray(src.bias[...])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["LinearGeneral", "Einsum"])
+def test_stacked_linear_general_and_einsum_are_refused_by_name(kind):
+    """Stacked layers (`nnx.vmap`: a kernel with a leading layer axis) are refused naming
+    them, as stacked `nnx.Linear` / `nnx.Embed` are, not silently left without LoRA."""
+
+    def make(rngs):
+        if kind == "LinearGeneral":
+            return nnx.LinearGeneral(E, (2, 2), rngs=rngs)
+        return nnx.Einsum("td,df->tf", (E, 4), rngs=rngs)
+
+    class Scanned(nnx.Module):
+        def __init__(self):
+            self.stacked = nnx.vmap(make, in_axes=0, out_axes=0)(nnx.Rngs(0).split(3))
+            self.other = nnx.Linear(E, E, rngs=nnx.Rngs(1))
+
+    model = Scanned()
+    other = model.other
+    with pytest.raises(ValueError, match=rf"stacked: an nnx\.{kind}.*kernel of shape \(3, 16,"):
+        wrap_model(model, CFG)
+    assert model.other is other and lora_layers(model) == {}
+    wrap_model(model, CFG, target_modules=["other"])  # left out by name: the rest wraps
+    assert list(lora_layers(model)) == ["other"]
+
+
+def test_wrapped_linear_general_and_einsum_read_as_their_sources():
+    """Every public field of the source `nnx.LinearGeneral` / `nnx.Einsum` reads the very
+    same object through its LoRA layer (`layer.kernel[...]` is the source's kernel)."""
+    lg = nnx.LinearGeneral(E, (HEADS, HD), rngs=nnx.Rngs(0))
+    ein = nnx.Einsum("btd,ndh->btnh", (HEADS, E, HD), rngs=nnx.Rngs(1))
+    for source, cls in [(lg, lj.FlaxLinearGeneralWithLoRA), (ein, lj.FlaxEinsumWithLoRA)]:
+        layer = cls(source, CFG)
+        for name in sorted(k for k in vars(source) if not k.startswith("_")):
+            assert getattr(layer, name) is getattr(source, name), (cls.__name__, name)
+        np.testing.assert_array_equal(layer.kernel[...], np.asarray(source.kernel[...]))
+        with pytest.raises(AttributeError, match="cannot be set on its LoRA layer"):
+            layer.kernel = nnx.Param(jnp.zeros(source.kernel.shape))
+        assert layer.kernel is source.kernel

@@ -359,3 +359,37 @@ def test_rewrapping_with_other_slots_and_merging_a_custom_dot_general_are_refuse
         merge_adapter(model, 0)
     assert merge_adapter(model, 1) == 1  # the plain one merges; q_proj's slot 1 is empty
     unmerge_adapter(model)
+
+
+def test_a_wrapped_linear_reads_as_the_nnx_linear_it_wraps():
+    """User code reading the layer's fields (`h @ layer.kernel[...].T`, a tied decode)
+    runs unchanged after `wrap_model`: every public field of the `nnx.Linear` reads the
+    very same object through its LoRA layer; setting one there is refused (a new kernel
+    would part the served weight from the LoRA's base), except nnx's `set_attributes`,
+    which sets the source first and then passes the same value on."""
+
+    class TiedProj(nnx.Module):
+        def __init__(self, rngs):
+            self.inp = nnx.Linear(D, F, rngs=rngs)
+
+        def __call__(self, x):
+            return self.inp(x) @ self.inp.kernel[...].T  # decode with the input projection
+
+    model = TiedProj(nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, D)), jnp.float32)
+    before = model(x)
+    source = model.inp
+    wrap_model(model, CFG)
+    assert isinstance(model.inp, lj.FlaxLinearWithLoRA)
+    for name in sorted(k for k in vars(source) if not k.startswith("_")):
+        assert getattr(model.inp, name) is getattr(source, name), name
+    np.testing.assert_array_equal(model(x), before)  # no mapping set: the base output
+    with pytest.raises(AttributeError, match=r"inp: \.kernel is read from the wrapped Linear"):
+        model.inp.kernel = nnx.Param(jnp.zeros((D, F)))
+    assert model.inp.kernel is source.kernel
+    graphdef, state = nnx.split(model)  # the fields are not graph attributes of the wrapper
+    merged = nnx.merge(graphdef, state)
+    assert merged.inp.kernel is merged.inp.base_layer.kernel
+    np.testing.assert_array_equal(merged(x), before)
+    model.set_attributes(precision=jax.lax.Precision.HIGHEST)
+    assert model.inp.precision is source.precision is jax.lax.Precision.HIGHEST

@@ -149,3 +149,37 @@ def test_unwrap_refuses_a_merged_model_unless_asked_to_keep_it():
     assert not lora_layers(model)
     merged = np.asarray(_base_logits(model, ids, pos))
     np.testing.assert_allclose(merged, lora, rtol=1e-4, atol=1e-4 * np.abs(lora).max())
+
+
+class _Holder(nnx.Pytree):
+    """A plain `nnx.Pytree` container (not an `nnx.Module`)."""
+
+    def __init__(self, lin):
+        self.lin = lin
+
+
+@pytest.mark.parametrize("where", ["private", "pytree"])
+def test_a_kernel_tied_into_a_private_attribute_or_a_pytree_is_never_merged(where):
+    """A kernel that an unwrapped module also reads, held in a `_private` attribute or in
+    an `nnx.Pytree` container (both in NNX's graph), cannot take an adapter's delta: the
+    slot is refused and every weight is left as it was (oracle: the weights before)."""
+
+    class Tied(nnx.Module):
+        def __init__(self):
+            self.proj = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+            head = nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+            head.kernel = self.proj.kernel  # tied; the head gets no LoRA
+            if where == "private":
+                self._head = head
+            else:
+                self.holder = _Holder(head)
+
+    model = Tied()
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
+    wrap_model(model, cfg, target_modules=["proj"])
+    model.proj.set_lora(0, np.ones((2, 4), np.float32), np.ones((4, 2), np.float32))
+    before = nnx.state(model, nnx.Param)
+    with pytest.raises(ValueError, match="share one weight with modules outside the LoRA layers"):
+        merge_adapter(model, 0)
+    jax.tree.map(np.testing.assert_array_equal, before, nnx.state(model, nnx.Param))
+    assert merged_slot(model) is None

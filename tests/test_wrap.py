@@ -378,3 +378,115 @@ def test_a_scoped_mapping_inside_nnx_jit_compiles_once_per_bucket():
     assert len(traces) == 2  # the mapping written back is in the second call's key
     lj.clear_lora_mapping(model)
     np.testing.assert_array_equal(plain(model, ids), base)
+
+
+class _Two(nnx.Module):
+    """Two plain `nnx.Linear`s, `a` then `b`."""
+
+    def __init__(self):
+        self.a = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        self.b = nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.b(self.a(x))
+
+
+class _Box(nnx.Pytree):
+    """A plain `nnx.Pytree` container (not an `nnx.Module`)."""
+
+    def __init__(self, lin):
+        self.lin = lin
+
+
+@pytest.mark.parametrize("where", ["private", "pytree"])
+def test_a_module_shared_through_a_private_attribute_or_a_pytree_is_refused(where):
+    """NNX's graph (and so `wrap_model`) walks `_private` attributes and `nnx.Pytree`
+    containers: one `nnx.Linear` reached there too would get its LoRA at one place only.
+    The places to refuse are those the graph protocol reaches (`nnx.iter_graph`)."""
+
+    class Shared(nnx.Module):
+        def __init__(self):
+            self.proj = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+            if where == "private":
+                self._aux = self.proj
+            else:
+                self.box = _Box(self.proj)
+
+    model = Shared()
+    proj = model.proj
+    other = "_aux" if where == "private" else "box.lin"
+    seen = [".".join(map(str, p)) for p, n in nnx.iter_graph(model) if n is proj]
+    assert seen and set(seen) <= {"proj", other}  # iter_graph names one of the two
+    with pytest.raises(ValueError, match=rf"reached from 2 places \['{other}', 'proj'\]"):
+        wrap_model(model, CFG)
+    assert model.proj is proj and lora_layers(model) == {}
+    assert lj.find_lora_context(model) is None
+
+
+def test_a_second_context_on_a_wrapped_model_is_refused_before_any_change():
+    model = _Two()
+    ctx = wrap_model(model, CFG, target_modules=["a"])
+    b = model.b
+    with pytest.raises(ValueError, match="context= is another LoRAContext"):
+        wrap_model(model, CFG, target_modules=["b"], context=lj.LoRAContext(None))
+    assert model.b is b and list(lora_layers(model)) == ["a"]
+    assert wrap_model(model, CFG, target_modules=["b"], context=ctx) is ctx  # its own: fine
+    assert lj.find_lora_context(model) is ctx
+
+
+def test_plain_jax_jit_names_the_copied_context_and_nnx_split_serves():
+    """Under a plain `jax.jit` the model is a pytree and each layer gets its own copy of
+    the shared context: the error says so; `nnx.split` / `nnx.merge` serves as `nnx.jit`."""
+    model = _Two()
+    wrap_model(model, CFG)
+    rng = np.random.default_rng(0)
+    for layer in lora_layers(model).values():
+        layer.set_lora(1, rng.normal(size=(2, 4)), rng.normal(size=(4, 2)))
+    x, idx = _x(4), jnp.asarray([1, -1] * (T // 2), jnp.int32)
+
+    def step(model, x, idx):
+        with lj.lora_mapping(model, idx):
+            return model(x)
+
+    with pytest.raises(ValueError, match=r"2 LoRA contexts.*jax\.jit.*use nnx\.jit.*nnx\.split"):
+        jax.jit(step)(model, x, idx)
+    graphdef, state = nnx.split(model)
+    y = jax.jit(lambda state, x, idx: step(nnx.merge(graphdef, state), x, idx))(state, x, idx)
+    np.testing.assert_array_equal(y, nnx.jit(step)(model, x, idx))
+
+
+@pytest.mark.parametrize("targets", [5, {"a": 1}])
+def test_target_modules_that_are_not_names_are_refused(targets):
+    model = _Two()
+    with pytest.raises(ValueError, match="target_modules must be a list of module names"):
+        wrap_model(model, CFG, target_modules=targets)
+    assert lora_layers(model) == {}
+
+
+def test_a_layer_as_the_whole_model_is_refused():
+    """The root has no parent to take its LoRA layer: refused, not silently left as is."""
+    lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="the model is itself a Linear layer.*holds it"):
+        wrap_model(lin, CFG)
+    assert lj.find_lora_context(lin) is None
+
+
+def test_merge_takes_a_concrete_integer_scalar_slot():
+    """A slot given as a 0-d integer array merges as the same Python int does (oracle: the
+    LoRA path on that slot); other types are refused naming what is allowed."""
+    model = _Two()
+    wrap_model(model, CFG)
+    rng = np.random.default_rng(0)
+    for layer in lora_layers(model).values():
+        layer.set_lora(1, rng.normal(size=(2, 4)), rng.normal(size=(4, 2)))
+    x = _x(4)
+    with lj.lora_mapping(model, jnp.ones((T,), jnp.int32)):
+        y_lora = model(x)
+    for bad in (1.0, True, jnp.ones((1,), jnp.int32)):
+        with pytest.raises(ValueError, match="slot must be a Python int or a concrete integer"):
+            merge_adapter(model, bad)
+    assert merged_slot(model) is None
+    assert merge_adapter(model, jnp.int32(1)) == 2
+    assert merged_slot(model) == 1
+    np.testing.assert_allclose(model(x), y_lora, rtol=1e-5, atol=1e-5)
+    unmerge_adapter(model)

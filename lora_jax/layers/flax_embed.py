@@ -23,6 +23,7 @@ from lora_jax import ops
 from lora_jax.config import LoRAConfig
 from lora_jax.layers.base import LoRAContext
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
+from lora_jax.layers.flax_linear import forward_source_fields
 from lora_jax.sharding import ShardingRules, unshard
 from lora_jax.vocab import VocabParallelEmbedding
 
@@ -71,17 +72,21 @@ class FlaxEmbed(VocabParallelEmbedding):
         return self.source.attend(x, **_sharding_kw(out_sharding))
 
 
+@forward_source_fields(  # nnx.Embed's public fields (flax 0.12)
+    "embedding", "num_embeddings", "features", "dtype", "param_dtype", "promote_dtype"
+)
 class FlaxEmbedWithLoRA(VocabParallelEmbeddingWithLoRA):
     """Per-token multi-LoRA around a plain `nnx.Embed`; `wrap_model` picks it for
     `nnx.Embed` modules. `set_lora(i, A [r, V], B [D, r])` as PEFT's
-    `lora_embedding_A` / `lora_embedding_B` (scaling folded into B).
+    `lora_embedding_A` / `lora_embedding_B` (scaling folded into B). The `nnx.Embed`'s
+    public fields (`embedding`, `features`, ...) read through it.
 
     Example:
         >>> emb = nnx.Embed(100, 16, rngs=nnx.Rngs(0))
         >>> layer = FlaxEmbedWithLoRA(emb, LoRAConfig(max_loras=2, max_lora_rank=8))
         >>> layer.set_lora(1, np.ones((4, 100)), np.ones((16, 4)))
-        >>> layer.base_layer.source is emb
-        True
+        >>> layer.base_layer.source is emb, layer.embedding is emb.embedding, layer.features
+        (True, True, 16)
     """
 
     def __init__(

@@ -31,6 +31,7 @@ from flax import nnx
 from lora_jax.config import LoRAConfig
 from lora_jax.layers.base import LoRAContext
 from lora_jax.layers.column import ReplicatedLinearWithLoRA
+from lora_jax.layers.flax_linear import forward_source_fields
 from lora_jax.linear import ReplicatedLinear
 from lora_jax.sharding import ShardingRules
 
@@ -172,6 +173,27 @@ def _contracted_positions(c: Contraction) -> tuple[tuple[int, ...], tuple[int, .
     )
 
 
+def _stacked_reason(source: nnx.LinearGeneral | nnx.Einsum, label: str) -> str | None:
+    """Why ``source`` is a stacked layer (`nnx.vmap` / scan over layers: a kernel with
+    more axes than the layer was built for), or None."""
+    kshape = tuple(source.kernel.shape)
+    if isinstance(source, nnx.LinearGeneral):
+        ins, outs = tuple(source.in_features), tuple(source.out_features)
+        if kshape != (*tuple(source.batch_axis.values()), *ins, *outs):
+            return (
+                f"{label}: an nnx.LinearGeneral({ins}, {outs}) with a kernel of shape "
+                f"{kshape}: stacked layers (nnx.vmap / scan over layers) are not "
+                "supported; build the layers unstacked"
+            )
+    elif isinstance(source, nnx.Einsum) and tuple(source.kernel_shape) != kshape:
+        return (
+            f"{label}: an nnx.Einsum with kernel_shape {tuple(source.kernel_shape)} "
+            f"but a kernel of shape {kshape}: stacked layers (nnx.vmap / scan over layers) "
+            "are not supported; build the layers unstacked"
+        )
+    return None
+
+
 class FlaxGeneralLinear(ReplicatedLinear):
     """A flat `ReplicatedLinear` view of an `nnx.LinearGeneral` or `nnx.Einsum` (kernel
     shared, not copied): `in_features` / `output_sizes` are the flattened contracted /
@@ -186,18 +208,22 @@ class FlaxGeneralLinear(ReplicatedLinear):
 
     def __init__(self, source: nnx.LinearGeneral | nnx.Einsum, *, name: str | None = None):
         label = name or type(source).__name__
+        if isinstance(source, (nnx.LinearGeneral, nnx.Einsum)):
+            why = _stacked_reason(source, label)
+            if why is not None:
+                raise ValueError(why)
         kshape = tuple(source.kernel.shape)
         if isinstance(source, nnx.LinearGeneral):
             ins, outs = tuple(source.in_features), tuple(source.out_features)
-            if kshape != (*tuple(source.batch_axis.values()), *ins, *outs):
-                raise ValueError(
-                    f"{label}: an nnx.LinearGeneral({ins}, {outs}) with a kernel of shape "
-                    f"{kshape}: stacked layers (nnx.vmap / scan over layers) are not "
-                    "supported; build the layers unstacked"
-                )
             try:
-                # the kernel's axes read the same for any x: take the fewest x axes it fits
-                n = max([a + 1 for a in source.axis if a >= 0] + [-a for a in source.axis]) + 1
+                # the kernel's axes read the same for any x: probe with x axes enough for
+                # every axis to be its own, the positive ones apart from the negative ones
+                # (axis=(1, -2) names one axis of a 3-D x, two of a 4-D x), plus a token axis
+                n = (
+                    max([a + 1 for a in source.axis if a >= 0], default=0)
+                    + max([-a for a in source.axis if a < 0], default=0)
+                    + 1
+                )
                 self.contraction = linear_general_contraction(source, n)
             except ValueError as e:
                 raise ValueError(f"{label}: {e}") from None
@@ -207,11 +233,6 @@ class FlaxGeneralLinear(ReplicatedLinear):
                 raise ValueError(
                     f"{label}: an nnx.Einsum built without its equation (given at call "
                     "time): the LoRA's shapes need it at construction"
-                )
-            if tuple(source.kernel_shape) != kshape:
-                raise ValueError(
-                    f"{label}: an nnx.Einsum with kernel_shape {tuple(source.kernel_shape)} "
-                    f"but a kernel of shape {kshape}: stacked layers are not supported"
                 )
             try:
                 self.contraction = parse_einsum(source.einsum_str, len(kshape))
@@ -312,6 +333,8 @@ class _FlaxGeneralWithLoRA(ReplicatedLinearWithLoRA):
     ):
         if not isinstance(source_layer, cls.source_type) or len(packed_modules_list) > 1:
             return False
+        if _stacked_reason(source_layer, "") is not None:
+            return True  # taken, so that building it refuses by name, as a stacked nnx.Linear
         try:  # only what is one flat linear map; the rest is left as it is
             FlaxGeneralLinear(source_layer)
         except ValueError:
@@ -319,17 +342,52 @@ class _FlaxGeneralWithLoRA(ReplicatedLinearWithLoRA):
         return True
 
 
+# the public fields (flax 0.12) of nnx.LinearGeneral / nnx.Einsum, readable on their
+# LoRA layers
+_LINEAR_GENERAL_FIELDS = (
+    "kernel",
+    "bias",
+    "in_features",
+    "out_features",
+    "axis",
+    "batch_axis",
+    "use_bias",
+    "dtype",
+    "param_dtype",
+    "precision",
+    "dot_general",
+    "dot_general_cls",
+    "promote_dtype",
+    "preferred_element_type",
+)
+_EINSUM_FIELDS = (
+    "kernel",
+    "bias",
+    "einsum_str",
+    "kernel_shape",
+    "bias_shape",
+    "dtype",
+    "param_dtype",
+    "precision",
+    "einsum_op",
+    "promote_dtype",
+    "preferred_element_type",
+)
+
+
+@forward_source_fields(*_LINEAR_GENERAL_FIELDS)
 class FlaxLinearGeneralWithLoRA(_FlaxGeneralWithLoRA):
     """Per-token multi-LoRA around a plain `nnx.LinearGeneral` (flat `A [r, in]`,
     `B [out, r]`: see the module doc); `wrap_model` picks it for `nnx.LinearGeneral`
-    modules (e.g. `nnx.MultiHeadAttention`'s query / key / value / out).
+    modules (e.g. `nnx.MultiHeadAttention`'s query / key / value / out). The source's
+    public fields (`kernel`, `out_features`, ...) read through it.
 
     Example:
         >>> lg = nnx.LinearGeneral(16, (2, 4), rngs=nnx.Rngs(0))
         >>> layer = FlaxLinearGeneralWithLoRA(lg, LoRAConfig(max_loras=2, max_lora_rank=8))
         >>> layer.set_lora(1, np.ones((4, 16)), np.ones((8, 4)))  # A [r, in], B [2 * 4, r]
-        >>> layer(jnp.ones((3, 16))).shape  # no mapping set: the base output
-        (3, 2, 4)
+        >>> layer(jnp.ones((3, 16))).shape, layer.kernel is lg.kernel  # no mapping: the base
+        ((3, 2, 4), True)
     """
 
     source_type = nnx.LinearGeneral
@@ -340,6 +398,7 @@ class FlaxLinearGeneralWithLoRA(_FlaxGeneralWithLoRA):
         return self._run(x, None, lambda: source(x, out_sharding=out_sharding))
 
 
+@forward_source_fields(*_EINSUM_FIELDS)
 class FlaxEinsumWithLoRA(_FlaxGeneralWithLoRA):
     """Per-token multi-LoRA around a plain `nnx.Einsum` whose equation is one flat linear
     map (flat `A [r, in]`, `B [out, r]`, in the kernel's axis order: see the module doc);

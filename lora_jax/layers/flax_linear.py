@@ -15,6 +15,8 @@ replicated. For vLLM's column / row parallel layers, build the model from
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 from flax import nnx
 
@@ -23,6 +25,21 @@ from lora_jax.layers.base import LoRAContext
 from lora_jax.layers.column import ReplicatedLinearWithLoRA
 from lora_jax.linear import ReplicatedLinear
 from lora_jax.sharding import ShardingRules
+
+# nnx.Linear's public fields (flax 0.12), readable on its LoRA layer
+_LINEAR_FIELDS = (
+    "kernel",
+    "bias",
+    "in_features",
+    "out_features",
+    "use_bias",
+    "dtype",
+    "param_dtype",
+    "precision",
+    "dot_general",
+    "promote_dtype",
+    "preferred_element_type",
+)
 
 
 class FlaxLinear(ReplicatedLinear):
@@ -65,16 +82,55 @@ class FlaxLinear(ReplicatedLinear):
         return self.source(x)
 
 
+def forward_source_fields(*names: str) -> Callable[[type], type]:
+    """Class decorator: read-only properties that read the wrapped Flax layer's own public
+    fields (`layer.kernel is layer.base_layer.source.kernel`), so that code written against
+    the plain layer (`h @ layer.kernel[...].T`, `layer.out_features`) runs on its wrapper,
+    as PEFT's wrappers keep `weight` and `in_features`. Properties, not `__getattr__`:
+    NNX's graph walk, `nnx.split` and pickling see only the wrapper's own attributes.
+
+    Example:
+        >>> @forward_source_fields("kernel", "in_features")  # doctest: +SKIP
+        ... class MyLinearWithLoRA(FlaxLinearWithLoRA): ...
+    """
+
+    def field(name: str) -> property:
+        def get(self):
+            return getattr(self.base_layer.source, name)
+
+        def refuse(self, value):
+            if value is getattr(self.base_layer.source, name):
+                return  # `nnx.Module.set_attributes` sets the source (visited first), then this
+            # the wrapper's base view holds the source's variables: a new one set here
+            # (or on the source now) would part the served weight from the one written
+            raise AttributeError(
+                f"{self.name}: .{name} is read from the wrapped "
+                f"{type(self.base_layer.source).__name__} and cannot be set on its LoRA "
+                "layer; set it before wrap_model (or unwrap_model, set it, wrap again)"
+            )
+
+        return property(get, refuse, doc=f"The wrapped Flax layer's `{name}` (read-only).")
+
+    def decorate(cls: type) -> type:
+        for name in names:
+            setattr(cls, name, field(name))
+        return cls
+
+    return decorate
+
+
+@forward_source_fields(*_LINEAR_FIELDS)
 class FlaxLinearWithLoRA(ReplicatedLinearWithLoRA):
     """Per-token multi-LoRA around a plain `nnx.Linear` (replicated, as
-    `ReplicatedLinearWithLoRA`); `wrap_model` picks it for `nnx.Linear` modules.
+    `ReplicatedLinearWithLoRA`); `wrap_model` picks it for `nnx.Linear` modules. The
+    `nnx.Linear`'s public fields (`kernel`, `bias`, `in_features`, ...) read through it.
 
     Example:
         >>> lin = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
         >>> layer = FlaxLinearWithLoRA(lin, LoRAConfig(max_loras=2, max_lora_rank=8))
         >>> layer.set_lora(1, np.ones((4, 16)), np.ones((8, 4)))  # A [r, in], B [out, r]
-        >>> layer.base_layer.source is lin
-        True
+        >>> layer.base_layer.source is lin, layer.kernel is lin.kernel, layer.out_features
+        (True, True, 8)
     """
 
     def __init__(

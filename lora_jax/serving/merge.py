@@ -270,12 +270,27 @@ def _tied_table(model: nnx.Module) -> int | None:
     return None if table is None else id(table)
 
 
+def _slot_index(slot) -> int:
+    """`slot` as a Python int: an int, a numpy integer (as `token_mapping` / `slot_of`
+    values may come) or a concrete integer scalar array; never a bool or a traced value."""
+    if isinstance(slot, (np.ndarray, jax.Array)) and not isinstance(slot, jax.core.Tracer):
+        if slot.shape == () and np.issubdtype(slot.dtype, np.integer):
+            return int(slot)
+    elif isinstance(slot, (int, np.integer)) and not isinstance(slot, (bool, np.bool_)):
+        return int(slot)
+    raise ValueError(
+        f"merge_adapter: slot must be a Python int or a concrete integer scalar (merging "
+        f"runs outside jit), got {type(slot).__name__} {slot!r}"
+    )
+
+
 def merge_adapter(model: nnx.Module, slot: int) -> int:
     """Adds slot `slot`'s `B @ A` into every LoRA layer's base weights; returns how many
     layers were merged.
 
     Linears, fused MoE experts, vocab embeddings and lm_heads are merged. Raises
-    `ValueError` (changing nothing) if the model is already merged, `slot` is out of range,
+    `ValueError` (changing nothing) if the model is already merged, `slot` is not an int
+    (or a concrete integer scalar) in range,
     or a layer that cannot be merged holds an adapter in `slot`: a layer whose weight is
     shared with another LoRA layer (tied embeddings / lm_head, tied kernels), a plain
     `nnx.Embed` (its table may be a tied lm_head that no LoRA layer sees), or one of an
@@ -290,13 +305,12 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
     all_layers = lora_layers(model)
     if not all_layers:
         raise ValueError("merge_adapter: the model has no LoRA layers")
-    if isinstance(slot, np.integer):  # as `token_mapping` / `slot_of` values may come
-        slot = int(slot)
+    slot = _slot_index(slot)
     plans = {}
     for name, layer in all_layers.items():
         L = layer.lora_config.max_loras
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < L:
-            raise ValueError(f"merge_adapter: slot {slot!r} outside [0, {L})")
+        if not 0 <= slot < L:
+            raise ValueError(f"merge_adapter: slot {slot} outside [0, {L})")
         if getattr(layer, "merged_original", None) is not None:
             raise ValueError(f"merge_adapter: layer {name!r} is already merged; unmerge first")
         plan = _plan(layer)

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from flax import nnx
+from flax.nnx import graphlib
 
 from lora_jax.config import MAX_LORA_VOCAB_SIZE, LoRAConfig
 from lora_jax.layers import (
@@ -137,6 +138,12 @@ def _normalize_targets(target_modules: TargetModules) -> TargetModules:
             except re.error as e:
                 raise ValueError(f"target_modules regex {target_modules!r} is invalid: {e}") from e
         return target_modules
+    # a dict's keys (or an int) would silently stand for a list of names
+    if isinstance(target_modules, Mapping) or not isinstance(target_modules, Iterable):
+        raise ValueError(
+            "wrap_model: target_modules must be a list of module names, a regex string or "
+            f"None, got {type(target_modules).__name__} {target_modules!r}"
+        )
     targets = tuple(target_modules)
     for t in targets:
         if not isinstance(t, str) or not t:
@@ -208,6 +215,10 @@ def reference_paths(model: nnx.Module) -> dict[int, list[tuple]]:
     """Every path at which each module and variable of `model` can be reached, by `id`
     (`nnx.iter_graph` names a shared one once: this finds the others).
 
+    The walk is `nnx.iter_graph`'s (Flax's graph protocol), so it sees what NNX and so
+    `wrap_model` / `merge_adapter` see: private (`_name`) attributes and plain
+    `nnx.Pytree` containers included.
+
     Example:
         >>> lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
         >>> class Tied(nnx.Module):
@@ -223,24 +234,15 @@ def reference_paths(model: nnx.Module) -> dict[int, list[tuple]]:
         if isinstance(node, nnx.Variable):
             paths.setdefault(id(node), []).append(path)
             return
-        if isinstance(node, nnx.Module):
-            paths.setdefault(id(node), []).append(path)
-            is_list = isinstance(node, nnx.List)
-            items = [
-                (int(k) if is_list and k.isdigit() else k, v)
-                for k, v in vars(node).items()
-                if not k.startswith("_")
-            ]
-        elif isinstance(node, Mapping):
-            items = list(node.items())
-        elif isinstance(node, (list, tuple)):
-            items = list(enumerate(node))
-        else:
+        impl = graphlib.get_node_impl(node) if graphlib.is_node(node) else None
+        if impl is None:  # a leaf
             return
+        if isinstance(node, nnx.Pytree):  # modules and containers outlive this walk
+            paths.setdefault(id(node), []).append(path)
         if id(node) in on_path:  # a cycle
             return
         on_path.add(id(node))
-        for key, child in items:
+        for key, child in impl.node_dict(node).items():
             visit(child, (*path, key))
         on_path.discard(id(node))
 
@@ -337,7 +339,8 @@ def wrap_model(
       packed_modules_mapping: packed module → checkpoint names, e.g.
         `{"qkv_proj": ["q_proj", "k_proj", "v_proj"]}`; defaults to
         `lora_jax.models.PACKED_MODULES_MAPPING`.
-      context: the `LoRAContext` to share; defaults to the model's existing one or a new one.
+      context: the `LoRAContext` to share; defaults to the model's existing one or a new one
+        (a model that already has LoRA layers takes only its own: one step has one mapping).
 
     Returns the shared `LoRAContext`. Raises `ValueError` when a target name matches no
     module of the model (nothing is changed then).
@@ -354,6 +357,13 @@ def wrap_model(
         else dict(packed_modules_mapping)
     )
     targets = _normalize_targets(target_modules)
+    # the walk below skips the root: nothing holds it, so nothing could take its wrapper
+    if any(_pick_class(model, lora_config, ["x"] * n) is not None for n in range(4)):
+        raise ValueError(
+            f"wrap_model: the model is itself a {type(model).__name__} layer, which cannot be "
+            "replaced in place by its LoRA layer; wrap a model (an nnx.Module) that holds it "
+            "as an attribute"
+        )
     candidates = _candidates(model, lora_config, mapping)
     # last: embed_tokens is wrapped before a tied lm_head takes the shared table
     candidates += _tied_candidates(model, candidates)
@@ -386,10 +396,15 @@ def wrap_model(
             f"{key(lora_config)}: one step has one mapping over one set of slots; "
             "unwrap_model first to change them"
         )
+    existing = find_lora_context(model)
     if context is None:
-        context = find_lora_context(model)
-        if context is None:
-            context = LoRAContext(None)
+        context = LoRAContext(None) if existing is None else existing
+    elif existing is not None and context is not existing:
+        raise ValueError(
+            "wrap_model: context= is another LoRAContext than the one the model's LoRA layers "
+            "already share; a second one would leave the model with two mappings (one step "
+            "has one). Pass the model's own (lj.find_lora_context(model)) or leave context out"
+        )
     chosen = [c for c in candidates if _matches(targets, [c[4], *packed_names(c[4], c[2])])]
     if targets is None:  # "every supported module": an lm_head past the LoRA vocab limit is not
         chosen = [c for c in chosen if not _head_too_wide(c)]
