@@ -63,3 +63,18 @@ def test_readme_plain_flax_example_runs():
     lj.set_lora_mapping(block, ns["jnp"].array([-1, -1], "int32"))
     base = block(ns["jnp"].ones((2, 16)))
     assert (y[1] == base[1]).all() and not (y[0] == base[0]).all()
+
+
+def test_readme_trains_a_slot_and_saves_it(tmp_path):
+    from lora_jax.serving.peft import load_peft_adapter
+
+    src = _block("train_only_slots").replace("/tmp/lora_jax_tuned", str(tmp_path / "tuned"))
+    ns: dict = {}
+    exec(compile(src, "README.md:training", "exec"), ns)
+    losses = ns["losses"]
+    assert losses[-1] < losses[0] - 1e-3, losses
+    cfg = ns["lj"].LoRAConfig(max_loras=2, max_lora_rank=8)
+    adapter = load_peft_adapter(tmp_path / "tuned", ns["model"], cfg)
+    assert sorted(adapter.modules) == [
+        f"model.layers.{i}.self_attn.qkv_proj" for i in range(2)
+    ]  # q and v of each layer's packed qkv

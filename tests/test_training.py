@@ -273,3 +273,31 @@ def test_export_refuses_what_it_cannot_write(tmp_path):
     with pytest.raises(ValueError, match="model.embed_tokens"):
         save_peft_adapter(model, 1, tmp_path / "emb")
     assert not (tmp_path / "emb").exists()
+
+
+@nnx.jit
+def _grads(model, ids, pos, slots):
+    return nnx.grad(_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, ids, pos, slots)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2)])
+def test_gradients_on_a_mesh_equal_the_unsharded_ones(mesh_shape):
+    """The sharded layers (shard_map, the tensor-axis all-reduce, S-LoRA off) give the
+    LoRA stacks the gradients of the unsharded model."""
+    if np.prod(mesh_shape) > jax.device_count():
+        pytest.skip(f"needs {np.prod(mesh_shape)} devices")
+    ids, pos = _batch()
+    slots = jnp.repeat(jnp.array([1, 0, 1, -1], jnp.int32), 8)
+    grads = []
+    for rules in (None, lj.ShardingRules(jax.make_mesh(mesh_shape, ("dp", "tp")))):
+        model = _model(rules)
+        init_lora_slot(model, 0, 8, seed=1)
+        init_lora_slot(model, 1, 4, seed=2)
+        for layer in trainable_layers(model).values():  # B != 0: A gets gradients too
+            for v in layer.lora_b:
+                v.set_value(v[...] + 0.05 * (v[...] == 0))
+        grads.append(jax.tree.map(np.asarray, _grads(model, ids, pos, slots)))
+    flat_want, flat_got = jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])
+    assert len(flat_want) == len(flat_got) and any(np.abs(g).max() > 1e-4 for g in flat_want)
+    for want, got in zip(flat_want, flat_got):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
