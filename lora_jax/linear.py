@@ -73,6 +73,14 @@ class LinearBase(nnx.Module):
             self._physical_size(i, n) for i, n in enumerate(self.output_sizes)
         )
         name = type(self).__name__
+        batch_axis = self.rules.mesh_axis("batch")
+        if tp > 1 and batch_axis is not None and batch_axis == self.rules.mesh_axis("tensor"):
+            # x [T, in] and y [T, out] would be split twice over one mesh axis
+            raise ValueError(
+                f"{name}: the rules map 'batch' and 'tensor' to one mesh axis "
+                f"{batch_axis!r}; a {self.parallel}-parallel layer's tensor shards need every "
+                "token: map them to different axes (or 'batch' to None)"
+            )
         if self.parallel == "row" and self.in_features % tp:
             raise ValueError(f"{name}: in_features={in_features} not divisible by tensor axis {tp}")
         for n in self.physical_sizes:

@@ -116,10 +116,28 @@ class LoRAMapping:
 
     def with_sequences(self, seq_lora_indices: jax.Array) -> LoRAMapping:
         """A copy carrying the per-sequence mapping used by the logits layer."""
-        seq = jnp.asarray(seq_lora_indices, jnp.int32)
-        if seq.ndim != 1:
-            raise ValueError(f"seq_lora_indices must be 1-D [num_seqs], got shape {seq.shape}")
+        seq = clean_slots(seq_lora_indices, self.max_loras)
         return dataclasses.replace(self, seq_lora_indices=seq)
+
+
+def clean_slots(indices, max_loras: int, what: str = "seq_lora_indices") -> jax.Array:
+    """1-D integer slot indices as int32, anything outside `[-1, max_loras)` made -1 in the
+    input's own width (a 64-bit id must not wrap into a valid slot).
+
+    Example:
+        >>> clean_slots(np.array([1, 2**32 + 1, -5]), 4).tolist()
+        [1, -1, -1]
+    """
+    if isinstance(indices, np.ndarray) or not isinstance(indices, jax.Array):
+        indices = np.asarray(indices)
+    if indices.ndim != 1:
+        raise ValueError(f"{what} must be 1-D [num_seqs], got shape {indices.shape}")
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise ValueError(f"{what} must be integers, got {indices.dtype}")
+    if isinstance(indices, np.ndarray):
+        wide = indices.astype(np.int64)
+        return jnp.asarray(np.where((wide >= 0) & (wide < max_loras), wide, -1).astype(np.int32))
+    return jnp.where((indices >= 0) & (indices < max_loras), indices, -1).astype(jnp.int32)
 
 
 def make_lora_mapping(
@@ -199,7 +217,7 @@ def make_lora_mapping(
         prompts = whole = "none"
     if prompts == "none":  # a tile wholly of one slot is a prompt tile
         whole = "none"
-    seq = None if seq_lora_indices is None else jnp.asarray(seq_lora_indices, jnp.int32)
+    seq = None if seq_lora_indices is None else clean_slots(seq_lora_indices, max_loras)
     return LoRAMapping(
         **_device_metadata(idx, int(max_loras), segments=prompts != "none" and _segments_run()),
         seq_lora_indices=seq,

@@ -328,3 +328,145 @@ def test_one_a_with_b_per_slice_and_reset_lora_inside_jit():
     with pytest.raises(ValueError, match="reset_lora: the layer is traced"):
         reset(layer)
     assert np.asarray(layer.slot_ranks[...])[:, 1].tolist() == [4, 4, 4]
+
+
+def test_plain_lora_runs_on_a_rules_table_without_rank_sharded():
+    """A rules table without `lora_rank_sharded` built plain column LoRA that crashed on
+    its first forward ("unknown logical axis"); it runs and equals the numpy oracle."""
+    from lora_jax.sharding import DEFAULT_RULES
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+    table = {**DEFAULT_RULES, "batch": "data", "tensor": "model", "vocab": "model"}
+    del table["lora_rank_sharded"]
+    rules = lj.ShardingRules(mesh, table)
+    rng = np.random.default_rng(0)
+    base = lj.ColumnParallelLinear(32, 64, rules=rules, rngs=nnx.Rngs(0))
+    layer = lj.ColumnParallelLinearWithLoRA(base, lj.LoRAConfig(max_loras=2, max_lora_rank=8))
+    a, b = rng.normal(size=(4, 32)), rng.normal(size=(64, 4))
+    layer.set_lora(1, a, b)
+    x = rng.normal(size=(8, 32)).astype(np.float32)
+    idx = np.array([1, -1, 0, 1, 1, -1, 0, 1], np.int32)
+    with lj.lora_mapping(layer, jnp.asarray(idx)):
+        y = np.asarray(layer(jnp.asarray(x)))
+    kernel = np.asarray(base.kernel[...])
+    want = x @ kernel + np.where((idx == 1)[:, None], x @ a.T @ b.T, 0.0)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_adapters_are_taken_as_their_f32_values():
+    """ml_dtypes' bfloat16 has numpy kind 'V': `set_lora` refused it as "not real
+    numbers"; it stores what the same values in f32 store."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.normal(size=(4, 16)), jnp.bfloat16)
+    b = jnp.asarray(rng.normal(size=(32, 4)), jnp.bfloat16)
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
+    layers = []
+    for a_, b_ in ((a, b), (np.asarray(a, np.float32), np.asarray(b, np.float32))):
+        base = lj.ReplicatedLinear(16, 32, rngs=nnx.Rngs(0))
+        layer = lj.ReplicatedLinearWithLoRA(base, cfg)
+        layer.set_lora(1, a_, b_)
+        layers.append(layer)
+    for v, w in zip((*layers[0].lora_a, *layers[0].lora_b), (*layers[1].lora_a, *layers[1].lora_b)):
+        np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(w[...]))
+
+
+def _vocab_and_moe_layers():
+    from lora_jax.moe import FusedMoE
+    from lora_jax.vocab import ParallelLMHead, VocabParallelEmbedding
+
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
+    emb = lj.VocabParallelEmbeddingWithLoRA(VocabParallelEmbedding(64, 16, rngs=nnx.Rngs(0)), cfg)
+    head = ParallelLMHead(64, 16, rngs=nnx.Rngs(0))
+    logits = lj.LogitsProcessorWithLoRA(lj.LogitsProcessor(64), head, cfg)
+    moe = lj.FusedMoEWithLoRA(FusedMoE(4, 2, 16, 24, rngs=nnx.Rngs(0)), cfg)
+    rng = np.random.default_rng(0)
+    args = {
+        "emb": (emb, rng.normal(size=(4, 64)), rng.normal(size=(16, 4))),
+        "logits": (logits, rng.normal(size=(4, 16)), rng.normal(size=(64, 4))),
+        "moe": (
+            moe,
+            # vLLM's order: w1, w2, w3; A [E, r, in], B [E, out, r]
+            [rng.normal(size=(4, 4, 16)), rng.normal(size=(4, 4, 24)), rng.normal(size=(4, 4, 16))],
+            [rng.normal(size=(4, 24, 4)), rng.normal(size=(4, 16, 4)), rng.normal(size=(4, 24, 4))],
+        ),
+    }
+    return args
+
+
+@pytest.mark.parametrize("kind", ["emb", "logits", "moe", "linear"])
+def test_slot_writes_under_jit_and_complex_adapters_are_refused_by_name(kind):
+    """MoE / embedding / lm_head slot writes under jit raised raw tracer errors, and their
+    `set_lora` dropped a complex adapter's imaginary part; set_lora of host arrays under
+    jit did on every layer. Each is refused by name and no slot changes."""
+    if kind == "linear":
+        base = lj.ReplicatedLinear(16, 32, rngs=nnx.Rngs(0))
+        layer = lj.ReplicatedLinearWithLoRA(base, lj.LoRAConfig(max_loras=2, max_lora_rank=8))
+        rng = np.random.default_rng(0)
+        a, b = rng.normal(size=(4, 16)), rng.normal(size=(32, 4))
+    else:
+        layer, a, b = _vocab_and_moe_layers()[kind]
+    layer.set_lora(1, a, b)
+    before = jax.tree.map(np.asarray, nnx.state(layer, nnx.LoRAParam, lj.LoRASlotRanks))
+    cplx = [v + 1j for v in a] if isinstance(a, list) else a + 1j
+    with pytest.raises(ValueError, match="must be real numbers, got dtype complex128"):
+        layer.set_lora(0, cplx, b)
+
+    @nnx.jit
+    def reset(layer):
+        layer.reset_lora(1)
+
+    @nnx.jit
+    def write(layer):
+        layer.set_lora(0, a, b)
+
+    with pytest.raises(ValueError, match=r"reset_lora: the layer is traced"):
+        reset(layer)
+    with pytest.raises(ValueError, match=r"set_lora: the layer is traced"):
+        write(layer)
+    after = jax.tree.map(np.asarray, nnx.state(layer, nnx.LoRAParam, lj.LoRASlotRanks))
+    jax.tree.map(np.testing.assert_array_equal, after, before)
+
+
+def test_a_mapping_for_other_max_loras_is_refused_on_a_data_parallel_mesh():
+    """On a dp mesh the layer rebuilds the mapping from its indices per shard: a mapping
+    built for 4 slots gave slot 3's tokens the base output where one device refuses it."""
+    mesh = jax.make_mesh((2, 1), ("dp", "tp"), devices=jax.devices()[:2])
+    rules = lj.ShardingRules(mesh)
+    base = lj.ColumnParallelLinear(16, 32, rules=rules, rngs=nnx.Rngs(0))
+    layer = lj.ColumnParallelLinearWithLoRA(base, lj.LoRAConfig(max_loras=2, max_lora_rank=8))
+    m = lj.make_lora_mapping(jnp.asarray([3, 3, 1, -1], jnp.int32), 4)
+    layer.lora_context.set_value(m)
+    with pytest.raises(ValueError, match="built for max_loras=4, the layer has 2 slots"):
+        layer(jnp.ones((4, 16)))
+
+
+def test_batch_and_tensor_on_one_axis_are_refused_by_the_linears():
+    """x [T, in] split twice over one mesh axis crashed with a raw DuplicateSpecError."""
+    from lora_jax.sharding import DEFAULT_RULES
+
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    rules = lj.ShardingRules(mesh, {**DEFAULT_RULES, "batch": "x", "tensor": "x"})
+    for cls in (lj.ColumnParallelLinear, lj.RowParallelLinear):
+        with pytest.raises(ValueError, match="map 'batch' and 'tensor' to one mesh axis 'x'"):
+            cls(16, 32, rules=rules, rngs=nnx.Rngs(0))
+    lj.ReplicatedLinear(16, 32, rules=rules, rngs=nnx.Rngs(0))  # nothing split twice
+
+
+def test_variable_slices_take_a_list_of_a_with_one_b():
+    """vLLM converts A and B independently: a list of A with one B split by the output
+    sizes was refused ("expected 3 slice(s)")."""
+    from lora_jax.linear import MergedColumnParallelLinear
+
+    base = MergedColumnParallelLinear(16, [8, 8, 16], rngs=nnx.Rngs(0))
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
+    rng = np.random.default_rng(0)
+    a = [rng.normal(size=(4, 16)) for _ in range(3)]
+    bs = [rng.normal(size=(n, 4)) for n in (8, 8, 16)]
+    one_b = lj.MergedColumnParallelLinearVariableSliceWithLoRA(base, cfg)
+    one_b.set_lora(1, a, np.concatenate(bs))
+    per_slice = lj.MergedColumnParallelLinearVariableSliceWithLoRA(base, cfg)
+    per_slice.set_lora(1, a, bs)
+    for v, w in zip((*one_b.lora_a, *one_b.lora_b), (*per_slice.lora_a, *per_slice.lora_b)):
+        np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(w[...]))
+    with pytest.raises(ValueError, match="expected 3 slice"):
+        one_b.set_lora(0, a[:2], np.concatenate(bs))

@@ -549,3 +549,17 @@ def test_a_tokens_numbers_do_not_depend_on_the_hint_or_the_backend(monkeypatch, 
             np.testing.assert_array_equal(v, outs[None], err_msg=str(k))
         else:  # f32 sums in another order: last bits (h rounded to bf16 was 2.7e-2 off)
             np.testing.assert_allclose(v, outs[None], rtol=1e-6, atol=1e-6, err_msg=str(k))
+
+
+def test_sequence_indices_are_cleaned_like_token_indices():
+    """The logits LoRA's per-sequence slots went through a bare int32 cast: a 64-bit id
+    wrapped into slot 1, floats were truncated, a 2-D array was taken."""
+    idx = jnp.zeros(4, jnp.int32)
+    for seq in (np.array([2**32 + 1, 1, -7, 5], np.int64), jnp.array([2**31 - 1, 1, -7, 5])):
+        m = lj.make_lora_mapping(idx, 4, seq_lora_indices=seq)
+        assert m.seq_lora_indices.tolist() == [-1, 1, -1, -1]
+        assert m.with_sequences(seq).seq_lora_indices.tolist() == [-1, 1, -1, -1]
+    with pytest.raises(ValueError, match="seq_lora_indices must be integers, got float"):
+        lj.make_lora_mapping(idx, 4, seq_lora_indices=np.array([0.0, 1.9]))
+    with pytest.raises(ValueError, match="seq_lora_indices must be 1-D"):
+        lj.make_lora_mapping(idx, 4).with_sequences(np.zeros((2, 2), np.int32))

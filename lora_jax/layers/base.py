@@ -77,6 +77,42 @@ def check_finite(name: str, prepared: PreparedLoRA, dtype) -> PreparedLoRA:
     return prepared
 
 
+def host_f32(name: str, what: str, value) -> np.ndarray:
+    """An adapter tensor as host f32: real numbers (any float incl. bfloat16, ints,
+    bools), never traced, else a ValueError naming ``name`` and ``what``."""
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(
+            f"{name}.set_lora: {what} is traced: set_lora checks and pads on the host; call "
+            "it outside jit"
+        )
+    dtype = np.asarray(value).dtype
+    if not (jnp.issubdtype(dtype, jnp.floating) or dtype.kind in "iub"):
+        raise ValueError(f"{name}.set_lora: {what} must be real numbers, got dtype {dtype}")
+    with np.errstate(over="ignore"):  # a value past f32 is refused by check_finite
+        return np.asarray(value, np.float32)
+
+
+def check_host_write(name: str, what: str, slot_ranks: nnx.Variable) -> None:
+    """Slot writes are host-side edits of the stacks: under a jax transform (a traced
+    layer) they would only change the trace, so they are refused by name."""
+    if isinstance(slot_ranks.get_value(), jax.core.Tracer):
+        raise ValueError(
+            f"{name}.{what}: the layer is traced; slot writes are host-side, call {what} "
+            "outside jit"
+        )
+
+
+def check_mapping_slots(name: str, mapping: LoRAMapping, max_loras: int) -> None:
+    """The mapping was built for the layer's slot count. Layers that rebuild the mapping
+    from its indices (per data shard, per logits row) would otherwise read indices past
+    their slots as "no adapter" where the ops refuse the mismatch."""
+    if mapping.max_loras != max_loras:
+        raise ValueError(
+            f"{name}: the LoRA mapping was built for max_loras={mapping.max_loras}, the "
+            f"layer has {max_loras} slots"
+        )
+
+
 class LoRASlotRanks(nnx.Variable):
     """True adapter rank per (slice, slot), `i32[S, max_loras]`; 0 = empty slot.
 
@@ -193,9 +229,9 @@ class BaseLayerWithLoRA(nnx.Module):
     # -- slot writes ----------------------------------------------------------------------
     def _normalize(self, lora_a, lora_b) -> tuple[list, list]:
         n = self.n_slices
-        single = not isinstance(lora_a, (list, tuple)) and not isinstance(lora_b, (list, tuple))
-        if single and n > 1:
-            # A single-tensor checkpoint: one A shared by all slices, B split by out size.
+        if not isinstance(lora_b, (list, tuple)) and n > 1:
+            # A single-tensor checkpoint: B split by out size; one A shared by all slices
+            # (or one per slice: vLLM converts A and B independently).
             b = np.asarray(lora_b)
             if b.ndim != 2 or b.shape[0] != sum(self.logical_slice_sizes):
                 raise ValueError(
@@ -204,7 +240,14 @@ class BaseLayerWithLoRA(nnx.Module):
                     f"{self.logical_slice_sizes}), got {b.shape}"
                 )
             cuts = np.cumsum(self.logical_slice_sizes)[:-1]
-            return [lora_a] * n, list(np.split(b, cuts, axis=0))
+            bs = list(np.split(b, cuts, axis=0))
+            if isinstance(lora_a, (list, tuple)):
+                if len(lora_a) != n:
+                    raise ValueError(
+                        f"{self.name}.set_lora: expected {n} slice(s) of lora_a, got {len(lora_a)}"
+                    )
+                return list(lora_a), bs
+            return [lora_a] * n, bs
         b_list = list(lora_b) if isinstance(lora_b, (list, tuple)) else [lora_b]
         if not isinstance(lora_a, (list, tuple)) and len(b_list) == n > 1:
             lora_a = [lora_a] * n  # one A shared by the slices, B per slice (as vLLM takes it)
@@ -252,20 +295,8 @@ class BaseLayerWithLoRA(nnx.Module):
                 new_b.append(np.zeros((self.slice_widths[s], R), np.float32))
                 ranks.append(0)
                 continue
-            for what, v in (("lora_a", a), ("lora_b", b)):
-                if isinstance(v, jax.core.Tracer):
-                    raise ValueError(
-                        f"{self.name}.set_lora: slice {s} {what} is traced: set_lora checks "
-                        "and pads on the host; call it outside jit"
-                    )
-                kind = np.asarray(v).dtype.kind
-                if kind not in "fiub":
-                    raise ValueError(
-                        f"{self.name}.set_lora: slice {s} {what} must be real numbers, got "
-                        f"dtype {np.asarray(v).dtype}"
-                    )
-            with np.errstate(over="ignore"):  # a value past f32 is refused below
-                a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            a = host_f32(self.name, f"slice {s} lora_a", a)
+            b = host_f32(self.name, f"slice {s} lora_b", b)
             if a.ndim != 2 or a.shape[1] != in_features:
                 raise ValueError(
                     f"{self.name}.set_lora: slice {s} lora_a must be [rank, {in_features}], "
@@ -289,6 +320,7 @@ class BaseLayerWithLoRA(nnx.Module):
     def write_lora(self, index: int, prepared: PreparedLoRA) -> None:
         """Stores a `prepare_lora` result into slot `index` (no further checks)."""
         self._check_index(index, "write_lora")
+        check_host_write(self.name, "set_lora", self.slot_ranks)
         for s in range(self.n_slices):
             self._write(self.lora_a[s], index, prepared.a[s])
             self._write(self.lora_b[s], index, prepared.b[s])
@@ -334,11 +366,7 @@ class BaseLayerWithLoRA(nnx.Module):
     def reset_lora(self, index: int) -> None:
         """Zeroes slot `index`: it then gives exactly the base output."""
         self._check_index(index, "reset_lora")
-        if isinstance(self.slot_ranks.get_value(), jax.core.Tracer):
-            raise ValueError(
-                f"{self.name}.reset_lora: the layer is traced; slot writes are host-side, call "
-                "it outside jit"
-            )
+        check_host_write(self.name, "reset_lora", self.slot_ranks)
         for var in (*self.lora_a, *self.lora_b):
             self._write(var, index, np.zeros(var.shape[1:], np.float32))
         self._set_ranks(index, [0] * self.n_slices)
@@ -372,6 +400,7 @@ class BaseLayerWithLoRA(nnx.Module):
             )
         rules = base.rules
         L = self.lora_config.max_loras
+        check_mapping_slots(self.name, mapping, L)
         local_tokens = rules.size("batch") > 1 and x2.shape[0] % rules.size("batch") == 0
         if local_tokens:
             # Sort metadata is per shard of tokens: rebuild it locally from the indices.
@@ -434,7 +463,13 @@ def find_lora_context(model: nnx.Module) -> LoRAContext | None:
         if isinstance(node, LoRAContext):
             found[id(node)] = node
     if len(found) > 1:
-        raise ValueError(f"model has {len(found)} LoRA contexts; wrap it with one shared context")
+        raise ValueError(
+            f"model has {len(found)} LoRA contexts; its LoRA layers must share one (one step "
+            "has one mapping). Under a plain jax transform (jax.jit, jax.grad, ...) the model "
+            "is a pytree and each layer gets its own copy of the shared context: use nnx.jit, "
+            "or pass nnx.split(model)'s state in and nnx.merge it inside. Outside transforms: "
+            "wrap the model with one shared context"
+        )
     return next(iter(found.values()), None)
 
 

@@ -28,8 +28,9 @@ class _ColumnLoRA(BaseLayerWithLoRA):
 
     def _lora_local(self, y, x, a, b, ranks, mapping):
         base = self.base_layer
-        axis = base.rules.mesh_axis("lora_rank_sharded")  # where A's rank rows are split
-        sharded_rank = self.fully_sharded and axis is not None and base.tp > 1
+        # where A's rank rows are split (a rules table for plain LoRA may lack the key)
+        axis = base.rules.mesh_axis("lora_rank_sharded") if self.fully_sharded else None
+        sharded_rank = axis is not None and base.tp > 1
         offsets = local_offsets(self.slice_widths, base.out_tp)
         if not sharded_rank:  # shrink then expand (one fused launch with "pallas_fused")
             return ops.add_lora_linear(y, x, a, b, mapping, 1.0, offsets=offsets, slot_ranks=ranks)

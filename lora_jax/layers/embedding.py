@@ -32,6 +32,8 @@ from lora_jax.layers.base import (
     _place_like,
     _write_slot,
     check_finite,
+    check_host_write,
+    host_f32,
 )
 from lora_jax.mapping import LoRAMapping
 from lora_jax.sharding import shard_map
@@ -53,8 +55,7 @@ def as_matrix(name: str, tensor: str, value, shape: tuple[int | None, int | None
     """`value` as a float32 2-D array whose dims match `shape` (None = any)."""
     if value is None:
         raise ValueError(f"{name}.set_lora: {tensor} is missing")
-    with np.errstate(over="ignore"):  # a value past f32 is refused at prepare_lora
-        arr = np.asarray(value, np.float32)
+    arr = host_f32(name, tensor, value)
     want = "[" + ", ".join("rank" if s is None else str(s) for s in shape) + "]"
     if arr.ndim != 2 or any(s is not None and s != n for s, n in zip(shape, arr.shape)):
         raise ValueError(f"{name}.set_lora: {tensor} must be {want}, got shape {arr.shape}")
@@ -101,6 +102,7 @@ class VocabSlotsMixin:
     def write_lora(self, index: int, prepared: PreparedLoRA) -> None:
         """Stores a `prepare_lora` result into slot `index`."""
         index = check_slot(self.name, "write_lora", index, self.lora_config.max_loras)
+        check_host_write(self.name, "set_lora", self.slot_ranks)
         _write(self.lora_a, index, prepared.a[0])
         _write(self.lora_b, index, prepared.b[0])
         self._set_rank(index, prepared.ranks[0])
@@ -128,6 +130,7 @@ class VocabSlotsMixin:
     def reset_lora(self, index: int) -> None:
         """Zeroes slot `index`: it then gives exactly the base output."""
         index = check_slot(self.name, "reset_lora", index, self.lora_config.max_loras)
+        check_host_write(self.name, "reset_lora", self.slot_ranks)
         for var in (self.lora_a, self.lora_b):
             _write(var, index, np.zeros(var.shape[1:], np.float32))
         self._set_rank(index, 0)

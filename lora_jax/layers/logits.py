@@ -28,7 +28,7 @@ from flax import nnx
 
 from lora_jax import ops
 from lora_jax.config import MAX_LORA_VOCAB_SIZE, LoRAConfig
-from lora_jax.layers.base import LoRAContext, LoRASlotRanks, PreparedLoRA
+from lora_jax.layers.base import LoRAContext, LoRASlotRanks, PreparedLoRA, check_mapping_slots
 from lora_jax.layers.embedding import VocabSlotsMixin, as_matrix, check_rank
 from lora_jax.mapping import LoRAMapping, make_lora_mapping
 from lora_jax.sharding import shard_map
@@ -295,6 +295,7 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
         x = hidden_states.reshape(-1, self.hidden_size).astype(dtype)  # [N, D]
         idx = self.row_lora_indices(mapping, x.shape[0])  # i32[N]
         L = self.lora_config.max_loras
+        check_mapping_slots(self.name, mapping, L)
         rules = self.rules
         axis = rules.collective_axis("vocab")
 

@@ -43,6 +43,9 @@ from lora_jax.layers.base import (
     LoRASlotRanks,
     PreparedLoRA,
     check_finite,
+    check_host_write,
+    check_mapping_slots,
+    host_f32,
 )
 from lora_jax.mapping import LoRAMapping, make_lora_mapping
 from lora_jax.moe import ExpertRoutes, FusedMoE
@@ -156,8 +159,7 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
             raise ValueError(f"{self.name}.set_lora: {proj} has only one of lora_a and lora_b")
         if a is None:
             return np.zeros((E, R, in_size), np.float32), np.zeros((E, out_size, R), np.float32), 0
-        with np.errstate(over="ignore"):  # a value past f32 is refused at prepare_lora
-            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        a, b = host_f32(self.name, f"{proj} lora_a", a), host_f32(self.name, f"{proj} lora_b", b)
         if a.ndim != 3 or b.ndim != 3 or a.shape[0] != E or b.shape[0] != E:
             raise ValueError(
                 f"{self.name}.set_lora: {proj} lora_a/lora_b must be [num_experts={E}, ., .], "
@@ -240,6 +242,7 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
     def write_lora(self, index: int, prepared: PreparedLoRA) -> None:
         """Stores a `prepare_lora` result into slot `index` (no further checks)."""
         self._check_index(index, "write_lora")
+        check_host_write(self.name, "set_lora", self.slot_ranks)
         for var, value in zip((*self._stacks()[0], *self._stacks()[1]), (*prepared.a, *prepared.b)):
             self._write(var, index, value)
         self._set_ranks(index, prepared.ranks)
@@ -265,6 +268,7 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
     def reset_lora(self, index: int) -> None:
         """Zeroes slot `index`: it then gives exactly the base output."""
         self._check_index(index, "reset_lora")
+        check_host_write(self.name, "reset_lora", self.slot_ranks)
         a_vars, b_vars = self._stacks()
         for var in (*a_vars, *b_vars):
             self._write(var, index, np.zeros(var.shape[1:], np.float32))
@@ -282,6 +286,7 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
                 f"{self.name}: the LoRA mapping has {mapping.num_tokens} tokens but the input "
                 f"has {x.shape[0]}"
             )
+        check_mapping_slots(self.name, mapping, self.lora_config.max_loras)
         base.check_router_logits(router_logits, x.shape[0])
         a13, b13, a2, b2 = self.lora_axes()
         stacks = (

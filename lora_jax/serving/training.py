@@ -14,7 +14,11 @@ slot of a wrapped model while the other slots keep serving:
    directory that PEFT, vLLM and `load_peft_adapter` load.
 
 The stacks hold B with the scaling folded in (`alpha / r` is 1 for a slot made here), so
-the exported adapter says `lora_alpha = r`.
+the exported adapter says `lora_alpha = r`. A manager serving the same model does not know
+of the slot: train in one it holds no adapter in (`manager.lora_index_to_id` shows None
+there) and activate nothing else meanwhile, or it may write another adapter over it.
+On a GPU the forward pass runs the kernels and the backward pass XLA's gather einsums
+(the kernels have no autodiff); the backward's cost was not measured on the GPU.
 """
 
 from __future__ import annotations
