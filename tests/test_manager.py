@@ -758,3 +758,86 @@ def test_write_slot_updates_refuses_an_index_outside_the_slots():
             slot_writes.write_slot_updates(bad, layer.slot_updates(None))
     for v, old in zip(layer.lora_a, before):
         np.testing.assert_array_equal(np.asarray(v[...]), old)
+
+
+@pytest.mark.parametrize("lru", [False, True], ids=["plain", "lru"])
+def test_remove_all_adapters_with_a_merged_slot_changes_nothing(lru):
+    """An adapter in a merged slot cannot be removed: `remove_all_adapters` removed the
+    adapters registered before it, then raised; it now raises before removing any."""
+    from lora_jax.serving.merge import merge_adapter, unmerge_adapter
+
+    model, mgr = _setup(max_loras=3, max_cpu_loras=3, lru=lru)
+    for i, a in _adapters(model, 3).items():
+        mgr.add_adapter(a)
+        mgr.activate_adapter(i)
+    merge_adapter(model, mgr.slot_of(2))
+    before, arrays = (sorted(mgr.list_adapters()), _slots(mgr)), _lora_arrays(model)
+    with pytest.raises(ValueError, match="merge_adapter folded"):
+        mgr.remove_all_adapters()
+    assert (sorted(mgr.list_adapters()), _slots(mgr)) == before
+    jax.tree.map(np.testing.assert_array_equal, arrays, _lora_arrays(model))
+    unmerge_adapter(model)
+    mgr.remove_all_adapters()
+    assert len(mgr) == 0 and _slots(mgr) == [None] * 3
+
+
+@pytest.mark.parametrize("lru", [False, True], ids=["plain", "lru"])
+def test_add_adapters_is_all_or_nothing(lru):
+    """`add_adapters` with a bad adapter after good ones (a rank no layer takes, an id
+    taken twice, not an adapter) added and activated the good ones, then raised; now
+    every adapter is checked first and nothing is registered, activated or written."""
+    model, mgr = _setup(max_loras=3, max_cpu_loras=3, lru=lru)
+    ad = _adapters(model, 3)
+    mgr.add_adapter(ad[1])
+    mgr.activate_adapter(1)
+    state = lambda: (sorted(mgr.list_adapters()), _slots(mgr))  # noqa: E731
+    before, arrays = state(), _lora_arrays(model)
+    other = dataclasses.replace(ad[3], id=2, name="other")
+    for bad, match in (
+        ([ad[2], _too_big(model, 4)], "max_lora_rank"),
+        ([ad[2], other], "'a2' and 'other' both have id 2"),
+        ([ad[2], "a3"], "expected LoRAAdapters, got a str"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            mgr.add_adapters(bad, activate=True, progress=False)
+        assert state() == before, bad
+        jax.tree.map(np.testing.assert_array_equal, arrays, _lora_arrays(model))
+    assert mgr.add_adapters([ad[2], ad[1]], activate=True, progress=False) == [True, False]
+    assert _slots(mgr) == [1, 2, None]
+    # the slots hold what activating them one by one writes
+    _, ref = _setup(max_loras=3, max_cpu_loras=3, lru=lru)
+    for i in (1, 2):
+        ref.add_adapter(ad[i])
+        ref.activate_adapter(i)
+    jax.tree.map(np.testing.assert_array_equal, _lora_arrays(ref.model), _lora_arrays(model))
+    if lru:  # a full CPU cache: registering ad[3] evicted adapter 1 before ad[4] failed
+        mgr.add_adapter(ad[3])
+        before = _state(mgr)
+        with pytest.raises(ValueError, match="max_lora_rank"):
+            mgr.add_adapters([_adapter(model, 5), _too_big(model, 4)], progress=False)
+        assert _state(mgr) == before
+
+
+def test_token_mapping_takes_requests_and_adapters_by_id():
+    """`token_mapping` takes what `set_active_adapters` takes: a `LoRARequest` or a
+    `LoRAAdapter` maps by its id (it was "unknown", with the whole adapter printed); any
+    other type is refused by type name, never with a raw `TypeError` or an array dump."""
+    model, mgr = _setup()
+    a7, a8 = _adapter(model, 7), _adapter(model, 8)
+    mgr.set_active_adapters([a8, a7])
+    by_id = mgr.token_mapping([7, None, 8, 7])
+    requests = [LoRARequest("a7", 7), None, a8, a7]
+    np.testing.assert_array_equal(mgr.token_mapping(requests), by_id)
+    np.testing.assert_array_equal(
+        mgr.token_mapping(requests, [2, 1, 0, 3]), np.repeat(by_id, [2, 1, 0, 3])
+    )
+    with pytest.raises(ValueError, match="adapter 9, which is unknown; active: ") as e:
+        mgr.token_mapping([LoRARequest("a9", 9)])
+    assert len(str(e.value)) < 200
+    other = dataclasses.replace(_adapter(model, 2), id=7, name="other")
+    with pytest.raises(ValueError, match="id 7 is already adapter 'a7'"):
+        mgr.token_mapping([other])  # its requests would get a7's weights
+    for bad, got in (([1], "a list"), (np.ones(1000), "a ndarray"), ({7: 1}, "a dict")):
+        with pytest.raises(ValueError, match=f"must be an int or None .*, got {got}$") as e:
+            mgr.token_mapping([7, bad])
+        assert len(str(e.value)) < 200

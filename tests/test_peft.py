@@ -154,6 +154,32 @@ def test_untargeted_or_excluded_tensors_are_ignored_as_peft_does(tmp_path, model
                 np.testing.assert_array_equal(x, y)
 
 
+def test_velora_adapter_serves_as_the_same_plain_lora(tmp_path, model):
+    """PEFT's VeLoRA compresses the activations kept for the backward pass; its forward is
+    plain LoRA. Its saved file adds a `lora_velora_embed` buffer per module (and the config
+    a `velora_config`): it was refused as "not a LoRA weight"; it serves as the same
+    adapter without those buffers."""
+    tensors = peft_tensors(["q_proj", "down_proj"], 8, seed=9)
+    rng = np.random.default_rng(9)
+    embeds = {
+        k.replace(".lora_A.weight", ".lora_velora_embed"): rng.normal(
+            size=-(-v.shape[1] // 64)
+        ).astype(np.float32)
+        for k, v in tensors.items()
+        if k.endswith(".lora_A.weight")
+    }
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "down_proj"]}
+    plain = load_peft_adapter(_dir(tmp_path, config, tensors, "plain"), model, CFG)
+    velora_config = {"num_groups": 64, "init_type": "batch_average", "scale": 1.0}
+    d = _dir(tmp_path, {**config, "velora_config": velora_config}, {**tensors, **embeds}, "ve")
+    got = load_peft_adapter(d, model, CFG)
+    assert sorted(got.modules) == sorted(plain.modules) and len(got.modules) == 4
+    for key, m in plain.modules.items():
+        np.testing.assert_equal(
+            (got.modules[key].lora_a, got.modules[key].lora_b), (m.lora_a, m.lora_b)
+        )
+
+
 def test_all_linear_shorthand_serves_the_files_modules(tmp_path, model):
     """PEFT's `target_modules="all-linear"` (kept literally in some saved configs) targets
     every linear: the file's tensors decide, nothing is ignored."""
@@ -292,6 +318,24 @@ BAD_CONFIGS = {
     "kasa": ({"kasa_config": {"a": 1}}, "KaSA"),
     "monteclora": ({"monteclora_config": {"n": 2}}, "MonteCLoRA"),
     "prefix_tuning": ({"peft_type": "PREFIX_TUNING"}, "peft_type"),
+    # ill-typed values and bad regexes: they gave a bare TypeError / AttributeError /
+    # re.error (or a ValueError without the file) from deep inside the parsing
+    "targets_int": ({"target_modules": 5}, "target_modules=5 must be a string"),
+    "targets_not_str": ({"target_modules": ["q_proj", 1]}, "a list of module names"),
+    "targets_bad_regex": ({"target_modules": "("}, r"target_modules='\(' is not a valid regular"),
+    "excludes_int": ({"exclude_modules": 5}, "exclude_modules=5 must be a string"),
+    "excludes_bad_regex": ({"exclude_modules": "q_proj["}, "not a valid regular expression"),
+    "params_str": ({"target_parameters": "gate_up_proj"}, "must be a list of strings"),
+    "rank_pattern_list": ({"rank_pattern": ["q_proj"]}, "rank_pattern=.* must be an object"),
+    "rank_pattern_bad_regex": ({"rank_pattern": {"(": 2}}, r"rank_pattern key '\(' is not"),
+    "alpha_pattern_str": ({"alpha_pattern": {"q_proj": "x"}}, r"alpha_pattern\['q_proj'\]='x'"),
+    "alpha_pattern_bad_regex": ({"alpha_pattern": {"q_proj)": 2}}, "not a valid regular"),
+    "alpha_none": ({"lora_alpha": None}, "lora_alpha=None must be a finite number"),
+    "alpha_str": ({"lora_alpha": "x"}, "lora_alpha='x' must be a finite number"),
+    "layers_pattern_bad_regex": (
+        {"layers_pattern": "(", "layers_to_transform": [0]},
+        r"layers_pattern '\(' is not",
+    ),
 }
 
 
@@ -485,3 +529,16 @@ def test_safetensors_round_trip_every_dtype_and_a_scalar(tmp_path):
         np.testing.assert_array_equal(got[k], v)
         if k in ref:
             np.testing.assert_array_equal(ref[k], got[k])
+
+
+def test_null_safetensors_metadata_reads_as_the_reference_reader_does(tmp_path):
+    """`"__metadata__": null` is valid (the reference reader's metadata is optional) and
+    reads as no metadata; it was refused as not a map of strings."""
+    from safetensors.numpy import load_file
+
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    header = '{"__metadata__":null,"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,24]}}'
+    f = _st_file(tmp_path / "null_meta.safetensors", header, x.tobytes())
+    ref, got = load_file(f), read_safetensors(f)
+    assert list(got) == list(ref) == ["w"]
+    np.testing.assert_array_equal(got["w"], ref["w"])

@@ -109,7 +109,8 @@ class LoRAModelManager:
     def _make_active(self):
         return {}
 
-    def _register(self, adapter: LoRAAdapter) -> None:
+    def _register(self, adapter: LoRAAdapter, *, checked: bool = False) -> None:
+        """``checked``: the caller has validated ``adapter`` for every layer already."""
         if len(self._registered_adapters) >= self.capacity:
             raise RuntimeError(f"No free adapter slots: the CPU cache holds {self.capacity}")
         self._registered_adapters[adapter.id] = adapter
@@ -151,23 +152,34 @@ class LoRAModelManager:
 
     def token_mapping(
         self,
-        request_adapter_ids: Sequence[int | None],
+        request_adapter_ids: Sequence[int | LoRARequest | LoRAAdapter | None],
         tokens_per_request: Sequence[int] | int | None = None,
     ) -> np.ndarray:
         """Slot per request (or per token with `tokens_per_request`), int32; `None`, 0 or
-        negative ids mean "no adapter" (-1). Every other id must be active.
+        negative ids mean "no adapter" (-1). Every other id must be active; a `LoRARequest`
+        or `LoRAAdapter` stands for its id, as in `set_active_adapters`.
 
         Example:
             >>> mgr.token_mapping([3, None, 3])  # doctest: +SKIP
             array([ 1, -1,  1], dtype=int32)
         """
         slots = []
-        for i, aid in enumerate(request_adapter_ids):
-            if isinstance(aid, bool | np.bool_ | float | np.floating):
+        for i, req in enumerate(request_adapter_ids):
+            aid = req
+            if isinstance(req, LoRAAdapter | LoRARequest):  # by id, as set_active_adapters
+                aid = req.id if isinstance(req, LoRAAdapter) else req.lora_int_id
+                _check_id(aid, f"token_mapping: request {i}'s adapter id")
+                if isinstance(req, LoRAAdapter) and aid in self._registered_adapters:
+                    self._check_same(req, "token_mapping")
+            elif isinstance(req, bool | np.bool_) or not isinstance(req, int | np.integer | None):
+                # a scalar by value, anything else by type: its repr may be a whole array
+                scalar = isinstance(req, bool | np.bool_ | float | np.floating | str)
+                got = repr(req) if scalar else f"a {type(req).__name__}"
                 raise ValueError(
-                    f"token_mapping: request {i}'s adapter id must be an int or None, got {aid!r}"
+                    f"token_mapping: request {i}'s adapter id must be an int or None (or a "
+                    f"LoRARequest / LoRAAdapter), got {got}"
                 )
-            if aid is None or (isinstance(aid, int | np.integer) and aid <= 0):
+            if aid is None or aid <= 0:
                 slots.append(-1)
                 continue
             slot = self.slot_of(aid)
@@ -228,15 +240,64 @@ class LoRAModelManager:
     def add_adapters(
         self, adapters: Iterable[LoRAAdapter], *, activate: bool = False, progress: bool = True
     ) -> list[bool]:
-        """`add_adapter` (and optionally `activate_adapter`) for many, with a progress bar."""
+        """`add_adapter` (and optionally `activate_adapter`) for many, with a progress bar.
+
+        All or nothing: every adapter is checked first (ids, modules, and for every layer
+        each one to activate, or every one when registering them evicts others), then they
+        are added.
+        """
         adapters = list(adapters)
-        self._check_room(adapters, activate, "add_adapters")
+        checked, plans = self._check_adds(adapters, activate, "add_adapters")
         added = []
         for adapter in _progress(adapters, "adding adapters", progress):
-            added.append(self.add_adapter(adapter))
+            new = adapter.id not in self._registered_adapters
+            if new:
+                self._register(adapter, checked=adapter.id in checked)
+            else:
+                self._touch_registered(adapter.id)
+            added.append(new)
             if activate:
-                self.activate_adapter(adapter.id)
+                self._activate(adapter.id, plans.get(adapter.id))
         return added
+
+    def _check_adds(
+        self, adapters: Sequence[LoRAAdapter], activate: bool, what: str
+    ) -> tuple[set[int], dict]:
+        """Every check `add_adapter` (and `activate_adapter`) makes, for all ``adapters``
+        before any is added. Returns the ids validated for every layer, and the slot plans
+        of those to activate by id (dropped when more than the slots: held at once they
+        could take much memory, and activation then prepares them again)."""
+        seen: dict[int, LoRAAdapter] = {}
+        for adapter in adapters:
+            if not isinstance(adapter, LoRAAdapter):
+                raise ValueError(f"{what}: expected LoRAAdapters, got a {type(adapter).__name__}")
+            _check_id(adapter.id, f"{what}: adapter {adapter.name!r}'s id")
+            prev = seen.setdefault(adapter.id, adapter)
+            if prev is not adapter and not _same_adapter(prev, adapter):
+                raise ValueError(
+                    f"{what}: adapters {prev.name!r} and {adapter.name!r} both have id "
+                    f"{adapter.id}; each adapter needs an id of its own"
+                )
+            if adapter.id in self._registered_adapters:
+                self._check_same(adapter, what)
+            else:
+                self._check_modules(adapter)
+        self._check_room(adapters, activate, what)
+        reg = self._registered_adapters
+        # Registering evicts (only the LRU manager gets here): then any adapter of the call
+        # may be evicted and registered again, each with an eviction, so all are checked.
+        evicts = sum(aid not in reg for aid in seen) > self.capacity - len(reg)
+        writes = [aid for aid in seen if activate and aid not in self._active_adapters]
+        keep = len(writes) <= self.lora_slots
+        checked, plans = set(), {}
+        for aid, adapter in seen.items():
+            if evicts or aid in writes:
+                held = _peek(reg, aid) if aid in reg else adapter
+                plan = self._plan_slot(0, held)
+                checked.add(aid)
+                if keep and aid in writes:
+                    plans[aid] = plan
+        return checked, plans
 
     def load_adapters(
         self,
@@ -270,11 +331,7 @@ class LoRAModelManager:
                 path, self.model, self.lora_config, adapter_id=first_id + i, name=name
             )
             loaded.append(adapter)
-        self._check_room(loaded, activate, "load_adapters")
-        for adapter in loaded:
-            self.add_adapter(adapter)
-            if activate:
-                self.activate_adapter(adapter.id)
+        self.add_adapters(loaded, activate=activate, progress=False)
         return loaded
 
     def _check_room(self, adapters: Sequence[LoRAAdapter], activate: bool, what: str) -> None:
@@ -367,7 +424,11 @@ class LoRAModelManager:
         return True
 
     def remove_all_adapters(self) -> None:
-        for aid in list(_keys(self._registered_adapters)):
+        """Removes every adapter; one in a merged slot (`ValueError`) stops the call before
+        any is removed."""
+        for aid in _keys(self._registered_adapters):
+            self._check_not_in_merged_slot(aid)
+        for aid in _keys(self._registered_adapters):
             self.remove_adapter(aid)
 
     def pin_adapter(self, adapter_id: int) -> bool:
@@ -587,8 +648,8 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
     def _make_active(self):
         return LRUCache(self.lora_slots, lambda key, _: self._free_slot(key))
 
-    def _register(self, adapter: LoRAAdapter) -> None:
-        if len(self._registered_adapters) >= self.capacity:
+    def _register(self, adapter: LoRAAdapter, *, checked: bool = False) -> None:
+        if len(self._registered_adapters) >= self.capacity and not checked:
             # Registering evicts the least recently used adapter: make sure this one can
             # be written at all first, so that a bad adapter costs no other adapter.
             self._plan_slot(0, adapter)

@@ -16,6 +16,8 @@ like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (`[r, in]`
    tensors of modules the config does not target (`target_modules`, `exclude_modules`,
    `target_parameters`, by PEFT's rules) are ignored with a warning, as PEFT ignores
    them; a saved copy of a base embedding / lm_head table must equal the model's;
+   training-only buffers (VeLoRA's `lora_velora_embed`: its forward is plain LoRA) are
+   skipped;
 4. folds the scaling into B: `alpha / r`, or `alpha / sqrt(r)` with rsLoRA, with `r` and
    `alpha` from `rank_pattern` / `alpha_pattern` when a pattern matches the module's name
    in the checkpoint (before any `name_map`; fused experts: `<module>.gate_up_proj` /
@@ -60,6 +62,9 @@ KEY_KINDS: dict[str, str] = {
 # vLLM (`is_base_embedding_weights`) they are not served, and must equal the model's
 # (`_check_base_table`).
 BASE_EMBEDDING_SUFFIXES = (".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight")
+# Buffers PEFT saves that only training reads: VeLoRA's projection compresses the
+# activations stored for the backward pass; its forward is plain LoRA, so they are skipped.
+TRAINING_ONLY_SUFFIXES = (".lora_velora_embed",)
 
 _ids = itertools.count(1)
 
@@ -278,6 +283,8 @@ def adapter_from_tensors(
     checkpoint_names: dict[str, str] = {}  # model module → the checkpoint's name for it
     untargeted = []
     for key, value in tensors.items():
+        if key.endswith(TRAINING_ONLY_SUFFIXES):
+            continue
         if key.endswith(BASE_EMBEDDING_SUFFIXES):
             raw = key[: -len(".base_layer.weight")]
             raw = raw[len(PEFT_PREFIX) :] if raw.startswith(PEFT_PREFIX) else raw

@@ -66,6 +66,30 @@ def _pattern_key(keys: Sequence[str], name: str) -> str | None:
     return None
 
 
+def _module_names(d: Mapping[str, Any], key: str, source: str) -> tuple[str, ...] | str | None:
+    """`target_modules` / `exclude_modules` of a config: None, one regex, or a list of
+    names (sorted, as PEFT keeps them in a set)."""
+    value = d.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list | tuple) and all(isinstance(t, str) for t in value):
+        return tuple(sorted(value))
+    raise ValueError(
+        f"{source}: {key}={value!r} must be a string (a regex matching whole module names), a "
+        "list of module names, or null"
+    )
+
+
+def _check_alpha(what: str, value, source: str) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, int | float)
+    try:
+        ok = ok and math.isfinite(value)
+    except OverflowError:  # an int beyond float range
+        ok = False
+    if not ok:
+        raise ValueError(f"{source}: {what}={value!r} must be a finite number")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PEFTConfig:
     """The parts of a PEFT `LoraConfig` that decide how an adapter is served.
@@ -175,6 +199,35 @@ class PEFTConfig:
         ]:
             if isinstance(r, bool) or not isinstance(r, int | np.integer) or r <= 0:
                 raise ValueError(f"{self.source}: {what}={r!r} must be a positive integer")
+        # Compiled here, in the form they are matched in, so that a bad pattern fails
+        # naming the file rather than as a bare `re.error` at the first module.
+        regexes = [
+            (f"{what}={t!r}", t)
+            for what, t in (
+                ("target_modules", self.target_modules),
+                ("exclude_modules", self.exclude_modules),
+            )
+            if isinstance(t, str) and t != ALL_LINEAR
+        ]
+        regexes += [
+            (f"{what} key {k!r}", rf"(.*\.)?({k})$")
+            for what, pairs in (
+                ("rank_pattern", self.rank_pattern),
+                ("alpha_pattern", self.alpha_pattern),
+            )
+            for k, _ in pairs
+        ]
+        regexes += [
+            (f"layers_pattern {p!r}", rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.")
+            for p in self.layers_pattern or ()
+        ]
+        for what, regex in regexes:
+            try:
+                re.compile(regex)
+            except re.error as e:
+                raise ValueError(
+                    f"{self.source}: {what} is not a valid regular expression ({e})"
+                ) from e
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str = CONFIG_NAME) -> PEFTConfig:
@@ -245,7 +298,13 @@ class PEFTConfig:
                 "save the adapter as plain LoRA with PEFT's "
                 "path_initial_model_for_weight_conversion"
             )
-        params = tuple(d.get("target_parameters") or ())
+        params = d.get("target_parameters") or ()
+        if not isinstance(params, list | tuple) or not all(isinstance(t, str) for t in params):
+            # a string would be split into its characters
+            raise ValueError(
+                f"{source}: target_parameters={params!r} must be a list of strings (or null)"
+            )
+        params = tuple(params)
         # PEFT's rule: an entry names a parameter equal to it or ending in ".entry"
         bad = [
             t
@@ -263,21 +322,29 @@ class PEFTConfig:
             )
         if "r" not in d or "lora_alpha" not in d:
             raise ValueError(f"{source}: needs 'r' and 'lora_alpha'")
-        targets = d.get("target_modules")
-        if targets is not None and not isinstance(targets, str):
-            targets = tuple(sorted(targets))
-        excluded = d.get("exclude_modules")
+        targets = _module_names(d, "target_modules", source)
+        excluded = _module_names(d, "exclude_modules", source)
         if excluded is not None and not isinstance(excluded, str):
-            excluded = tuple(sorted(excluded)) or None
+            excluded = excluded or None
+        _check_alpha("lora_alpha", d["lora_alpha"], source)
+        patterns = {}
+        for key in ("rank_pattern", "alpha_pattern"):
+            value = d.get(key) or {}
+            if not isinstance(value, dict):
+                raise ValueError(
+                    f"{source}: {key}={value!r} must be an object mapping module name patterns "
+                    f"to {'ranks' if key == 'rank_pattern' else 'alphas'}"
+                )
+            patterns[key] = tuple((str(k), v) for k, v in value.items())
+        for k, v in patterns["alpha_pattern"]:
+            _check_alpha(f"alpha_pattern[{k!r}]", v, source)
         return cls(
             r=d["r"],
             lora_alpha=float(d["lora_alpha"]),
             use_rslora=bool(d.get("use_rslora", False)),
             target_modules=targets,
-            rank_pattern=tuple((str(k), v) for k, v in (d.get("rank_pattern") or {}).items()),
-            alpha_pattern=tuple(
-                (str(k), float(v)) for k, v in (d.get("alpha_pattern") or {}).items()
-            ),
+            rank_pattern=patterns["rank_pattern"],
+            alpha_pattern=tuple((k, float(v)) for k, v in patterns["alpha_pattern"]),
             source=source,
             target_parameters=params,
             exclude_modules=excluded,

@@ -78,8 +78,11 @@ def _parse_header(raw: bytes, file: str) -> tuple[dict, int]:
         raise ValueError(f"{file}: corrupt safetensors header: {e}") from e
     if not isinstance(header, dict):
         raise ValueError(f"{file}: corrupt safetensors header (not an object)")
-    meta = header.get("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+    meta = header.get("__metadata__")
+    # null is no metadata, as the reference reader (an optional map) takes it
+    if meta is not None and (
+        not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())
+    ):
         raise ValueError(f"{file}: __metadata__ must map strings to strings")
     return header, n
 
