@@ -110,15 +110,19 @@ class VocabParallelEmbedding(nnx.Module):
         if self.rules.mesh is None:
             return (x2 @ table.T).reshape(*lead, -1)
         axis = self.rules.collective_axis("vocab")
+        embed_axis = self.rules.collective_axis("embed")  # a table split on D: partial sums
 
         def fn(xl, tl):
             out = xl @ tl.T
+            if embed_axis is not None:
+                out = jax.lax.psum(out, embed_axis)
             if gather and axis is not None:
                 out = jax.lax.all_gather(out, axis, axis=1, tiled=True)
             return out
 
         out_spec = (None, None) if gather else (None, "vocab")
-        out = shard_map(self.rules, fn, ((None, None), ("vocab", "embed")), out_spec)(x2, table)
+        specs = ((None, "embed"), ("vocab", "embed"))
+        out = shard_map(self.rules, fn, specs, out_spec)(x2, table)
         return out.reshape(*lead, -1)
 
 

@@ -586,3 +586,42 @@ def test_an_org_vocab_narrower_than_the_head_gives_the_base_width():
     np.testing.assert_array_equal(got[seq < 0], base[seq < 0])
     want = dense(w, adapters, x, seq)[:, :V0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_table_split_on_the_hidden_dim_gives_the_unsharded_logits(tie):
+    """Rules mapping "embed" to a mesh axis split the vocab tables (and the embedding /
+    lm_head LoRA stacks) on D, but the logits multiplied whole hidden states into the
+    local D slice: a shape error in the base model's lm_head / tied `attend`."""
+    from lora_jax.models import DecoderConfig, DecoderForCausalLM
+    from lora_jax.serving.wrap import lora_layers, wrap_model
+    from lora_jax.sharding import DEFAULT_RULES
+
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices")
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices()[:4])
+    rules = lj.ShardingRules(mesh, {**DEFAULT_RULES, "embed": "dp"})
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 4)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
+    slots = jnp.asarray([1, 1, 1, 1, -1, 1, -1, 1], jnp.int32)
+    outs = []
+    for r in (None, rules):
+        model = DecoderForCausalLM(
+            DecoderConfig.tiny(tie_word_embeddings=tie), rules=r, rngs=nnx.Rngs(0)
+        )
+        wrap_model(model, lj.LoRAConfig(max_loras=2, max_lora_rank=8))
+        rng = np.random.default_rng(1)
+        shapes = {"model.embed_tokens": ((4, 256), (64, 4)), "lm_head": ((4, 64), (256, 4))}
+        for name, (a_shape, b_shape) in shapes.items():  # PEFT's A [r, in], B [out, r]
+            layer = lora_layers(model).get(name)
+            if layer is not None:  # tied: no lm_head LoRA layer of its own
+                layer.set_lora(1, 0.1 * rng.normal(size=a_shape), 0.1 * rng.normal(size=b_shape))
+
+        @nnx.jit
+        def fwd(model):
+            with lj.lora_mapping(model, slots):
+                return model(ids, pos)[0]
+
+        outs.append(np.asarray(fwd(model)))
+    assert np.abs(outs[0][0] - outs[0][1]).max() > 1e-3  # the adapters act
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -298,11 +298,17 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
         check_mapping_slots(self.name, mapping, L)
         rules = self.rules
         axis = rules.collective_axis("vocab")
+        embed_axis = rules.collective_axis("embed")  # x, the table and A split on D
 
         def local(x, table_l, a, b_l, ranks, idx):
             y = x @ table_l.astype(dtype).T  # [N, V_pad / shards]
             m = make_lora_mapping(idx, L)
-            y = ops.add_lora_linear(y, x, (a,), (b_l,), m, 1.0, offsets=(0,), slot_ranks=ranks)
+            if embed_axis is None:
+                y = ops.add_lora_linear(y, x, (a,), (b_l,), m, 1.0, offsets=(0,), slot_ranks=ranks)
+            else:  # partial sums over D: the logits and the (N, r) shrink are summed
+                y = jax.lax.psum(y, embed_axis)
+                h = jax.lax.psum(ops.lora_shrink(x, (a,), m, 1.0, slot_ranks=ranks), embed_axis)
+                y = ops.lora_expand(y, h, (b_l,), m, offsets=(0,), slot_ranks=ranks)
             return y if axis is None else jax.lax.all_gather(y, axis, axis=1, tiled=True)
 
         args = (
@@ -317,7 +323,7 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
             logits = local(*args)
         else:
             specs = (
-                (None, None),
+                (None, "embed"),
                 ("vocab", "embed"),
                 self.A_AXES,
                 self.B_AXES,
