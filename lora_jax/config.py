@@ -52,6 +52,13 @@ class LoRAConfig:
             if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
                 raise ValueError(f"LoRAConfig.{field} must be an int, got {v!r}")
             object.__setattr__(self, field, int(v))  # numpy ints stored as Python ints
+        for field in ("fully_sharded_loras", "bias_enabled"):
+            v = getattr(self, field)
+            if not isinstance(v, bool | np.bool_):
+                # a "false" string or None would match no layer class and leave the
+                # linears without LoRA
+                raise ValueError(f"LoRAConfig.{field} must be a bool, got {v!r}")
+            object.__setattr__(self, field, bool(v))
         if self.max_loras < 1:
             raise ValueError(f"LoRAConfig.max_loras must be an int >= 1, got {self.max_loras!r}")
         if isinstance(self.lora_dtype, str) and self.lora_dtype == "auto":

@@ -72,6 +72,10 @@ ops alone (the expand 1.8 x XLA's), but XLA's gathers overlap the base model's G
 25: 16 tokens 6.63 -> 6.03 ms; session 41: 64 tokens 8.86 vs 8.96), and with two tokens
 an adapter they win at rank 64 too (64 tokens over 32 adapters: 13.91 -> 11.53 ms)."""
 _default_backend: str | None = os.environ.get("LORA_JAX_OPS_BACKEND") or None
+if _default_backend is not None and _default_backend not in BACKENDS:
+    raise ValueError(
+        f"LORA_JAX_OPS_BACKEND={_default_backend!r}: must be one of {BACKENDS} (or unset)"
+    )
 PALLAS_INTERPRET = False
 """Run the Pallas backends in interpret mode (CPU tests of the kernel paths)."""
 
@@ -361,7 +365,8 @@ def lora_expand(
     """Adds each slice's `h[s] @ B_s[idx].T` into `y [T, N]` at column `offsets[s]`.
 
     `offsets` defaults to the slices laid side by side from column 0. h is rounded to B's
-    bf16 / fp16 for the products unless y is f32 (vLLM's rule), on every backend. Every
+    bf16 / fp16 for the products unless y is f32, on every backend (vLLM rounds whenever B
+    is half precision; an f32 y keeps h in f32 here). Every
     slot's B must be finite, its padded rank columns included: the XLA backend multiplies
     the slots a token does not use by zero once tokens outnumber slots (the layers'
     `set_lora` refuses non-finite adapters and zero-pads ranks).

@@ -208,3 +208,27 @@ def test_lora_wrapper_keeps_a_subclassed_base_matmul():
     w = np.asarray(base.kernel[...])
     merged = np.asarray(x) @ (w + (b @ a).T) + 1.0
     np.testing.assert_allclose(y, merged, rtol=1e-4, atol=1e-4)
+
+
+def test_config_flags_must_be_bools():
+    """`fully_sharded_loras="false"` or None (from a YAML / CLI file) matched no linear
+    LoRA class, so `wrap_model` left every linear without LoRA."""
+    for field in ("fully_sharded_loras", "bias_enabled"):
+        for bad in (None, "false", 1):
+            with pytest.raises(ValueError, match=f"LoRAConfig.{field} must be a bool"):
+                lj.LoRAConfig(**{field: bad})
+    cfg = lj.LoRAConfig(fully_sharded_loras=np.bool_(True))
+    assert cfg.fully_sharded_loras is True
+
+
+def test_a_bad_ops_backend_variable_is_named_at_import():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LORA_JAX_OPS_BACKEND": "Pallas", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run(
+        [sys.executable, "-c", "import lora_jax"], env=env, capture_output=True, text=True
+    )
+    assert run.returncode != 0
+    assert "LORA_JAX_OPS_BACKEND='Pallas': must be one of" in run.stderr

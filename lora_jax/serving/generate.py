@@ -8,7 +8,8 @@ request's; the step sets it with `set_lora_mapping(model, token_slots[B*S],
 seq_lora_indices=slots[B])` inside the jit, so a new adapter, a new mix of adapters or new
 prompts in the same buckets never recompile: compiles happen once per
 (batch bucket, prompt bucket, new-token bucket, sampling mode), and on a GPU the decode
-loop once per tokens-per-slot hint (`decode_hint`: 1, 2 or more tokens an adapter).
+loop once per tokens-per-slot hint (`decode_hint`: the `TOKENS_PER_SLOT` bucket of the
+requests' slots, 1, 2, 64 or 0 below 257 requests).
 
 The decode loop is compiled with `lora_jax.compile_options.decode_compiler_options()`: on a
 GPU, XLA then runs kernels with no data dependence side by side (a layer's LoRA shrink

@@ -6,7 +6,7 @@ like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (`[r, in]`
 `lora_embedding_B` (`[D, r]`). Loading:
 
 1. reads the config and refuses what cannot be served exactly (DoRA, aLoRA, QALoRA,
-   `modules_to_save`, LoRA bias, layer filters or replication, initialisations that
+   `modules_to_save`, LoRA bias, layer replication, initialisations that
    changed the base weights such as PiSSA / OLoRA / LoftQ, ranks outside
    `[1, max_lora_rank]`);
 2. reads the safetensors file with a strict parser (never unpickles; a `.bin`
