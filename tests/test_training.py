@@ -43,7 +43,8 @@ def _op_inputs(T=16, H=32, N=(32, 16), R=16, L=4, seed=0):
     a = [jax.random.normal(k[1 + s], (L, R, H)) / 4 for s in range(len(N))]
     b = [jax.random.normal(k[3 + s], (L, n, R)) / 4 for s, n in enumerate(N)]
     idx = jnp.asarray(np.random.default_rng(seed).integers(-1, L, T), jnp.int32)
-    ranks = jnp.asarray([[3, 16, 5, 8], [16, 2, 0, 9]][: len(N)], jnp.int32)
+    ranks = np.resize(np.array([[3, 16, 5, 8], [16, 2, 0, 9]]), (2, L))[: len(N)]
+    ranks = jnp.asarray(np.minimum(ranks, R), jnp.int32)  # [S, L]: below the max in some
     return x, a, b, make_lora_mapping(idx, L), ranks
 
 
@@ -89,6 +90,23 @@ def test_shrink_and_expand_gradients_on_the_kernels(interpret):
         got = jax.grad(f, argnums=(0, 1))(*args, "pallas")
         for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["pallas", "pallas_fused"])
+def test_op_gradients_through_the_gpu_kernels(backend):
+    """On the GPU the forward pass runs the compiled kernels (Triton / Mosaic GPU); the
+    gradient is the XLA backend's at the kernels' output."""
+    x, a, b, m, ranks = _op_inputs(T=512, H=256, N=(256, 128), R=16, L=8)
+    y0 = jnp.zeros((512, 384), jnp.float32)
+
+    def loss(x, a, b, backend):
+        y = ops.add_lora_linear(y0, x, a, b, m, 0.5, slot_ranks=ranks, backend=backend)
+        return jnp.sum(jnp.sin(y))
+
+    f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    for w, g in zip(jax.tree.leaves(f(x, a, b, "xla")), jax.tree.leaves(f(x, a, b, backend))):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-2, atol=1e-2)
 
 
 # -- a model with a slot to train -------------------------------------------------------------
