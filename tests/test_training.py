@@ -172,7 +172,7 @@ def test_init_lora_slot_refuses_and_changes_nothing():
     init_lora_slot(model, 0, 4, seed=1)
     before = _stacks(model)
     bad = [
-        (dict(slot=3, rank=4), "outside"),
+        (dict(slot=3, rank=4), r"slot must be an int in \[0, 3\)"),
         (dict(slot=1, rank=MAX_RANK + 1), "rank 9 is outside"),
         (dict(slot=1, rank=0), "positive int"),
         (dict(slot=True, rank=4), "slot must be an int"),
@@ -319,3 +319,99 @@ def test_gradients_on_a_mesh_equal_the_unsharded_ones(mesh_shape):
     assert len(flat_want) == len(flat_got) and any(np.abs(g).max() > 1e-4 for g in flat_want)
     for want, got in zip(flat_want, flat_got):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_init_lora_slot_resets_the_layers_it_does_not_target():
+    """A slot re-initialised on fewer modules kept the old adapter in the others (logits
+    0.55 off the base, and exported with the new one)."""
+    model = _model()
+    ids, pos = _batch()
+    base = np.asarray(_logits(model, ids, pos, jnp.full(32, -1, jnp.int32)))
+    init_lora_slot(model, 1, 8, seed=1)
+    for layer in trainable_layers(model).values():  # as if trained: B != 0
+        for v in layer.lora_b:
+            v.set_value(v[...].at[1].set(0.05))
+    model.model.embed_tokens.set_lora(1, np.ones((4, 256)), np.ones((64, 4)))
+    init_lora_slot(model, 1, 4, seed=2, target_modules=["q_proj", "v_proj"])
+    got = np.asarray(_logits(model, ids, pos, jnp.full(32, 1, jnp.int32)))
+    np.testing.assert_array_equal(got, base)
+    ranks = {
+        name: np.asarray(layer.slot_ranks[...])[..., 1].tolist()
+        for name, layer in lj.serving.wrap.lora_layers(model).items()
+        if "layers.0" in name or "embed" in name
+    }
+    assert ranks["model.embed_tokens"] == [0]
+    assert ranks["model.layers.0.self_attn.qkv_proj"] == [4, 0, 4]
+    assert ranks["model.layers.0.mlp.down_proj"] == [0]
+
+
+def test_init_lora_slot_refuses_bad_targets_and_slots_by_name():
+    model = _model()
+    before = _stacks(model)
+    for kw, msg in [
+        (dict(target_modules="(q_proj"), "init_lora_slot: target_modules regex"),
+        (dict(target_modules=["q_proj", None]), "non-empty strings"),
+        (dict(target_modules={"q_proj": 4}), "must be a list of module names"),
+        (dict(target_modules=["nothing"]), "match no linear LoRA layer"),
+        (dict(slot=7), r"slot must be an int in \[0, 3\)"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            init_lora_slot(model, **{"slot": 1, "rank": 4, **kw})
+    jax.tree.map(np.testing.assert_array_equal, _stacks(model), before)
+
+
+def test_a_module_over_several_slices_is_not_trained():
+    """A variable-slice layer saved as one checkpoint module got one A per slice, which
+    training moved apart: the export then refused the slot."""
+    from lora_jax.linear import MergedColumnParallelLinear
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.fused_proj = MergedColumnParallelLinear(16, [8, 8, 16], rngs=nnx.Rngs(0))
+            self.out_proj = lj.ReplicatedLinear(32, 16, rngs=nnx.Rngs(1))
+
+    net = Net()
+    wrap_model(
+        net,
+        lj.LoRAConfig(max_loras=2, max_lora_rank=8),
+        packed_modules_mapping={"fused_proj": ["fused_proj"]},
+    )
+    assert net.fused_proj.n_slices == 3
+    with pytest.raises(ValueError, match="one checkpoint module .* over 3 LoRA slices"):
+        init_lora_slot(net, 1, 4, target_modules=["fused_proj"])
+    assert init_lora_slot(net, 1, 4) == ["out_proj"]  # skipped by "all-linear"
+
+
+def test_export_refuses_bad_dtypes_and_name_maps(tmp_path):
+    model = _trained()
+    for dtype, msg in [(np.int32, "must be a float dtype"), ("nope", "is not a dtype")]:
+        with pytest.raises(ValueError, match=msg):
+            save_peft_adapter(model, 1, tmp_path / "x", dtype=dtype)
+    layer = model.model.layers[0].mlp.down_proj
+    layer.lora_b[0].set_value(layer.lora_b[0][...].at[1].set(7e4))  # past f16's range
+    with pytest.raises(ValueError, match="past float16's range"):
+        save_peft_adapter(model, 1, tmp_path / "x", dtype=np.float16)
+    with pytest.raises(ValueError, match="name_map gives 'same'"):
+        save_peft_adapter(model, 1, tmp_path / "x", name_map=lambda n: "same")
+    with pytest.raises(ValueError, match="it must give a name"):
+        save_peft_adapter(model, 1, tmp_path / "x", name_map=lambda n: None)
+    assert not (tmp_path / "x").exists()
+
+
+def test_exported_targets_name_exactly_the_modules_when_others_share_their_leaf(tmp_path):
+    """Only layer 0's o_proj wrapped: the leaf list ["o_proj"] made PEFT put empty LoRA on
+    layer 1's o_proj too; a regex of exactly the exported modules does not."""
+    import re
+
+    model = DecoderForCausalLM(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
+    wrap_model(
+        model,
+        lj.LoRAConfig(max_loras=2, max_lora_rank=8),
+        target_modules=r"model\.layers\.0\.self_attn\.o_proj",
+    )
+    init_lora_slot(model, 1, 4)
+    save_peft_adapter(model, 1, tmp_path / "o")
+    targets = json.loads((tmp_path / "o" / "adapter_config.json").read_text())["target_modules"]
+    assert isinstance(targets, str)
+    assert re.fullmatch(targets, "model.layers.0.self_attn.o_proj")
+    assert not re.fullmatch(targets, "model.layers.1.self_attn.o_proj")

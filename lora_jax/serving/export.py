@@ -19,6 +19,7 @@ import os
 import re
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from lora_jax.linear import unpack_shards
@@ -28,6 +29,7 @@ from lora_jax.serving.peft import (
     WEIGHTS_NAME,
     LoRAAdapter,
     ModuleLoRA,
+    _module_index,
     write_safetensors,
 )
 from lora_jax.serving.training import trainable_layers
@@ -137,19 +139,28 @@ def _checkpoint_modules(model, adapter: LoRAAdapter) -> dict[str, tuple[np.ndarr
 
 
 def _targets(model, mods: list[str], name_map) -> list[str] | str:
-    """PEFT's `target_modules`: leaf names when the adapter covers every module of those
-    leaves, else a regex of exactly its modules (PEFT would add empty LoRA elsewhere)."""
-    every = [
-        m
-        for name, layer in trainable_layers(model).items()
-        for m in packed_names(name, layer_packed_modules(name, layer))
-    ]
-    if name_map is not None:
-        every = [name_map(m) for m in every]
-    leaves = sorted({m.rpartition(".")[2] for m in mods})
-    if {m for m in every if m.rpartition(".")[2] in leaves} == set(mods):
-        return leaves
+    """PEFT's `target_modules`: leaf names when the adapter covers every module of the
+    model with those leaves, else a regex of exactly its modules (PEFT would put an empty
+    LoRA on the others, and warn of missing keys)."""
+    if name_map is None:
+        _, _, every = _module_index(model)  # every module and packed member name
+        leaves = sorted({m.rpartition(".")[2] for m in mods})
+        if {m for m in every if m.rpartition(".")[2] in leaves} == set(mods):
+            return leaves
     return "(" + "|".join(re.escape(m) for m in sorted(mods)) + ")"
+
+
+def _mapped(modules: dict, name_map) -> dict:
+    """The checkpoint's names through ``name_map``: strings, one module each."""
+    out, source = {}, {}
+    for mod, value in modules.items():
+        new = name_map(mod)
+        if not isinstance(new, str) or not new:
+            raise ValueError(f"export: name_map({mod!r}) gave {new!r}; it must give a name")
+        if new in out:
+            raise ValueError(f"export: name_map gives {new!r} for both {source[new]!r} and {mod!r}")
+        out[new], source[new] = value, mod
+    return out
 
 
 def save_peft_adapter(
@@ -171,13 +182,26 @@ def save_peft_adapter(
         >>> save_peft_adapter(model, 1, "adapters/tuned")  # doctest: +SKIP
         'adapters/tuned'
     """
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"export: dtype {dtype!r} is not a dtype") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"export: dtype must be a float dtype (f32, bf16, f16), got {dtype}")
     modules = _checkpoint_modules(model, adapter_from_slot(model, slot))
     if name_map is not None:
-        modules = {name_map(k): v for k, v in modules.items()}
+        modules = _mapped(modules, name_map)
     tensors, ranks = {}, {}
     for mod, (a, b) in modules.items():
-        tensors[f"{PEFT_PREFIX}{mod}.lora_A.weight"] = np.asarray(a).astype(dtype)  # [r, in]
-        tensors[f"{PEFT_PREFIX}{mod}.lora_B.weight"] = np.asarray(b).astype(dtype)  # [out, r]
+        for kind, value in (("A", a), ("B", b)):  # A [r, in], B [out, r]
+            with np.errstate(over="ignore"):
+                stored = np.asarray(value).astype(dtype)
+            if not np.isfinite(stored.astype(np.float32)).all():
+                raise ValueError(
+                    f"export: {mod} lora_{kind} has values past {dtype.name}'s range; save "
+                    "it in a wider dtype"
+                )
+            tensors[f"{PEFT_PREFIX}{mod}.lora_{kind}.weight"] = stored
         ranks[mod] = int(a.shape[0])
     r = max(ranks.values())
     pattern = {re.escape(mod): rk for mod, rk in ranks.items() if rk != r}

@@ -23,7 +23,6 @@ On a GPU the forward pass runs the kernels and the backward pass XLA's gather ei
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import jax
@@ -33,8 +32,14 @@ import optax
 
 from lora_jax.layers.base import BaseLayerWithLoRA
 from lora_jax.layers.moe import FusedMoEWithLoRA
+from lora_jax.serving.merge import merged_slot
 from lora_jax.serving.peft_config import matches_targets
-from lora_jax.serving.wrap import layer_packed_modules, lora_layers, packed_names
+from lora_jax.serving.wrap import (
+    _normalize_targets,
+    layer_packed_modules,
+    lora_layers,
+    packed_names,
+)
 
 
 def trainable_layers(model) -> dict[str, BaseLayerWithLoRA]:
@@ -60,10 +65,15 @@ def init_lora_slot(
 
     Each targeted module (a packed layer's members each their own: `q_proj`, `k_proj`,
     ...) gets A `[rank, in]` drawn from `U(-1/sqrt(in), 1/sqrt(in))` (PEFT's
-    `kaiming_uniform_(a=sqrt(5))`) and B `[out, rank]` zero. ``target_modules`` as in
+    `kaiming_uniform_(a=sqrt(5))`) and B `[out, rank]` zero; every other LoRA layer's
+    slot is reset, so the slot is exactly the base model. ``target_modules`` as in
     PEFT (leaf names or a full-match regex of checkpoint names); None: every linear LoRA
-    layer (PEFT's "all-linear": no embedding, lm_head or MoE experts). The layers'
-    `set_lora` checks everything first; a layer that refuses leaves no slot changed.
+    layer (PEFT's "all-linear": no embedding, lm_head or MoE experts). Everything is
+    checked before the first write: on error no slot changes.
+
+    A layer whose one checkpoint module spans several LoRA slices (a packed module of 3+
+    output slices saved as one) is refused when targeted and skipped otherwise: its
+    slices train their A apart, and the result is no longer one PEFT module.
 
     Example:
         >>> init_lora_slot(model, 1, 8, target_modules=["v_proj"])  # doctest: +SKIP
@@ -71,17 +81,23 @@ def init_lora_slot(
     """
     if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or rank < 1:
         raise ValueError(f"init_lora_slot: rank must be a positive int, got {rank!r}")
-    if isinstance(slot, bool) or not isinstance(slot, int | np.integer):
-        raise ValueError(f"init_lora_slot: slot must be an int, got {slot!r}")
-    if isinstance(target_modules, str):
-        targets = target_modules
-    elif target_modules is not None:
-        targets = tuple(target_modules)
-    else:
-        targets = None
+    everything = lora_layers(model)
+    if not everything:
+        raise ValueError("init_lora_slot: the model has no LoRA layers (wrap_model it first)")
+    L = next(iter(everything.values())).lora_config.max_loras
+    if isinstance(slot, bool) or not isinstance(slot, int | np.integer) or not 0 <= slot < L:
+        raise ValueError(f"init_lora_slot: slot must be an int in [0, {L}), got {slot!r}")
+    if merged_slot(model) == int(slot):
+        raise ValueError(
+            f"init_lora_slot: slot {slot} is merged into the base weights; unmerge_adapter first"
+        )
+    try:
+        targets = _normalize_targets(target_modules)
+    except ValueError as e:
+        raise ValueError(f"init_lora_slot: {str(e).removeprefix('wrap_model: ')}") from e
     _check_targets(model, targets)
     rng = np.random.default_rng(seed)
-    plans, covered = [], []
+    plans, covered = {}, []
     for name, layer in trainable_layers(model).items():
         members = packed_names(name, layer_packed_modules(name, layer))
         if len(members) not in (1, layer.n_slices):
@@ -92,19 +108,29 @@ def init_lora_slot(
         chosen = [targets is None or matches_targets(targets, m) for m in members]
         if not any(chosen):
             continue
+        if len(members) == 1 and layer.n_slices > 1:
+            if targets is None:
+                continue
+            raise ValueError(
+                f"init_lora_slot: {name} is one checkpoint module ({members[0]}) over "
+                f"{layer.n_slices} LoRA slices, each with its own A: trained, they would "
+                "no longer be one PEFT module"
+            )
         fan_in = layer.base_layer.in_features
         bound = 1.0 / np.sqrt(fan_in)
         a = rng.uniform(-bound, bound, (len(members), rank, fan_in)).astype(np.float32)
-        b = [np.zeros((out, rank), np.float32) for out in layer.logical_slice_sizes]
-        if len(members) == 1:  # one module over every slice: one A, B cut per slice
-            a_list, b_list = [a[0]] * layer.n_slices, b
-        else:  # a module per slice, each its own A [r, in] and B [out_s, r]
-            a_list = [a_s if keep else None for a_s, keep in zip(a, chosen)]
-            b_list = [b_s if keep else None for b_s, keep in zip(b, chosen)]
-        plans.append((layer, layer.prepare_lora(slot, a_list, b_list)))
+        a_list = [a_s if keep else None for a_s, keep in zip(a, chosen)]  # [r, in]
+        b_list = [  # [out_s, r]
+            np.zeros((out, rank), np.float32) if keep else None
+            for out, keep in zip(layer.logical_slice_sizes, chosen)
+        ]
+        plans[name] = layer.prepare_lora(slot, a_list, b_list)
         covered += [m for m, keep in zip(members, chosen) if keep]
-    for layer, prepared in plans:  # every layer checked before the first write
-        layer.write_lora(slot, prepared)
+    for name, layer in everything.items():  # every layer checked before the first write
+        if name in plans:
+            layer.write_lora(slot, plans[name])
+        else:
+            layer.reset_lora(slot)
     return covered
 
 
@@ -131,9 +157,9 @@ def _check_targets(model, targets) -> None:
         for m in packed_names(name, layer_packed_modules(name, layer))
     ]
     if not any(matches_targets(targets, m) for m in names):
-        warnings.warn(
-            f"init_lora_slot: target_modules {targets!r} match no linear LoRA layer",
-            stacklevel=3,
+        raise ValueError(
+            f"init_lora_slot: target_modules {targets!r} match no linear LoRA layer; its "
+            f"modules: {sorted({m.rpartition('.')[2] for m in names})}"
         )
 
 
