@@ -10,7 +10,12 @@ where ``meta`` holds ``token_lora_indices``, ``sorted_token_ids``,
 ``slot_token_counts``, ``slot_token_starts``, ``active_slots`` and
 ``num_active`` as built by ``lora_jax.mapping``, and optionally ``work_lists``
 (`build_work_lists`: the per-step schedules, so that ops sharing a mapping do not
-each rebuild theirs).
+each rebuild theirs). The metadata must be one step's, as `lora_jax.mapping` builds it:
+``token_lora_indices`` in ``[-1, max_loras)`` (-1 = no adapter; the mapping makes any
+other value -1), the rest derived from those indices. The kernels do not check values
+on the device: an index past the slots reads out of bounds in the per-token and
+rectangle kernels, and metadata of another step computes other tokens' rows. The jnp
+references treat an index past the slots as -1.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ def _check_rect(bs: BlockSizes, num_tokens: int, whole_tiles, mosaic) -> None:
         )
 
 
+@checks.static_args
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -230,6 +236,7 @@ def lora_shrink(
     )
 
 
+@checks.static_args
 @functools.partial(
     jax.jit,
     static_argnames=(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
@@ -160,6 +162,16 @@ class BlockSizes:
     """
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):  # a float tile or count failed later, unnamed
+            v = getattr(self, field.name)
+            if field.type == "bool":
+                if not isinstance(v, bool | np.bool_):
+                    raise ValueError(f"BlockSizes.{field.name}={v!r}: must be True or False.")
+                object.__setattr__(self, field.name, bool(v))
+            elif field.type == "int":
+                if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
+                    raise ValueError(f"BlockSizes.{field.name}={v!r}: must be an int.")
+                object.__setattr__(self, field.name, int(v))
         for f in ("block_m", "block_k", "block_r", "block_n"):
             v = getattr(self, f)
             if v < 16 or v & (v - 1):

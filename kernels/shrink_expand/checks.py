@@ -4,7 +4,12 @@ allowed."""
 
 from __future__ import annotations
 
+import functools
+import operator
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 FLOATS = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -84,3 +89,45 @@ def check_disjoint(op: str, widths, offsets) -> None:
                 f"{op}: slices {s} and {t} overlap at columns [{start}, {end}); every "
                 "slice needs columns of its own."
             )
+
+
+def static_args(op):
+    """Wraps a public jitted op: `jax.jit` hashes static arguments before the body runs,
+    so ``offsets`` given as a list or array and ``scale`` given as a numpy / concrete jax
+    scalar are made Python values first; a traced ``scale`` or a non-integer offset is
+    refused by name (a raw hash error, or a silently truncated offset, before)."""
+
+    @functools.wraps(op)
+    def run(*args, **kwargs):
+        if "offsets" in kwargs:
+            kwargs["offsets"] = _static_offsets(kwargs["offsets"])
+        if "scale" in kwargs:
+            kwargs["scale"] = _static_scale(kwargs["scale"])
+        return op(*args, **kwargs)
+
+    return run
+
+
+def _static_offsets(offsets) -> tuple[int, ...]:
+    try:
+        values = list(np.asarray(offsets).reshape(-1)) if np.ndim(offsets) else [offsets]
+        if np.ndim(offsets) == 0:
+            raise TypeError
+        return tuple(operator.index(o) for o in values)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise ValueError(
+            f"offsets must be a sequence of ints known at trace time, got {offsets!r}"
+        ) from e
+
+
+def _static_scale(scale) -> float:
+    if isinstance(scale, bool | np.bool_):
+        raise ValueError(f"scale must be a number, got {scale!r}")
+    try:
+        return float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError,
+            jax.errors.TracerArrayConversionError) as e:  # fmt: skip
+        raise ValueError(
+            "scale is a static (Python) number of the kernels; a traced or array scale "
+            "multiplies the output afterwards (lora_jax.ops does so)"
+        ) from e

@@ -222,6 +222,7 @@ def shrink_expand(
     )(*inputs)
 
 
+@checks.static_args
 @functools.partial(jax.jit, static_argnames=("offsets", "scale", "block_sizes", "interpret"))
 def lora_shrink_expand(
     x: jax.Array,

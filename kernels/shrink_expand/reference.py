@@ -48,7 +48,7 @@ def lora_shrink_reference(
     del sorted_token_ids, slot_token_counts, slot_token_starts, active_slots, num_active
     del block_sizes, interpret
     idx = token_lora_indices  # [T]
-    valid = idx >= 0
+    valid = (idx >= 0) & (idx < lora_a[0].shape[0])  # as lora_jax.mapping cleans them
     safe = jnp.where(valid, idx, 0)
     outs = []
     for s, a in enumerate(lora_a):  # a: [L, R, H]
@@ -95,7 +95,7 @@ def lora_expand_reference(
     del sorted_token_ids, slot_token_counts, slot_token_starts, active_slots, num_active
     del block_sizes, interpret
     idx = token_lora_indices  # [T]
-    valid = idx >= 0
+    valid = (idx >= 0) & (idx < lora_b[0].shape[0])  # as lora_jax.mapping cleans them
     safe = jnp.where(valid, idx, 0)
     out = y
     for s, (b, off) in enumerate(zip(lora_b, offsets, strict=True)):  # b: [L, n_s, R]

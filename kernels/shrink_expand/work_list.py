@@ -164,8 +164,9 @@ def get_work_list(
     if tuple(tab.shape) != expected or tab.dtype != jnp.int32:
         raise ValueError(
             f"work_lists[{block_m}] is {tab.dtype}{list(tab.shape)}; expected int32"
-            f"{list(expected)} for {num_tokens} tokens and "
-            f"{slot_token_counts.shape[0]} slots (build it with build_work_lists)."
+            f"{list(expected)}, the shape for {num_tokens} tokens and "
+            f"{slot_token_counts.shape[0]} slots (build it with build_work_lists from this "
+            "step's metadata: only its shape is checked)."
         )
     return tab
 

@@ -131,3 +131,58 @@ def test_xla_path_keeps_each_slots_true_rank():
         got = ops.lora_expand(y, h, b, m, slot_ranks=ranks, backend="xla")
         want = lora_expand_reference(y, h, b, offsets=(0,), **kw)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_static_arguments_in_any_form_and_traced_scales_named():
+    """jax.jit hashed `offsets` (a list or array: a raw hash error) and `scale` (a traced
+    or jnp scalar) before the body ran; non-integer offsets were truncated."""
+    import jax
+
+    rng = np.random.default_rng(0)
+    T, R, L = 8, 16, 2
+    idx = rng.integers(-1, L, T).astype(np.int32)
+    meta = make_metadata(idx, L)
+    a = (jnp.asarray(rng.normal(size=(L, R, 24)), jnp.float32),) * 2
+    b = tuple(jnp.asarray(rng.normal(size=(L, 16, R)), jnp.float32) for _ in range(2))
+    x = jnp.asarray(rng.normal(size=(T, 24)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(T, 40)), jnp.float32)
+    h = lora_shrink(x, a, **meta, scale=0.5, interpret=True)
+    want = _numpy_expand(y, h, b, (0, 24), idx)
+    for offsets in ([0, 24], np.array([0, 24]), (np.int64(0), jnp.int32(24))):
+        got = lora_expand(y, h, b, offsets=offsets, **meta, interpret=True)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+        fused = lora_shrink_expand(x, y, a, b, offsets=offsets, scale=0.5, **meta, interpret=True)
+        np.testing.assert_allclose(np.asarray(fused), want, rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="offsets must be a sequence of ints"):
+        lora_expand(y, h, b, offsets=(0, 24.5), **meta, interpret=True)
+    np.testing.assert_array_equal(
+        np.asarray(lora_shrink(x, a, **meta, scale=np.float32(0.5), interpret=True)),
+        np.asarray(h),
+    )
+    with pytest.raises(ValueError, match="scale is a static"):
+        jax.jit(lambda s: lora_shrink(x, a, **meta, scale=s, interpret=True))(0.5)
+
+
+def test_block_sizes_fields_must_have_their_types():
+    from lora_jax.kernels import BlockSizes
+
+    for kw in ({"block_m": 16.0}, {"split_k": 2.5}, {"num_warps": True}, {"per_token": 1}):
+        with pytest.raises(ValueError, match=f"BlockSizes.{next(iter(kw))}="):
+            BlockSizes(**kw)
+    assert BlockSizes(block_m=np.int64(32)).block_m == 32
+
+
+def test_the_references_treat_indices_past_the_slots_as_unmapped():
+    """lora_jax.mapping makes such indices -1; the references clamped them to the last
+    slot (a third answer beside the kernels')."""
+    rng = np.random.default_rng(0)
+    L, R = 3, 16
+    idx = np.array([0, 1, 2, 3, 7, -1], np.int32)
+    a = (jnp.asarray(rng.normal(size=(L, R, 24)), jnp.float32),)
+    b = (jnp.asarray(rng.normal(size=(L, 16, R)), jnp.float32),)
+    x = jnp.asarray(rng.normal(size=(6, 24)), jnp.float32)
+    h = lora_shrink_reference(x, a, token_lora_indices=jnp.asarray(idx))
+    assert not np.asarray(h)[0, 3:].any() and np.asarray(h)[0, 2].any()
+    y = jnp.zeros((6, 16))
+    out = lora_expand_reference(y, h + 1.0, b, offsets=(0,), token_lora_indices=jnp.asarray(idx))
+    assert not np.asarray(out)[3:].any() and np.asarray(out)[:3].any()
