@@ -17,8 +17,11 @@ The stacks hold B with the scaling folded in (`alpha / r` is 1 for a slot made h
 the exported adapter says `lora_alpha = r`. A manager serving the same model does not know
 of the slot: train in one it holds no adapter in (`manager.lora_index_to_id` shows None
 there) and activate nothing else meanwhile, or it may write another adapter over it.
-On a GPU the forward pass runs the kernels and the backward pass XLA's gather einsums
-(the kernels have no autodiff); the backward's cost was not measured on the GPU.
+An optax optimizer over `nnx.LoRAParam` keeps state for every slot (Adam: two copies of
+all the stacks): a large model trains best in a copy with few slots (`max_loras=1`),
+whose saved adapter the serving model then loads. On a GPU the forward pass runs the
+kernels and the backward pass XLA's gather einsums (the kernels have no autodiff); the
+backward's cost was not measured on the GPU.
 """
 
 from __future__ import annotations
