@@ -415,3 +415,28 @@ def test_exported_targets_name_exactly_the_modules_when_others_share_their_leaf(
     assert isinstance(targets, str)
     assert re.fullmatch(targets, "model.layers.0.self_attn.o_proj")
     assert not re.fullmatch(targets, "model.layers.1.self_attn.o_proj")
+
+
+@pytest.mark.parametrize("tokens", [256, 2048])
+def test_the_gradient_through_the_kernels_lowers_for_cuda(tokens):
+    """The backward pass of a forward that ran the Triton (and, for prompts, Mosaic GPU)
+    kernels lowers for CUDA: the kernels forward, XLA's einsums backward."""
+    from tests.kernels.shrink_expand_test_base import abstract_gpu_context
+
+    hidden, rank, L = 1024, 64, 4
+    idx = jnp.asarray(np.repeat(np.arange(L), tokens // L), jnp.int32)  # L prompts
+    m = lj.make_lora_mapping(idx, L)
+    x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
+    a = jax.ShapeDtypeStruct((L, rank, hidden), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((L, hidden, rank), jnp.bfloat16)
+
+    def loss(x, a, b):
+        y = ops.add_lora_linear(
+            jnp.zeros((tokens, hidden), jnp.bfloat16), x, [a], [b], m, 0.5, backend="pallas"
+        )
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    with abstract_gpu_context():
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, a, b)
+        text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
