@@ -137,6 +137,13 @@ def clean_slots(indices, max_loras: int, what: str = "seq_lora_indices") -> jax.
     if isinstance(indices, np.ndarray):
         wide = indices.astype(np.int64)
         return jnp.asarray(np.where((wide >= 0) & (wide < max_loras), wide, -1).astype(np.int32))
+    return _clean_device_slots(indices, int(max_loras))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _clean_device_slots(indices: jax.Array, max_loras: int) -> jax.Array:
+    # one dispatch for an eager caller (inlined under an outer jit); the range test in the
+    # input's own dtype, so a 64-bit id cannot wrap into a slot
     return jnp.where((indices >= 0) & (indices < max_loras), indices, -1).astype(jnp.int32)
 
 

@@ -841,3 +841,33 @@ def test_token_mapping_takes_requests_and_adapters_by_id():
         with pytest.raises(ValueError, match=f"must be an int or None .*, got {got}$") as e:
             mgr.token_mapping([7, bad])
         assert len(str(e.value)) < 200
+
+
+def test_host_cost_of_a_step_does_not_grow_with_the_cpu_cache(monkeypatch):
+    """A worker step walked every LoRA layer once per registered adapter (finding the
+    merged slots), and `token_mapping` compared a copy's weights once per request: the
+    walks and comparisons are counted, not timed."""
+    from lora_jax.serving import manager as manager_mod
+
+    model, mgr = _setup(max_loras=2, max_cpu_loras=16)
+    adapters = _adapters(model, n=16)
+    mgr.add_adapters(list(adapters.values()))
+    walks = []
+    real = LRUCacheLoRAModelManager._merged_slots
+    monkeypatch.setattr(
+        LRUCacheLoRAModelManager, "_merged_slots", lambda self: walks.append(1) or real(self)
+    )
+    mgr.set_active_adapters([1, 2])
+    mgr.set_active_adapters([LoRARequest("a1", 1, ""), 2])
+    assert len(walks) <= 8, len(walks)  # was 16 + ... per step
+    compares = []
+    real_same = manager_mod._same_adapter
+    monkeypatch.setattr(
+        manager_mod, "_same_adapter", lambda a, b: compares.append(1) or real_same(a, b)
+    )
+    copy = dataclasses.replace(adapters[1])  # an equal copy of a registered adapter
+    slots = mgr.token_mapping([copy] * 32 + [2])
+    assert slots.tolist() == [mgr.slot_of(1)] * 32 + [mgr.slot_of(2)]
+    assert len(compares) == 1
+    mgr.set_active_adapters([copy, dataclasses.replace(adapters[1]), 2])
+    assert len(compares) <= 4

@@ -163,14 +163,16 @@ class LoRAModelManager:
             >>> mgr.token_mapping([3, None, 3])  # doctest: +SKIP
             array([ 1, -1,  1], dtype=int32)
         """
-        slots = []
+        slots, checked = [], set()  # adapter objects found the same as the registered one
         for i, req in enumerate(request_adapter_ids):
             aid = req
             if isinstance(req, LoRAAdapter | LoRARequest):  # by id, as set_active_adapters
                 aid = req.id if isinstance(req, LoRAAdapter) else req.lora_int_id
                 _check_id(aid, f"token_mapping: request {i}'s adapter id")
-                if isinstance(req, LoRAAdapter) and aid in self._registered_adapters:
+                registered = isinstance(req, LoRAAdapter) and aid in self._registered_adapters
+                if registered and id(req) not in checked:  # weights compared once a call
                     self._check_same(req, "token_mapping")
+                    checked.add(id(req))
             elif isinstance(req, bool | np.bool_) or not isinstance(req, int | np.integer | None):
                 # a scalar by value, anything else by type: its repr may be a whole array
                 scalar = isinstance(req, bool | np.bool_ | float | np.floating | str)
@@ -578,6 +580,7 @@ class LoRAModelManager:
 
     def _distinct(self, requests) -> dict[int, Any]:
         reqs: dict[int, Any] = {}
+        same: set[tuple[int, int]] = set()
         for req in requests:
             if req is None:
                 continue
@@ -596,11 +599,14 @@ class LoRAModelManager:
                 aid = req
             prev = reqs.setdefault(int(aid), req)
             both = isinstance(prev, LoRAAdapter) and isinstance(req, LoRAAdapter)
-            if both and prev is not req and not _same_adapter(prev, req):
+            pair = (id(prev), id(req))
+            if both and prev is not req and pair not in same and not _same_adapter(prev, req):
                 raise ValueError(
                     f"set_active_adapters: adapters {prev.name!r} and {req.name!r} are both "
                     f"requested under id {aid}; each adapter needs an id of its own"
                 )
+            if both:
+                same.add(pair)  # weights compared once per pair of objects in a call
         if len(reqs) > self.lora_slots:
             raise RuntimeError(
                 f"Number of requested adapters ({len(reqs)}) is greater than the number of "
@@ -683,11 +689,8 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
         otherwise the least recently used make room (the call's own ones included)."""
         ids = {a.id for a in adapters}
         reg = self._registered_adapters
-        stuck = {
-            k
-            for k in reg.cache
-            if k not in ids and (k in reg.pinned or (reg.keep is not None and reg.keep(k)))
-        }
+        merged = {self.lora_index_to_id[s] for s in self._merged_slots()} - {None}
+        stuck = {k for k in reg.cache if k not in ids and (k in reg.pinned or k in merged)}
         new = {i for i in ids if i not in reg}
         if new and self.capacity - len(stuck) < 1:
             raise RuntimeError(
@@ -746,9 +749,9 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
         adapters do not fit the slots (or the CPU cache) together, `RuntimeError` and
         nothing changes."""
         reqs = self._distinct(requests)
-        merged = {
-            a for a in _keys(self._registered_adapters) if self.slot_of(a) in self._merged_slots()
-        }
+        # one walk of the layers, not one per registered adapter (only an active
+        # adapter sits in a slot)
+        merged = {self.lora_index_to_id[s] for s in self._merged_slots()} - {None}
         for cache, room, what in (
             (self._active_adapters, self.lora_slots, "device slots"),
             (self._registered_adapters, self.capacity, "CPU cache entries (max_cpu_loras)"),
