@@ -15,14 +15,24 @@ like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (`[r, in]`
    `qkv_proj` and `gate/up` → `gate_up_proj` (a missing member is a `None` slice);
    tensors of modules the config does not target (`target_modules`, `exclude_modules`,
    `target_parameters`, by PEFT's rules) are ignored with a warning, as PEFT ignores
-   them; a saved copy of a base embedding / lm_head table must equal the model's;
-   training-only buffers (VeLoRA's `lora_velora_embed`: its forward is plain LoRA) are
-   skipped;
-4. folds the scaling into B: `alpha / r`, or `alpha / sqrt(r)` with rsLoRA, with `r` and
+   them; a targeted module that the model has but did not LoRA-wrap is an error; a saved
+   copy of a base embedding / lm_head table must equal the model's; training-only buffers
+   (VeLoRA's `lora_velora_embed`: its forward is plain LoRA) are skipped;
+4. MoE experts come in two layouts. Fused (PEFT `target_parameters` on transformers 5's
+   `experts.gate_up_proj` / `experts.down_proj`) goes to `FusedMoE3DWithLoRA` as it is.
+   Per expert (transformers 4 names: Mixtral `block_sparse_moe.experts.{j}.w1/w2/w3`,
+   read as transformers 5 reads them, under `mlp`; Qwen-MoE
+   `mlp.experts.{j}.gate_proj/up_proj/down_proj`) is stacked over the experts as vLLM's
+   `pack_moe` does (an expert or member missing from the file is zeros): into
+   `FusedMoEWithLoRA`'s w1 / w2 / w3, or for `FusedMoE3DWithLoRA` w13's A is `[A1; A3]`
+   on the rank axis and its B block-diagonal `[[B1, 0], [0, B3]]` (rank r1 + r3, as PEFT
+   converts such adapters on transformers 5);
+5. folds the scaling into B: `alpha / r`, or `alpha / sqrt(r)` with rsLoRA, with `r` and
    `alpha` from `rank_pattern` / `alpha_pattern` when a pattern matches the module's name
    in the checkpoint (before any `name_map`; fused experts: `<module>.gate_up_proj` /
-   `<module>.down_proj`, each its own rank) by PEFT's rule: the first key `k` with
-   `re.match(rf"(.*\\.)?({k})$", name)`.
+   `<module>.down_proj`, each its own rank; a `target_parameters` weight:
+   `<module>.weight`; per expert: each expert's own module) by PEFT's rule: the first key
+   `k` with `re.match(rf"(.*\\.)?({k})$", name)`.
 
 Ranks stay as in the file; zero-padding to `max_lora_rank` happens at the slot write.
 """
@@ -40,6 +50,8 @@ from typing import Any
 import numpy as np
 
 from lora_jax.config import LoRAConfig
+from lora_jax.layers import VocabParallelEmbeddingWithLoRA
+from lora_jax.moe import FusedMoE
 from lora_jax.serving.peft_config import ALL_LINEAR, matches_targets
 from lora_jax.serving.peft_config import CONFIG_NAME as CONFIG_NAME
 from lora_jax.serving.peft_config import EXPERT_PARAMS as EXPERT_PARAMS
@@ -65,6 +77,21 @@ BASE_EMBEDDING_SUFFIXES = (".embed_tokens.base_layer.weight", ".lm_head.base_lay
 # Buffers PEFT saves that only training reads: VeLoRA's projection compresses the
 # activations stored for the backward pass; its forward is plain LoRA, so they are skipped.
 TRAINING_ONLY_SUFFIXES = (".lora_velora_embed",)
+# Per-expert checkpoint modules (transformers 4, vLLM) → the `FusedMoEWithLoRA` projection.
+EXPERT_MEMBERS = {
+    "w1": "w1",
+    "w2": "w2",
+    "w3": "w3",
+    "gate_proj": "w1",
+    "down_proj": "w2",
+    "up_proj": "w3",
+}
+PER_EXPERT = re.compile(
+    rf"(?P<owner>.+\.experts)\.(?P<j>\d+)\.(?P<member>{'|'.join(EXPERT_MEMBERS)})"
+)
+# transformers 5 loads Mixtral's `block_sparse_moe.*` as `mlp.*` (its checkpoint conversion
+# renames them), which is how lora_jax's MoE decoders name the block.
+MOE_BLOCK_ALIAS = (".block_sparse_moe.", ".mlp.")
 
 _ids = itertools.count(1)
 
@@ -144,6 +171,65 @@ def _module_index(model) -> tuple[dict[str, tuple[str, int, int]], dict[str, Any
         if path and isinstance(node, nnx.Module):
             all_names.add(module_name(path))
     return index, layers, all_names
+
+
+def _expert_modules(model) -> tuple[set[str], set[str]]:
+    """(the names of the model's fused experts, the per-expert module names a checkpoint may
+    give them: `<experts>.{j}.w1` ..., also under Mixtral's `block_sparse_moe`)."""
+    from flax import nnx
+
+    owners, members = set(), set()
+    for path, node in nnx.iter_graph(model):
+        if path and isinstance(node, FusedMoE):
+            owner = _strip_base_layer(module_name(path))
+            owners.add(owner)
+            members.update(
+                f"{o}.{j}.{m}"
+                for o in (owner, _unalias(owner))
+                for j in range(node.num_experts)
+                for m in EXPERT_MEMBERS
+            )
+    return owners, members
+
+
+def _unalias(name: str) -> str:
+    """`a.mlp.b` → `a.block_sparse_moe.b` (the transformers 4 Mixtral name)."""
+    new, old = MOE_BLOCK_ALIAS
+    return f".{name}.".replace(old, new)[1:-1]
+
+
+def _alias(name: str, all_names: set[str]) -> str:
+    """A checkpoint's Mixtral `block_sparse_moe` module under the model's `mlp`, when the
+    model has no `block_sparse_moe` there."""
+    old, new = MOE_BLOCK_ALIAS
+    dotted = f".{name}."
+    if old not in dotted:
+        return name
+    block = dotted[: dotted.index(old) + len(old) - 1][1:]
+    return name if block in all_names else dotted.replace(old, new)[1:-1]
+
+
+def _moe_layer_name(owner: str, index, layers) -> str | None:
+    """The MoE LoRA layer named `owner` (by its own name or a packed member's), else None."""
+    for ln in (owner, index.get(owner, (None,))[0]):
+        if ln is not None and hasattr(layers.get(ln), "fused_w13"):
+            return ln
+    return None
+
+
+def _experts_not_wrapped(key, owner, index, all_names, source) -> ValueError:
+    known = sorted({n.rpartition(".")[2] for n in index})
+    if owner in all_names:
+        why = (
+            " (it exists but is not LoRA-wrapped: wrap it with wrap_model(..., "
+            "target_modules=[..., 'experts']))"
+        )
+    else:
+        why = ""
+    return ValueError(
+        f"{source}: tensor {key!r}: the experts module {owner!r} is not a LoRA module of the "
+        f"model{why}; LoRA modules: {known}"
+    )
 
 
 def _check_targets(cfg: PEFTConfig, all_names: set[str]) -> None:
@@ -268,6 +354,8 @@ def adapter_from_tensors(
     """
     cfg.validate(lora_config)
     index, layers, all_names = _module_index(model)
+    moe_owners, expert_members = _expert_modules(model)
+    all_names |= expert_members
     if name_map is None:  # with one, the config names the checkpoint's modules, not ours
         _check_targets(cfg, all_names)
     if adapter_id is None:
@@ -280,6 +368,7 @@ def adapter_from_tensors(
         raise ValueError(f"{source}: adapter_id must be an int >= 1, got {adapter_id!r}")
     pairs: dict[str, dict[str, tuple[str, np.ndarray]]] = {}
     expert_keys: dict[str, dict[str, list]] = {}
+    per_expert: dict[str, dict[tuple[int, str], dict]] = {}  # layer → (j, proj) → kind → ...
     checkpoint_names: dict[str, str] = {}  # model module → the checkpoint's name for it
     untargeted = []
     for key, value in tensors.items():
@@ -292,15 +381,40 @@ def adapter_from_tensors(
             _check_base_table(key, value, mod, layers, source)
             continue
         mod, raw, kind = _parse_key(key, source, name_map)
+        if name_map is None:
+            mod = _alias(mod, all_names)
         owner = _strip_base_layer(mod)
-        if owner in index and hasattr(layers[index[owner][0]], "fused_w13"):
-            expert_keys.setdefault(index[owner][0], {}).setdefault(mod, {})[kind] = (key, value)
-            checkpoint_names[index[owner][0]] = _strip_base_layer(raw)
+        moe = _moe_layer_name(owner, index, layers)
+        if moe is not None:
+            expert_keys.setdefault(moe, {}).setdefault(mod, {})[kind] = (key, value)
+            checkpoint_names[moe] = _strip_base_layer(raw)
             continue
-        if not cfg.targets(raw):  # PEFT makes no LoRA layer there and ignores the tensor
+        fused = owner in moe_owners or owner.endswith(".experts")
+        if fused and any(
+            cfg.targets_parameter(f"{_strip_base_layer(raw)}.{p.rpartition('.')[2]}")
+            for p in EXPERT_PARAMS
+        ):  # the config targets these experts' weights: PEFT gave them a LoRA
+            raise _experts_not_wrapped(key, owner, index, all_names, source)
+        expert = PER_EXPERT.fullmatch(mod) if mod not in index else None
+        if expert is not None and cfg.targets(raw):
+            moe = _moe_layer_name(expert["owner"], index, layers)
+            if moe is None:
+                raise _experts_not_wrapped(key, expert["owner"], index, all_names, source)
+            which = (int(expert["j"]), EXPERT_MEMBERS[expert["member"]])
+            found = per_expert.setdefault(moe, {}).setdefault(which, {})
+            if kind in found:
+                raise ValueError(
+                    f"{source}: tensor {key!r}: expert {which[0]} {which[1]} of {moe!r} has two "
+                    f"lora_{kind} tensors (also {found[kind][0]!r})"
+                )
+            found[kind] = (key, value, raw)
+            continue
+        by_weight = not cfg.targets(raw) and cfg.targets_weight(raw)
+        if not (by_weight or cfg.targets(raw)):  # PEFT makes no LoRA layer there: ignored
             untargeted.append(key)
             continue
-        checkpoint_names[mod] = raw
+        # PEFT resolves a targeted parameter's rank / alpha on `<module>.weight`
+        checkpoint_names[mod] = f"{raw}.weight" if by_weight else raw
         if mod not in index:
             known = sorted({n.rpartition(".")[2] for n in index})
             hint = " (it exists but is not LoRA-wrapped)" if mod in all_names else ""
@@ -308,12 +422,27 @@ def adapter_from_tensors(
                 f"{source}: tensor {key!r}: module {mod!r} is not a LoRA module of the model"
                 f"{hint}; LoRA modules: {known}"
             )
+        layer = layers[index[mod][0]]
+        if by_weight and (
+            isinstance(layer, VocabParallelEmbeddingWithLoRA) or getattr(layer, "tied", False)
+        ):
+            raise ValueError(
+                f"{source}: tensor {key!r}: target_parameters names {raw + '.weight'!r}, an "
+                "embedding table; lora_jax serves target_parameters only on 2-D linear weights "
+                "and fused MoE experts"
+            )
         if kind in pairs.setdefault(mod, {}):
             raise ValueError(
                 f"{source}: tensor {key!r}: module {mod!r} has two lora_{kind} tensors"
             )
         pairs[mod][kind] = (key, np.asarray(value))
-    if not pairs and not expert_keys:
+    both = sorted(set(expert_keys) & set(per_expert))
+    if both:
+        raise ValueError(
+            f"{source}: module {both[0]!r} has both fused-expert (target_parameters) and "
+            "per-expert (experts.{j}.*) LoRA tensors; an adapter has one or the other"
+        )
+    if not pairs and not expert_keys and not per_expert:
         raise ValueError(f"{source}: no LoRA tensors")
     members: dict[str, list] = {}
     for mod, ab in pairs.items():
@@ -353,6 +482,8 @@ def adapter_from_tensors(
         m = _expert_lora(layers[ln], ln, checkpoint_names[ln], found, cfg, source, untargeted)
         if m is not None:
             modules[ln] = m
+    for ln, found in per_expert.items():
+        modules[ln] = _per_expert_lora(layers[ln], ln, found, cfg, lora_config, source)
     for ln, m in modules.items():
         prepare = getattr(layers[ln], "prepare_lora", None)
         if prepare is not None:
@@ -441,3 +572,84 @@ def _expert_lora(
     if all(a is None for a in out_a):
         return None
     return ModuleLoRA(module_name=name, lora_a=tuple(out_a), lora_b=tuple(out_b))
+
+
+def _per_expert_lora(
+    layer, name: str, found: Mapping[tuple[int, str], Mapping], cfg, lora_config, source
+) -> ModuleLoRA:
+    """Per-expert LoRA pairs (`experts.{j}.w1` ...) → the MoE layer's stacked projections.
+
+    As vLLM's `pack_moe`: each projection stacks its experts into `[E, r, in]` /
+    `[E, out, r]` (r: the largest of its experts; a smaller or missing expert is
+    zero-padded). `FusedMoE3DWithLoRA` takes one LoRA over the fused gate|up: A is
+    `[A1; A3]` on the rank axis and B block-diagonal, so each half sees only its own rank
+    rows (PEFT's conversion of such adapters on transformers 5).
+    """
+    base = layer.base_layer
+    E, H, n = base.num_experts, base.hidden_size, base.intermediate_size
+    sizes = {"w1": (H, n), "w3": (H, n), "w2": (n, H)}  # (in, out)
+    stacks: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for proj, (n_in, n_out) in sizes.items():
+        experts = {j: ab for (j, p), ab in found.items() if p == proj}
+        if not experts:
+            continue
+        pairs = {}
+        for j, ab in sorted(experts.items()):
+            have = next(iter(ab.values()))[0]
+            if j >= E:
+                raise ValueError(
+                    f"{source}: tensor {have!r}: expert {j} is past the {E} experts of {name!r}"
+                )
+            if set(ab) != {"a", "b"}:
+                raise ValueError(f"{source}: tensor {have!r}: it lacks its lora_A/lora_B pair")
+            (ka, a, raw), (kb, b, _) = ab["a"], ab["b"]
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            r = cfg.rank_for(raw)
+            if a.shape != (r, n_in) or b.shape != (n_out, r):
+                raise ValueError(
+                    f"{source}: tensors {ka!r} {list(a.shape)} / {kb!r} {list(b.shape)} do not "
+                    f"fit expert {j} of {name!r}: expected [{r}, {n_in}] / [{n_out}, {r}] "
+                    f"(r={r} from {cfg.source})"
+                )
+            pairs[j] = (a, b * np.float32(cfg.scaling_for(raw)))
+        r = max(a.shape[0] for a, _ in pairs.values())
+        stack_a = np.zeros((E, r, n_in), np.float32)  # [E, r, in]
+        stack_b = np.zeros((E, n_out, r), np.float32)  # [E, out, r]
+        for j, (a, b) in pairs.items():
+            stack_a[j, : a.shape[0]], stack_b[j, :, : b.shape[1]] = a, b
+        stacks[proj] = (stack_a, stack_b)
+    w2 = stacks.get("w2", (None, None))
+    if not layer.fused_w13:
+        w1, w3 = stacks.get("w1", (None, None)), stacks.get("w3", (None, None))
+        return ModuleLoRA(name, (w1[0], w2[0], w3[0]), (w1[1], w2[1], w3[1]))
+    if "w3" in stacks and not base.is_act_and_mul:
+        raise ValueError(
+            f"{source}: module {name!r}: its experts have no up projection (not gated), but "
+            "the adapter has w3 / up_proj LoRAs"
+        )
+    halves = [stacks.get(p) for p in (("w1", "w3") if base.is_act_and_mul else ("w1",))]
+    if all(h is None for h in halves):
+        return ModuleLoRA(name, (None, w2[0]), (None, w2[1]))
+    ranks = [0 if h is None else h[0].shape[1] for h in halves]
+    R = lora_config.max_lora_rank
+    if sum(ranks) > R:
+        raise ValueError(
+            f"{source}: module {name!r}: its per-expert gate and up LoRAs (ranks "
+            f"{' + '.join(map(str, ranks))}) fuse into one w13 LoRA of rank {sum(ranks)} on "
+            f"{type(layer).__name__}, greater than max_lora_rank={R}; raise max_lora_rank, or "
+            "wrap the experts as FusedMoEWithLoRA (wrap_model(..., packed_modules_mapping="
+            "{'experts': ['w1', 'w3'], ...})), which keeps them apart"
+        )
+    a13 = np.zeros((E, sum(ranks), H), np.float32)  # [E, r1 + r3, hidden]
+    parts = [np.zeros((E, n, sum(ranks)), np.float32) for _ in halves]  # gate, up [E, n, r]
+    offsets = np.cumsum([0, *ranks])
+    for h, part, lo, hi in zip(halves, parts, offsets[:-1], offsets[1:]):
+        if h is not None:
+            a13[:, lo:hi], part[:, :, lo:hi] = h
+    if len(parts) == 1:
+        b13 = parts[0]
+    elif base.gate_up_layout == "interleaved":  # the base's own w13 layout (split_w13)
+        b13 = np.stack(parts, axis=2).reshape(E, 2 * n, sum(ranks))
+    else:
+        b13 = np.concatenate(parts, axis=1)  # [E, 2n, r1 + r3]
+    return ModuleLoRA(name, (a13, w2[0]), (b13, w2[1]))

@@ -1,7 +1,8 @@
 """A PEFT `adapter_config.json` → `PEFTConfig`: what decides how an adapter is served.
 
 Refuses what cannot be served exactly (DoRA, `modules_to_save`, LoRA bias, trainable
-tokens, `target_parameters` other than fused MoE experts), keeps PEFT's layer filter
+tokens, `target_parameters` other than fused MoE experts and 2-D `<module>.weight`s such as
+the MoE router `gate.weight`), keeps PEFT's layer filter
 (`layers_to_transform` / `layers_pattern`) and resolves per-module ranks and alphas
 with PEFT's pattern rule (the first key `k` with `re.match(rf"(.*\\.)?({k})$", name)`).
 """
@@ -25,6 +26,10 @@ CONFIG_NAME = "adapter_config.json"
 # `[r * E, in]` (expert-major rows), B is `[out, r * E]` (rank-major columns); a second
 # targeted parameter of the same module nests its keys under `.base_layer`.
 EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
+# PEFT `target_parameters` on a 2-D weight (`<module>.weight`, e.g. the MoE router `gate.weight`
+# that `all-linear` gives on transformers 5 Mixtral / Qwen3-MoE): its ParamWrapper is a plain
+# linear LoRA on `<module>` (A `[r, in]`, B `[out, r]`), resolved on `<module>.weight`.
+WEIGHT_PARAM = "weight"
 
 
 # `init_lora_weights` values whose training changed the base weights too (PEFT loads such
@@ -115,9 +120,10 @@ class PEFTConfig:
     source: str = CONFIG_NAME
     """Where the config came from (for error messages)."""
     target_parameters: tuple[str, ...] = ()
-    """PEFT `target_parameters`: only fused MoE expert weights (`*experts.gate_up_proj`,
+    """PEFT `target_parameters`: fused MoE expert weights (`*experts.gate_up_proj`,
     `*experts.down_proj`, or a suffix of them such as `gate_up_proj`), served by
-    `FusedMoE3DWithLoRA`."""
+    `FusedMoE3DWithLoRA`, and 2-D linear weights `<module>.weight` (e.g. the router
+    `gate.weight`), served as a plain LoRA on `<module>`."""
     exclude_modules: tuple[str, ...] | str | None = None
     """PEFT `exclude_modules`: names (or one regex) of modules that get no LoRA."""
     layers_to_transform: tuple[int, ...] | int | None = None
@@ -188,9 +194,22 @@ class PEFTConfig:
         return idx == want if isinstance(want, int) else idx in want
 
     def targets_parameter(self, name: str) -> bool:
-        """Whether `target_parameters` names the expert weight `name` (PEFT: equal, or a
+        """Whether `target_parameters` names the parameter `name` (PEFT: equal, or a
         suffix after a dot); an empty list names none."""
         return any(name == t or name.endswith("." + t) for t in self.target_parameters)
+
+    def targets_weight(self, name: str) -> bool:
+        """Whether PEFT wraps the 2-D weight of checkpoint module `name` through
+        `target_parameters` (its `<name>.weight`). Like PEFT's parameter matching, neither
+        `exclude_modules` nor the layer filter applies.
+
+        Example:
+            >>> cfg = PEFTConfig(r=8, lora_alpha=8, target_parameters=("gate.weight",))
+            >>> router = "model.layers.0.mlp.gate"
+            >>> cfg.targets_weight(router), cfg.targets(router)
+            (True, False)
+        """
+        return self.targets_parameter(f"{name}.{WEIGHT_PARAM}")
 
     def __post_init__(self):
         for what, r in [
@@ -313,12 +332,14 @@ class PEFTConfig:
                 p.endswith(t) and (len(p) == len(t) or p[-len(t) - 1] == ".") for p in EXPERT_PARAMS
             )
             and not t.endswith(tuple("." + p for p in EXPERT_PARAMS))
+            and not (t.endswith("." + WEIGHT_PARAM) and len(t) > len(WEIGHT_PARAM) + 1)
         ]
         if bad:
             raise ValueError(
                 f"{source}: target_parameters {bad} are not supported; only fused MoE expert "
                 f"weights ending in {EXPERT_PARAMS} (or a suffix of them such as "
-                "'gate_up_proj')"
+                "'gate_up_proj') and 2-D linear weights '<module>.weight' (such as the MoE "
+                "router 'gate.weight')"
             )
         if "r" not in d or "lora_alpha" not in d:
             raise ValueError(f"{source}: needs 'r' and 'lora_alpha'")
