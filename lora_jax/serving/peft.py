@@ -39,7 +39,6 @@ Ranks stay as in the file; zero-padding to `max_lora_rank` happens at the slot w
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import re
@@ -51,11 +50,23 @@ import numpy as np
 
 from lora_jax.config import LoRAConfig
 from lora_jax.layers import VocabParallelEmbeddingWithLoRA
-from lora_jax.moe import FusedMoE
+from lora_jax.serving.adapters import LoRAAdapter as LoRAAdapter
+from lora_jax.serving.adapters import ModuleLoRA as ModuleLoRA
 from lora_jax.serving.peft_config import ALL_LINEAR, matches_targets
 from lora_jax.serving.peft_config import CONFIG_NAME as CONFIG_NAME
 from lora_jax.serving.peft_config import EXPERT_PARAMS as EXPERT_PARAMS
 from lora_jax.serving.peft_config import PEFTConfig as PEFTConfig
+from lora_jax.serving.peft_experts import (
+    EXPERT_MEMBERS,
+    PER_EXPERT,
+    expert_modules,
+    experts_not_wrapped,
+    fused_expert_lora,
+    moe_block_alias,
+    moe_layer_name,
+    per_expert_lora,
+    strip_base_layer,
+)
 from lora_jax.serving.safetensors_io import read_safetensors as read_safetensors
 from lora_jax.serving.safetensors_io import write_safetensors as write_safetensors
 from lora_jax.serving.wrap import layer_packed_modules, lora_layers, module_name, packed_names
@@ -77,71 +88,7 @@ BASE_EMBEDDING_SUFFIXES = (".embed_tokens.base_layer.weight", ".lm_head.base_lay
 # Buffers PEFT saves that only training reads: VeLoRA's projection compresses the
 # activations stored for the backward pass; its forward is plain LoRA, so they are skipped.
 TRAINING_ONLY_SUFFIXES = (".lora_velora_embed",)
-# Per-expert checkpoint modules (transformers 4, vLLM) → the `FusedMoEWithLoRA` projection.
-EXPERT_MEMBERS = {
-    "w1": "w1",
-    "w2": "w2",
-    "w3": "w3",
-    "gate_proj": "w1",
-    "down_proj": "w2",
-    "up_proj": "w3",
-}
-PER_EXPERT = re.compile(
-    rf"(?P<owner>.+\.experts)\.(?P<j>\d+)\.(?P<member>{'|'.join(EXPERT_MEMBERS)})"
-)
-# transformers 5 loads Mixtral's `block_sparse_moe.*` as `mlp.*` (its checkpoint conversion
-# renames them), which is how lora_jax's MoE decoders name the block.
-MOE_BLOCK_ALIAS = (".block_sparse_moe.", ".mlp.")
-
 _ids = itertools.count(1)
-
-
-# -- adapters -------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ModuleLoRA:
-    """One LoRA layer's share of an adapter, per packed member (`None` = absent).
-
-    `lora_a[i]` is `[r_i, in]`, `lora_b[i]` is `[out_i, r_i]` with the scaling folded in.
-
-    Example:
-        >>> m = ModuleLoRA("x.o_proj", (np.ones((4, 16)),), (np.ones((8, 4)),))
-        >>> m.rank, [a.shape for a in m.set_lora_args()]
-        (4, [(4, 16), (8, 4)])
-    """
-
-    module_name: str
-    lora_a: tuple[np.ndarray | None, ...]
-    lora_b: tuple[np.ndarray | None, ...]
-
-    @property
-    def rank(self) -> int:
-        return max(a.shape[-2] for a in self.lora_a if a is not None)  # [(E,) r, in]
-
-    def set_lora_args(self) -> tuple[Any, Any]:
-        """`(lora_a, lora_b)` as a layer's `set_lora` takes them."""
-        if len(self.lora_a) == 1:
-            return self.lora_a[0], self.lora_b[0]
-        return list(self.lora_a), list(self.lora_b)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class LoRAAdapter:
-    """A loaded adapter: id, name and its per-LoRA-layer weights (host numpy, f32).
-
-    Example:
-        >>> adapter = load_peft_adapter("adapters/sql", model, cfg, adapter_id=1)  # doctest: +SKIP
-        >>> adapter.get_lora("model.layers.0.self_attn.qkv_proj").lora_a[0].shape  # doctest: +SKIP
-        (8, 64)
-    """
-
-    id: int
-    name: str
-    rank: int
-    modules: Mapping[str, ModuleLoRA]
-    source: str = ""
-
-    def get_lora(self, module: str) -> ModuleLoRA | None:
-        return self.modules.get(module)
 
 
 def _parse_key(key: str, file: str, name_map) -> tuple[str, str, str]:
@@ -171,65 +118,6 @@ def _module_index(model) -> tuple[dict[str, tuple[str, int, int]], dict[str, Any
         if path and isinstance(node, nnx.Module):
             all_names.add(module_name(path))
     return index, layers, all_names
-
-
-def _expert_modules(model) -> tuple[set[str], set[str]]:
-    """(the names of the model's fused experts, the per-expert module names a checkpoint may
-    give them: `<experts>.{j}.w1` ..., also under Mixtral's `block_sparse_moe`)."""
-    from flax import nnx
-
-    owners, members = set(), set()
-    for path, node in nnx.iter_graph(model):
-        if path and isinstance(node, FusedMoE):
-            owner = _strip_base_layer(module_name(path))
-            owners.add(owner)
-            members.update(
-                f"{o}.{j}.{m}"
-                for o in (owner, _unalias(owner))
-                for j in range(node.num_experts)
-                for m in EXPERT_MEMBERS
-            )
-    return owners, members
-
-
-def _unalias(name: str) -> str:
-    """`a.mlp.b` → `a.block_sparse_moe.b` (the transformers 4 Mixtral name)."""
-    new, old = MOE_BLOCK_ALIAS
-    return f".{name}.".replace(old, new)[1:-1]
-
-
-def _alias(name: str, all_names: set[str]) -> str:
-    """A checkpoint's Mixtral `block_sparse_moe` module under the model's `mlp`, when the
-    model has no `block_sparse_moe` there."""
-    old, new = MOE_BLOCK_ALIAS
-    dotted = f".{name}."
-    if old not in dotted:
-        return name
-    block = dotted[: dotted.index(old) + len(old) - 1][1:]
-    return name if block in all_names else dotted.replace(old, new)[1:-1]
-
-
-def _moe_layer_name(owner: str, index, layers) -> str | None:
-    """The MoE LoRA layer named `owner` (by its own name or a packed member's), else None."""
-    for ln in (owner, index.get(owner, (None,))[0]):
-        if ln is not None and hasattr(layers.get(ln), "fused_w13"):
-            return ln
-    return None
-
-
-def _experts_not_wrapped(key, owner, index, all_names, source) -> ValueError:
-    known = sorted({n.rpartition(".")[2] for n in index})
-    if owner in all_names:
-        why = (
-            " (it exists but is not LoRA-wrapped: wrap it with wrap_model(..., "
-            "target_modules=[..., 'experts']))"
-        )
-    else:
-        why = ""
-    return ValueError(
-        f"{source}: tensor {key!r}: the experts module {owner!r} is not a LoRA module of the "
-        f"model{why}; LoRA modules: {known}"
-    )
 
 
 def _check_targets(cfg: PEFTConfig, all_names: set[str]) -> None:
@@ -354,7 +242,7 @@ def adapter_from_tensors(
     """
     cfg.validate(lora_config)
     index, layers, all_names = _module_index(model)
-    moe_owners, expert_members = _expert_modules(model)
+    moe_owners, expert_members = expert_modules(model)
     all_names |= expert_members
     if name_map is None:  # with one, the config names the checkpoint's modules, not ours
         _check_targets(cfg, all_names)
@@ -382,24 +270,24 @@ def adapter_from_tensors(
             continue
         mod, raw, kind = _parse_key(key, source, name_map)
         if name_map is None:
-            mod = _alias(mod, all_names)
-        owner = _strip_base_layer(mod)
-        moe = _moe_layer_name(owner, index, layers)
+            mod = moe_block_alias(mod, all_names)
+        owner = strip_base_layer(mod)
+        moe = moe_layer_name(owner, index, layers)
         if moe is not None:
             expert_keys.setdefault(moe, {}).setdefault(mod, {})[kind] = (key, value)
-            checkpoint_names[moe] = _strip_base_layer(raw)
+            checkpoint_names[moe] = strip_base_layer(raw)
             continue
         fused = owner in moe_owners or owner.endswith(".experts")
         if fused and any(
-            cfg.targets_parameter(f"{_strip_base_layer(raw)}.{p.rpartition('.')[2]}")
+            cfg.targets_parameter(f"{strip_base_layer(raw)}.{p.rpartition('.')[2]}")
             for p in EXPERT_PARAMS
         ):  # the config targets these experts' weights: PEFT gave them a LoRA
-            raise _experts_not_wrapped(key, owner, index, all_names, source)
+            raise experts_not_wrapped(key, owner, index, all_names, source)
         expert = PER_EXPERT.fullmatch(mod) if mod not in index else None
         if expert is not None and cfg.targets(raw):
-            moe = _moe_layer_name(expert["owner"], index, layers)
+            moe = moe_layer_name(expert["owner"], index, layers)
             if moe is None:
-                raise _experts_not_wrapped(key, expert["owner"], index, all_names, source)
+                raise experts_not_wrapped(key, expert["owner"], index, all_names, source)
             which = (int(expert["j"]), EXPERT_MEMBERS[expert["member"]])
             found = per_expert.setdefault(moe, {}).setdefault(which, {})
             if kind in found:
@@ -479,11 +367,11 @@ def adapter_from_tensors(
         for ln, (a, b) in members.items()
     }
     for ln, found in expert_keys.items():
-        m = _expert_lora(layers[ln], ln, checkpoint_names[ln], found, cfg, source, untargeted)
+        m = fused_expert_lora(layers[ln], ln, checkpoint_names[ln], found, cfg, source, untargeted)
         if m is not None:
             modules[ln] = m
     for ln, found in per_expert.items():
-        modules[ln] = _per_expert_lora(layers[ln], ln, found, cfg, lora_config, source)
+        modules[ln] = per_expert_lora(layers[ln], ln, found, cfg, lora_config, source)
     for ln, m in modules.items():
         prepare = getattr(layers[ln], "prepare_lora", None)
         if prepare is not None:
@@ -521,135 +409,3 @@ def _check_member_shape(layer, i, n, a, b, ka, kb, source) -> None:
             f"{source}: tensors {ka!r} {list(a.shape)} / {kb!r} {list(b.shape)} do not fit "
             f"module {layer.name!r}: expected [r, {base.in_features}] / [{out}, r]"
         )
-
-
-def _strip_base_layer(name: str) -> str:
-    while name.endswith(".base_layer"):
-        name = name[: -len(".base_layer")]
-    return name
-
-
-def _expert_lora(
-    layer, name: str, checkpoint_name: str, found: Mapping[str, Mapping], cfg, source, untargeted
-) -> ModuleLoRA | None:
-    """PEFT ParamWrapper tensors of one fused-experts module → `[w13, w2]` 3D LoRA.
-
-    Which parameter a pair belongs to follows from its shapes (w13: in = hidden,
-    out = w13 width; w2: in = inter, out = hidden), not from the nesting order. Each
-    has its own rank and scaling: PEFT matches the patterns against
-    `<module>.gate_up_proj` / `<module>.down_proj`.
-    """
-    base = layer.base_layer
-    E, H, n = base.num_experts, base.hidden_size, base.intermediate_size
-    if not getattr(layer, "fused_w13", False):
-        raise ValueError(f"{source}: module {name!r} must be wrapped as FusedMoE3DWithLoRA")
-    shapes = {(H, base.w13_width): 0, (n, H): 1}  # (in, out) → w13 / w2
-    params = [p.rpartition(".")[2] for p in EXPERT_PARAMS]  # w13, w2 as PEFT names them
-    out_a: list = [None, None]
-    out_b: list = [None, None]
-    for mod, ab in found.items():
-        if set(ab) != {"a", "b"}:
-            raise ValueError(f"{source}: module {mod!r} lacks its lora_A/lora_B pair")
-        (ka, a), (kb, b) = ab["a"], ab["b"]
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        which = shapes.get((a.shape[-1], b.shape[0])) if a.ndim == b.ndim == 2 else None
-        param = f"{checkpoint_name}.{params[0 if which is None else which]}"
-        r = cfg.rank_for(param)
-        if which is None or a.shape[0] != r * E or b.shape[1] != r * E:
-            raise ValueError(
-                f"{source}: tensors {ka!r} {list(a.shape)} / {kb!r} {list(b.shape)} do not fit "
-                f"the experts of {name!r}: expected [r*E, in] / [out, r*E] with r={r}, E={E}, "
-                f"(in, out) in {sorted(shapes)}"
-            )
-        if cfg.target_parameters and not cfg.targets_parameter(param):
-            untargeted += [ka, kb]  # PEFT makes no LoRA for that expert weight
-            continue
-        if out_a[which] is not None:
-            raise ValueError(f"{source}: module {name!r} has two LoRAs for one expert weight")
-        scale = np.float32(cfg.scaling_for(param))
-        out_a[which] = a.reshape(E, r, -1)  # [E, r, in]
-        out_b[which] = b.reshape(b.shape[0], r, E).transpose(2, 0, 1) * scale  # [E, out, r]
-    if all(a is None for a in out_a):
-        return None
-    return ModuleLoRA(module_name=name, lora_a=tuple(out_a), lora_b=tuple(out_b))
-
-
-def _per_expert_lora(
-    layer, name: str, found: Mapping[tuple[int, str], Mapping], cfg, lora_config, source
-) -> ModuleLoRA:
-    """Per-expert LoRA pairs (`experts.{j}.w1` ...) → the MoE layer's stacked projections.
-
-    As vLLM's `pack_moe`: each projection stacks its experts into `[E, r, in]` /
-    `[E, out, r]` (r: the largest of its experts; a smaller or missing expert is
-    zero-padded). `FusedMoE3DWithLoRA` takes one LoRA over the fused gate|up: A is
-    `[A1; A3]` on the rank axis and B block-diagonal, so each half sees only its own rank
-    rows (PEFT's conversion of such adapters on transformers 5).
-    """
-    base = layer.base_layer
-    E, H, n = base.num_experts, base.hidden_size, base.intermediate_size
-    sizes = {"w1": (H, n), "w3": (H, n), "w2": (n, H)}  # (in, out)
-    stacks: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for proj, (n_in, n_out) in sizes.items():
-        experts = {j: ab for (j, p), ab in found.items() if p == proj}
-        if not experts:
-            continue
-        pairs = {}
-        for j, ab in sorted(experts.items()):
-            have = next(iter(ab.values()))[0]
-            if j >= E:
-                raise ValueError(
-                    f"{source}: tensor {have!r}: expert {j} is past the {E} experts of {name!r}"
-                )
-            if set(ab) != {"a", "b"}:
-                raise ValueError(f"{source}: tensor {have!r}: it lacks its lora_A/lora_B pair")
-            (ka, a, raw), (kb, b, _) = ab["a"], ab["b"]
-            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-            r = cfg.rank_for(raw)
-            if a.shape != (r, n_in) or b.shape != (n_out, r):
-                raise ValueError(
-                    f"{source}: tensors {ka!r} {list(a.shape)} / {kb!r} {list(b.shape)} do not "
-                    f"fit expert {j} of {name!r}: expected [{r}, {n_in}] / [{n_out}, {r}] "
-                    f"(r={r} from {cfg.source})"
-                )
-            pairs[j] = (a, b * np.float32(cfg.scaling_for(raw)))
-        r = max(a.shape[0] for a, _ in pairs.values())
-        stack_a = np.zeros((E, r, n_in), np.float32)  # [E, r, in]
-        stack_b = np.zeros((E, n_out, r), np.float32)  # [E, out, r]
-        for j, (a, b) in pairs.items():
-            stack_a[j, : a.shape[0]], stack_b[j, :, : b.shape[1]] = a, b
-        stacks[proj] = (stack_a, stack_b)
-    w2 = stacks.get("w2", (None, None))
-    if not layer.fused_w13:
-        w1, w3 = stacks.get("w1", (None, None)), stacks.get("w3", (None, None))
-        return ModuleLoRA(name, (w1[0], w2[0], w3[0]), (w1[1], w2[1], w3[1]))
-    if "w3" in stacks and not base.is_act_and_mul:
-        raise ValueError(
-            f"{source}: module {name!r}: its experts have no up projection (not gated), but "
-            "the adapter has w3 / up_proj LoRAs"
-        )
-    halves = [stacks.get(p) for p in (("w1", "w3") if base.is_act_and_mul else ("w1",))]
-    if all(h is None for h in halves):
-        return ModuleLoRA(name, (None, w2[0]), (None, w2[1]))
-    ranks = [0 if h is None else h[0].shape[1] for h in halves]
-    R = lora_config.max_lora_rank
-    if sum(ranks) > R:
-        raise ValueError(
-            f"{source}: module {name!r}: its per-expert gate and up LoRAs (ranks "
-            f"{' + '.join(map(str, ranks))}) fuse into one w13 LoRA of rank {sum(ranks)} on "
-            f"{type(layer).__name__}, greater than max_lora_rank={R}; raise max_lora_rank, or "
-            "wrap the experts as FusedMoEWithLoRA (wrap_model(..., packed_modules_mapping="
-            "{'experts': ['w1', 'w3'], ...})), which keeps them apart"
-        )
-    a13 = np.zeros((E, sum(ranks), H), np.float32)  # [E, r1 + r3, hidden]
-    parts = [np.zeros((E, n, sum(ranks)), np.float32) for _ in halves]  # gate, up [E, n, r]
-    offsets = np.cumsum([0, *ranks])
-    for h, part, lo, hi in zip(halves, parts, offsets[:-1], offsets[1:]):
-        if h is not None:
-            a13[:, lo:hi], part[:, :, lo:hi] = h
-    if len(parts) == 1:
-        b13 = parts[0]
-    elif base.gate_up_layout == "interleaved":  # the base's own w13 layout (split_w13)
-        b13 = np.stack(parts, axis=2).reshape(E, 2 * n, sum(ranks))
-    else:
-        b13 = np.concatenate(parts, axis=1)  # [E, 2n, r1 + r3]
-    return ModuleLoRA(name, (a13, w2[0]), (b13, w2[1]))

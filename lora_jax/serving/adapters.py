@@ -1,0 +1,56 @@
+"""Host-side adapters: what the PEFT loader builds and the adapter managers hold."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleLoRA:
+    """One LoRA layer's share of an adapter, per packed member (`None` = absent).
+
+    `lora_a[i]` is `[r_i, in]`, `lora_b[i]` is `[out_i, r_i]` with the scaling folded in.
+
+    Example:
+        >>> m = ModuleLoRA("x.o_proj", (np.ones((4, 16)),), (np.ones((8, 4)),))
+        >>> m.rank, [a.shape for a in m.set_lora_args()]
+        (4, [(4, 16), (8, 4)])
+    """
+
+    module_name: str
+    lora_a: tuple[np.ndarray | None, ...]
+    lora_b: tuple[np.ndarray | None, ...]
+
+    @property
+    def rank(self) -> int:
+        return max(a.shape[-2] for a in self.lora_a if a is not None)  # [(E,) r, in]
+
+    def set_lora_args(self) -> tuple[Any, Any]:
+        """`(lora_a, lora_b)` as a layer's `set_lora` takes them."""
+        if len(self.lora_a) == 1:
+            return self.lora_a[0], self.lora_b[0]
+        return list(self.lora_a), list(self.lora_b)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoRAAdapter:
+    """A loaded adapter: id, name and its per-LoRA-layer weights (host numpy, f32).
+
+    Example:
+        >>> adapter = load_peft_adapter("adapters/sql", model, cfg, adapter_id=1)  # doctest: +SKIP
+        >>> adapter.get_lora("model.layers.0.self_attn.qkv_proj").lora_a[0].shape  # doctest: +SKIP
+        (8, 64)
+    """
+
+    id: int
+    name: str
+    rank: int
+    modules: Mapping[str, ModuleLoRA]
+    source: str = ""
+
+    def get_lora(self, module: str) -> ModuleLoRA | None:
+        return self.modules.get(module)
