@@ -440,3 +440,19 @@ def test_the_gradient_through_the_kernels_lowers_for_cuda(tokens):
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, a, b)
         text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
+
+
+def test_slot_writes_leave_every_jit_compiled_for_the_model():
+    """On one device `set_lora` / `init_lora_slot` committed the slots' ranks to the
+    device: every compiled serving program (generate's prefill and decode for every
+    bucket) compiled again after a slot write, without tracing again."""
+    model = _model()
+    count = jax.jit(lambda state: sum(jnp.sum(v) for v in jax.tree.leaves(state)))
+    state = lambda: nnx.state(model, nnx.LoRAParam, lj.LoRASlotRanks)  # noqa: E731
+    count(state())
+    before = count._cache_size()
+    init_lora_slot(model, 1, 4, target_modules=["q_proj"])  # writes and resets every layer
+    model.model.embed_tokens.set_lora(2, np.ones((4, 256)), np.ones((64, 4)))
+    model.model.layers[0].mlp.down_proj.reset_lora(2)
+    count(state())
+    assert count._cache_size() == before

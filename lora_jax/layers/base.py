@@ -92,6 +92,16 @@ def host_f32(name: str, what: str, value) -> np.ndarray:
         return np.asarray(value, np.float32)
 
 
+def put_like(new: np.ndarray, old: jax.Array) -> jax.Array:
+    """A host edit of ``old`` put back where ``old`` lives: with its sharding when it is
+    committed (on a mesh after a jitted step), else uncommitted as it was. Committing an
+    uncommitted array changes the key of every jit it is passed to: one slot write made
+    each compiled serving program compile again."""
+    if getattr(old, "committed", True):
+        return jax.device_put(new, old.sharding)
+    return jnp.asarray(new)
+
+
 def check_host_write(name: str, what: str, slot_ranks: nnx.Variable) -> None:
     """Slot writes are host-side edits of the stacks: under a jax transform (a traced
     layer) they would only change the trace, so they are refused by name."""
@@ -375,7 +385,7 @@ class BaseLayerWithLoRA(nnx.Module):
         old = self.slot_ranks[...]
         new = np.array(old)
         new[:, int(index)] = ranks
-        self.slot_ranks.set_value(jax.device_put(new, old.sharding))
+        self.slot_ranks.set_value(put_like(new, old))
 
     # -- forward --------------------------------------------------------------------------
     def _lora_local(self, y, x, a, b, ranks, mapping: LoRAMapping):

@@ -34,6 +34,7 @@ from lora_jax.layers.base import (
     check_finite,
     check_host_write,
     host_f32,
+    put_like,
 )
 from lora_jax.mapping import LoRAMapping
 from lora_jax.sharding import shard_map
@@ -139,8 +140,7 @@ class VocabSlotsMixin:
         old = self.slot_ranks[...]
         new = np.array(old)
         new[:, index] = rank
-        sharding = getattr(old, "sharding", None)
-        self.slot_ranks.set_value(jax.device_put(new, sharding) if sharding else jnp.asarray(new))
+        self.slot_ranks.set_value(put_like(new, old))
 
 
 # -- the layer ----------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from lora_jax.layers.base import (
     check_host_write,
     check_mapping_slots,
     host_f32,
+    put_like,
 )
 from lora_jax.mapping import LoRAMapping, make_lora_mapping
 from lora_jax.moe import ExpertRoutes, FusedMoE
@@ -261,9 +262,7 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
         old = self.slot_ranks[...]
         new = np.array(old)
         new[:, int(index)] = ranks
-        sharding = getattr(old, "sharding", None)
-        named = isinstance(sharding, jax.sharding.NamedSharding)
-        self.slot_ranks.set_value(jax.device_put(new, sharding) if named else jnp.asarray(new))
+        self.slot_ranks.set_value(put_like(new, old))
 
     def reset_lora(self, index: int) -> None:
         """Zeroes slot `index`: it then gives exactly the base output."""
