@@ -125,6 +125,11 @@ def test_real_vocab_sizes_match_dense(vocab, mesh_cfg):
     ids[3 : 3 + len(edges)] = edges
     got = run(layer, ids, slots)
     np.testing.assert_allclose(got, dense(table, adapters, ids, slots), rtol=1e-5, atol=1e-5)
+    for slot in range(MAX_LORAS):  # read back as set, without the vocab padding
+        read = layer.read_lora(slot)
+        assert (read is None) == (slot not in adapters)
+        for got_ab, want_ab in zip(read or (), adapters.get(slot, ())):
+            np.testing.assert_array_equal(got_ab, want_ab)
 
 
 @pytest.mark.parametrize("zero", ["a", "b"])

@@ -207,6 +207,11 @@ def test_a_head_with_its_own_row_order(mesh_cfg):
     np.testing.assert_allclose(run_base(layer, head, x), dense(w, {}, x, seq), rtol=1e-5, atol=1e-5)
     got = run(layer, head, x, tok, seq)
     np.testing.assert_allclose(got, dense(w, adapters, x, seq), rtol=1e-5, atol=1e-5)
+    for slot in range(MAX_LORAS):  # read back in token order, as PEFT stores B
+        read = layer.read_lora(slot)
+        assert (read is None) == (slot not in adapters)
+        for got_ab, want_ab in zip(read or (), adapters.get(slot, ())):
+            np.testing.assert_array_equal(got_ab, want_ab)
     head.order = np.zeros_like(order)  # every token on row 0: refused, naming the rule
     with pytest.raises(ValueError, match="get_sharded_to_full_mapping.*distinct integer rows"):
         lj.LogitsProcessorWithLoRA(lp, head, cfg)

@@ -374,9 +374,13 @@ def test_ensure_weight_tying_serves_the_tied_lm_head_lora(tmp_path, targets):
     np.testing.assert_allclose(_logits(model, mgr, ids, [adapter.id] * 2), want, **TOL)
 
 
-def test_a_slot_trained_here_and_exported_serves_in_peft(hf, tmp_path):
+@pytest.mark.parametrize(
+    "targets", [["q_proj", "v_proj", "down_proj"], ["embed_tokens", "lm_head", "o_proj"]]
+)
+def test_a_slot_trained_here_and_exported_serves_in_peft(hf, tmp_path, targets):
     """An adapter trained in a slot (PEFT init, AdamW, other slots fixed) and written with
-    `save_peft_adapter` gives, loaded by HF peft, the logits lora_jax serves from the slot."""
+    `save_peft_adapter` gives, loaded by HF peft, the logits lora_jax serves from the slot
+    (linear layers; the token embedding's and the lm_head's LoRA too)."""
     import optax
 
     from lora_jax.serving.export import save_peft_adapter
@@ -386,7 +390,7 @@ def test_a_slot_trained_here_and_exported_serves_in_peft(hf, tmp_path):
     model, mgr = _serve(base_dir, max_loras=3)
     (served_a,) = mgr.load_adapters({"A": dirs["A"]}, activate=True, progress=False)  # slot 0
     trained = 2
-    init_lora_slot(model, trained, 8, seed=0, target_modules=["q_proj", "v_proj", "down_proj"])
+    init_lora_slot(model, trained, 8, seed=0, target_modules=targets)
     ids = _ids(1)
     slots = jnp.full(ids.size, trained, jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), ids.shape)

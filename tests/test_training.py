@@ -22,7 +22,12 @@ from lora_jax.mapping import make_lora_mapping
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
 from lora_jax.serving.export import adapter_from_slot, save_peft_adapter
 from lora_jax.serving.peft import load_peft_adapter, read_safetensors
-from lora_jax.serving.training import init_lora_slot, train_only_slots, trainable_layers
+from lora_jax.serving.training import (
+    init_lora_slot,
+    is_linear,
+    train_only_slots,
+    trainable_layers,
+)
 from lora_jax.serving.wrap import wrap_model
 
 MAX_RANK = 8
@@ -110,8 +115,9 @@ def test_op_gradients_through_the_gpu_kernels(backend):
 
 
 # -- a model with a slot to train -------------------------------------------------------------
-def _model(rules=None, max_loras=3):
-    model = DecoderForCausalLM(DecoderConfig.tiny(), rules=rules, rngs=nnx.Rngs(0))
+def _model(rules=None, max_loras=3, tie=False):
+    cfg = DecoderConfig.tiny(tie_word_embeddings=tie)
+    model = DecoderForCausalLM(cfg, rules=rules, rngs=nnx.Rngs(0))
     wrap_model(model, lj.LoRAConfig(max_loras=max_loras, max_lora_rank=MAX_RANK))
     return model
 
@@ -142,6 +148,10 @@ def _train_step(model, opt, ids, pos, slots):
     return loss
 
 
+def _linear(model):
+    return {n: layer for n, layer in trainable_layers(model).items() if is_linear(layer)}
+
+
 def _stacks(model):
     return jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam, lj.LoRASlotRanks))
 
@@ -167,6 +177,33 @@ def test_init_lora_slot_is_peft_init_and_leaves_the_base_output():
     np.testing.assert_array_equal(got, base)
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_init_lora_slot_gives_the_embedding_and_lm_head_peft_init(tie):
+    """PEFT's init: the embedding's A zero and B N(0, 1), the lm_head's A kaiming-uniform
+    and B zero; the slot is the base model until trained, and both train."""
+    model = _model(tie=tie)
+    ids, pos = _batch()
+    base = np.asarray(_logits(model, ids, pos, jnp.full(32, -1, jnp.int32)))
+    names = init_lora_slot(model, 1, 6, seed=1, target_modules=["embed_tokens", "lm_head"])
+    assert names == ["lm_head", "model.embed_tokens"]
+    emb_a, emb_b = model.model.embed_tokens.read_lora(1)
+    assert emb_a.shape == (6, 256) and not emb_a.any()
+    assert emb_b.shape == (64, 6) and 0.8 < emb_b.std() < 1.2 and abs(emb_b.mean()) < 0.2
+    head_a, head_b = model.lm_head.read_lora(1)
+    assert head_a.shape == (6, 64) and np.abs(head_a).max() <= 1 / np.sqrt(64)
+    assert np.abs(head_a).min() > 0 and head_b.shape == (256, 6) and not head_b.any()
+    assert not any(
+        np.asarray(layer.slot_ranks[...])[:, 1].any() for layer in _linear(model).values()
+    )
+    got = np.asarray(_logits(model, ids, pos, jnp.full(32, 1, jnp.int32)))
+    np.testing.assert_array_equal(got, base)
+    grads = _grads(model, ids, pos, jnp.full(32, 1, jnp.int32))
+    emb, head = grads["model"]["embed_tokens"], grads["lm_head"]["logits_processor"]
+    # the zero factor gets the first gradient (the other's is 0 until it moves), as in PEFT
+    assert np.abs(np.asarray(emb["lora_a"][...])[1, :6]).max() > 0
+    assert np.abs(np.asarray(head["lora_b"][...])[1, :, :6]).max() > 0
+
+
 def test_init_lora_slot_refuses_and_changes_nothing():
     model = _model()
     init_lora_slot(model, 0, 4, seed=1)
@@ -176,7 +213,7 @@ def test_init_lora_slot_refuses_and_changes_nothing():
         (dict(slot=1, rank=MAX_RANK + 1), "rank 9 is outside"),
         (dict(slot=1, rank=0), "positive int"),
         (dict(slot=True, rank=4), "slot must be an int"),
-        (dict(slot=1, rank=4, target_modules=["embed_tokens"]), "not linear LoRA layers"),
+        (dict(slot=1, rank=MAX_RANK + 1, target_modules=["embed_tokens"]), "rank 9 is outside"),
     ]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
@@ -184,16 +221,17 @@ def test_init_lora_slot_refuses_and_changes_nothing():
     jax.tree.map(np.testing.assert_array_equal, _stacks(model), before)
 
 
-def test_training_moves_only_its_slot_and_lowers_the_loss():
+@pytest.mark.parametrize("targets", [None, ["embed_tokens", "lm_head", "q_proj"]])
+def test_training_moves_only_its_slot_and_lowers_the_loss(targets):
     """One slot trains while slot 0 serves an adapter (AdamW with weight decay): slot 0,
     slot 2 and the rank columns past the trained slot's rank keep their exact values, and
     tokens of slot 0 and of no adapter keep their outputs."""
     model = _model()
     init_lora_slot(model, 0, 8, seed=2)
-    for layer in trainable_layers(model).values():  # slot 0: a served adapter (B != 0)
+    for layer in _linear(model).values():  # slot 0: a served adapter (B != 0)
         for v in layer.lora_b:
             v.set_value(v[...].at[0].set(0.02))
-    init_lora_slot(model, 1, 4, seed=3)
+    init_lora_slot(model, 1, 4, seed=3, target_modules=targets)
     ids, pos = _batch()
     slots = jnp.repeat(jnp.array([1, 1, 0, -1], jnp.int32), 8)
     before_logits = np.asarray(_logits(model, ids, pos, slots))
@@ -230,27 +268,34 @@ def test_train_only_slots_refuses_slots_outside_the_stacks():
 
 
 # -- export -----------------------------------------------------------------------------------
-def _trained(rules=None):
-    model = _model(rules)
+def _trained(rules=None, tie=False):
+    """Slot 1: q, v, down (rank 4); slot 2: o, gate, up, the embedding and the lm_head
+    (rank 8); B (the embedding's A) random as if trained."""
+    model = _model(rules, tie=tie)
     init_lora_slot(model, 1, 4, seed=4, target_modules=["q_proj", "v_proj", "down_proj"])
-    init_lora_slot(model, 2, 8, seed=5, target_modules=["o_proj", "gate_proj", "up_proj"])
+    vocab = ["embed_tokens", "lm_head"]
+    init_lora_slot(model, 2, 8, seed=5, target_modules=["o_proj", "gate_proj", "up_proj", *vocab])
     rng = np.random.default_rng(6)
-    for layer in trainable_layers(model).values():  # a "trained" B: random, rank-limited
+    for layer in _linear(model).values():  # a "trained" B: random, rank-limited
         for s, v in enumerate(layer.lora_b):
             r = np.asarray(layer.slot_ranks[...])[s]
             val = np.asarray(v[...]).copy()
             for slot in (1, 2):
                 val[slot, :, : r[slot]] = rng.normal(size=(val.shape[1], r[slot])) * 0.1
             v.set_value(jax.device_put(jnp.asarray(val), v[...].sharding))
+    emb_a, emb_b = model.model.embed_tokens.read_lora(2)  # A was 0: now random
+    model.model.embed_tokens.set_lora(2, rng.normal(size=emb_a.shape) * 0.1, emb_b * 0.1)
+    head_a, head_b = model.lm_head.read_lora(2)  # B was 0: now random
+    model.lm_head.set_lora(2, head_a, rng.normal(size=head_b.shape) * 0.1)
     return model
 
 
-@pytest.mark.parametrize("mesh_shape", [None, (1, 2)])
-def test_exported_slot_loads_back_into_the_same_stacks(tmp_path, mesh_shape):
+@pytest.mark.parametrize("mesh_shape,tie", [(None, False), (None, True), ((1, 2), False)])
+def test_exported_slot_loads_back_into_the_same_stacks(tmp_path, mesh_shape, tie):
     if mesh_shape and np.prod(mesh_shape) > jax.device_count():
         pytest.skip(f"needs {np.prod(mesh_shape)} devices")
     rules = lj.ShardingRules(jax.make_mesh(mesh_shape, ("dp", "tp"))) if mesh_shape else None
-    model = _trained(rules)
+    model = _trained(rules, tie)
     ids, pos = _batch()
     for slot in (1, 2):
         path = save_peft_adapter(model, slot, tmp_path / f"s{slot}")
@@ -260,6 +305,17 @@ def test_exported_slot_loads_back_into_the_same_stacks(tmp_path, mesh_shape):
         assert cfg["lora_alpha"] == cfg["r"] == (4 if slot == 1 else 8)
         key = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
         assert (key in tensors) == (slot == 1) and (slot != 1 or tensors[key].shape == (64, 4))
+        emb = "base_model.model.model.embed_tokens.lora_embedding_"
+        head = "base_model.model.lm_head.lora_"
+        if slot == 2:  # PEFT's keys and layouts: A [r, V] / B [D, r]; A [r, D] / B [V, r]
+            assert tensors[emb + "A"].shape == (8, 256) and tensors[emb + "B"].shape == (64, 8)
+            assert tensors[head + "A.weight"].shape == (8, 64)
+            assert tensors[head + "B.weight"].shape == (256, 8)
+            assert sorted(cfg["target_modules"]) == sorted(
+                ["embed_tokens", "lm_head", "o_proj", "gate_proj", "up_proj"]
+            )
+        else:
+            assert not any(k.startswith((emb, head)) for k in tensors)
         adapter = load_peft_adapter(path, model, lj.LoRAConfig(max_loras=3, max_lora_rank=8))
         want = adapter_from_slot(model, slot)
         assert set(adapter.modules) == set(want.modules)
@@ -287,10 +343,33 @@ def test_export_refuses_what_it_cannot_write(tmp_path):
         save_peft_adapter(model, 0, tmp_path / "empty")
     with pytest.raises(ValueError, match=r"slot 3 outside \[0, 3\)"):
         adapter_from_slot(model, 3)
-    model.model.embed_tokens.set_lora(1, np.ones((4, 256)), np.ones((64, 4)))
-    with pytest.raises(ValueError, match="model.embed_tokens"):
-        save_peft_adapter(model, 1, tmp_path / "emb")
-    assert not (tmp_path / "emb").exists()
+
+
+def test_moe_experts_are_neither_trained_nor_exported(tmp_path):
+    from lora_jax.layers.moe import FusedMoEWithLoRA
+    from lora_jax.models.moe_decoder import MoEConfig, MoEDecoderForCausalLM
+
+    moe = MoEConfig(model_type="mixtral", num_experts=4, top_k=2, moe_intermediate_size=32)
+    model = MoEDecoderForCausalLM(DecoderConfig.tiny(), moe, rngs=nnx.Rngs(0))
+    wrap_model(model, lj.LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK))
+    (name, experts), *_ = [
+        (n, layer)
+        for n, layer in lj.serving.wrap.lora_layers(model).items()
+        if isinstance(layer, FusedMoEWithLoRA)
+    ]
+    before = _stacks(model)
+    with pytest.raises(ValueError, match=f"{name}.*fused MoE"):
+        init_lora_slot(model, 1, 4, target_modules=[name.rpartition(".")[2], "q_proj"])
+    jax.tree.map(np.testing.assert_array_equal, _stacks(model), before)
+    init_lora_slot(model, 1, 4, target_modules=["q_proj"])
+    save_peft_adapter(model, 1, tmp_path / "q")  # linear only: written
+    assert experts.projections == ("w13", "w2")  # gate|up fused
+    a13, a2 = np.ones((4, 4, 64)), np.ones((4, 4, 32))  # [E, r, in]
+    b13, b2 = np.ones((4, 64, 4)), np.ones((4, 64, 4))  # [E, out, r]
+    experts.set_lora(1, [a13, a2], [b13, b2])
+    with pytest.raises(ValueError, match=f"slot 1 holds LoRA in {name}"):
+        save_peft_adapter(model, 1, tmp_path / "moe")
+    assert not (tmp_path / "moe").exists()
 
 
 @nnx.jit
@@ -311,7 +390,7 @@ def test_gradients_on_a_mesh_equal_the_unsharded_ones(mesh_shape):
         model = _model(rules)
         init_lora_slot(model, 0, 8, seed=1)
         init_lora_slot(model, 1, 4, seed=2)
-        for layer in trainable_layers(model).values():  # B != 0: A gets gradients too
+        for layer in _linear(model).values():  # B != 0: A gets gradients too
             for v in layer.lora_b:
                 v.set_value(v[...] + 0.05 * (v[...] == 0))
         grads.append(jax.tree.map(np.asarray, _grads(model, ids, pos, slots)))
@@ -328,7 +407,7 @@ def test_init_lora_slot_resets_the_layers_it_does_not_target():
     ids, pos = _batch()
     base = np.asarray(_logits(model, ids, pos, jnp.full(32, -1, jnp.int32)))
     init_lora_slot(model, 1, 8, seed=1)
-    for layer in trainable_layers(model).values():  # as if trained: B != 0
+    for layer in _linear(model).values():  # as if trained: B != 0
         for v in layer.lora_b:
             v.set_value(v[...].at[1].set(0.05))
     model.model.embed_tokens.set_lora(1, np.ones((4, 256)), np.ones((64, 4)))
@@ -352,7 +431,7 @@ def test_init_lora_slot_refuses_bad_targets_and_slots_by_name():
         (dict(target_modules="(q_proj"), "init_lora_slot: target_modules regex"),
         (dict(target_modules=["q_proj", None]), "non-empty strings"),
         (dict(target_modules={"q_proj": 4}), "must be a list of module names"),
-        (dict(target_modules=["nothing"]), "match no linear LoRA layer"),
+        (dict(target_modules=["nothing"]), "match no LoRA layer"),
         (dict(slot=7), r"slot must be an int in \[0, 3\)"),
     ]:
         with pytest.raises(ValueError, match=msg):

@@ -94,6 +94,24 @@ class VocabSlotsMixin:
     def _layout(self, lora_a, lora_b) -> tuple[np.ndarray, np.ndarray, int]:
         raise NotImplementedError
 
+    def _unlayout(self, a: np.ndarray, b: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def read_lora(self, index: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Slot `index` as `set_lora` takes it (PEFT's layout, scaling in B), host f32;
+        None for an empty slot. The inverse of `set_lora`.
+
+        Example:
+            >>> a, b = layer.read_lora(0)  # doctest: +SKIP
+        """
+        index = check_slot(self.name, "read_lora", index, self.lora_config.max_loras)
+        rank = int(np.asarray(self.slot_ranks[...])[0, index])
+        if rank == 0:
+            return None
+        a = np.asarray(self.lora_a[...][index], np.float32)
+        b = np.asarray(self.lora_b[...][index], np.float32)
+        return self._unlayout(a, b, rank)
+
     def prepare_lora(self, index: int, lora_a, lora_b) -> PreparedLoRA:
         """Validates an adapter for slot `index` and lays it out as stored; writes nothing."""
         check_slot(self.name, "set_lora", index, self.lora_config.max_loras)
@@ -226,6 +244,10 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, nnx.Module):
         r = a.shape[0]
         check_rank(self.name, r, R, ("lora_b", b.shape[1]))
         return np.pad(a, ((0, R - r), (0, V_pad - V))), np.pad(b, ((0, 0), (0, R - r))), r
+
+    def _unlayout(self, a, b, rank):
+        """`[R, V_pad]`, `[D, R]` → `lora_embedding_A [r, V]`, `lora_embedding_B [D, r]`."""
+        return a[:rank, : self.base_layer.num_embeddings], b[:, :rank]
 
     # -- forward --------------------------------------------------------------------------
     def attend(self, x: jax.Array, gather: bool = False) -> jax.Array:

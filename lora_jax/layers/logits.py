@@ -255,6 +255,11 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
         b_rows[np.arange(V) if self.b_rows is None else np.asarray(self.b_rows[...]), :r] = b
         return np.pad(a, ((0, R - r), (0, 0))), b_rows, r
 
+    def _unlayout(self, a, b, rank):
+        """`[R, D]`, `[V_pad, R]` (head row order) → `lora_A [r, D]`, `lora_B [V, r]`."""
+        rows = np.arange(self.vocab_size) if self.b_rows is None else np.asarray(self.b_rows[...])
+        return a[:rank], b[rows, :rank]
+
     # -- forward --------------------------------------------------------------------------
     def row_lora_indices(self, mapping: LoRAMapping, num_rows: int) -> jax.Array:
         """The slot of each logits row: per sequence (sampler mapping) when the rows are
@@ -409,6 +414,10 @@ class ParallelLMHeadWithLoRA(nnx.Module):
 
     def reset_lora(self, index: int) -> None:
         self.logits_processor.reset_lora(index)
+
+    def read_lora(self, index: int):
+        """Slot `index` as `set_lora` takes it (`lora_A [r, D]`, `lora_B [V, r]`), or None."""
+        return self.logits_processor.read_lora(index)
 
     def logits(self, hidden_states: jax.Array) -> jax.Array:
         return self.logits_processor(self.base_layer, hidden_states)

@@ -1,15 +1,16 @@
 """A device slot → a PEFT adapter (`adapter_config.json` + `adapter_model.safetensors`).
 
-The inverse of loading: each linear LoRA layer's stacks at the slot are read back to the
-host, cut to the slot's true rank per slice, and laid out as the checkpoint's modules
-(a packed `qkv_proj` → `q_proj` / `k_proj` / `v_proj`, kv-head replicas and per-shard
-packing undone). B holds the scaling, so each module is written with `lora_alpha` equal
+The inverse of loading: each LoRA layer's stacks at the slot are read back to the host,
+cut to the slot's true rank per slice, and laid out as the checkpoint's modules (a packed
+`qkv_proj` → `q_proj` / `k_proj` / `v_proj`, kv-head replicas and per-shard packing
+undone; the token embedding as `lora_embedding_A` / `lora_embedding_B`, the lm_head's
+rows back in token order). B holds the scaling, so each module is written with `lora_alpha` equal
 to its rank (scaling 1) and per-module ranks go to `rank_pattern` / `alpha_pattern`.
 PEFT (`PeftModel.from_pretrained`), vLLM and `load_peft_adapter` load the result; a slot
 trained with `lora_jax.serving.training` leaves the library this way.
 
-Embedding, lm_head and fused-MoE LoRA are not exported: a slot with one of them is
-refused by name rather than written without it.
+Fused-MoE LoRA is not exported: a slot with one is refused by name rather than written
+without it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
+from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.linear import unpack_shards
 from lora_jax.serving.peft import (
     CONFIG_NAME,
@@ -32,8 +34,13 @@ from lora_jax.serving.peft import (
     _module_index,
     write_safetensors,
 )
-from lora_jax.serving.training import trainable_layers
+from lora_jax.serving.training import VOCAB_LAYERS, trainable_layers
 from lora_jax.serving.wrap import layer_packed_modules, lora_layers, packed_names
+
+# PEFT's tensor keys after the module name: `lora_A.weight` / `lora_B.weight` for linear
+# layers and the lm_head; an embedding's factors are bare parameters.
+LINEAR_KEYS = (".lora_A.weight", ".lora_B.weight")
+EMBEDDING_KEYS = (".lora_embedding_A", ".lora_embedding_B")
 
 
 def _check_slot(model, slot) -> None:
@@ -45,15 +52,15 @@ def _check_slot(model, slot) -> None:
     L = next(iter(layers.values())).lora_config.max_loras
     if not 0 <= int(slot) < L:
         raise ValueError(f"export: slot {slot!r} outside [0, {L})")
-    linear = trainable_layers(model)
+    trainable = trainable_layers(model)
     for name, layer in layers.items():
-        if name in linear:
+        if name in trainable:
             continue
         ranks = getattr(layer, "slot_ranks", None)
         if ranks is not None and np.asarray(ranks[...])[..., int(slot)].any():
             raise ValueError(
-                f"export: slot {slot} holds LoRA in {name} ({type(layer).__name__}); only "
-                "linear layers are exported (no embedding, lm_head or MoE experts)"
+                f"export: slot {slot} holds LoRA in {name} ({type(layer).__name__}); fused "
+                "MoE experts are not exported (linear layers, the embedding and lm_head are)"
             )
 
 
@@ -81,7 +88,8 @@ def _logical_b(layer, s: int, b: np.ndarray, name: str) -> np.ndarray:
 def adapter_from_slot(
     model, slot: int, *, adapter_id: int = 1, name: str = "adapter"
 ) -> LoRAAdapter:
-    """The adapter in ``slot`` of the model's linear LoRA layers, as host f32 arrays.
+    """The adapter in ``slot`` of the model's LoRA layers (all but fused MoE), as host f32
+    arrays.
 
     Modules are keyed by LoRA layer name, as `load_peft_adapter` keys them, so
     `manager.add_adapter(adapter_from_slot(...))` serves a copy of the slot.
@@ -92,6 +100,11 @@ def adapter_from_slot(
     _check_slot(model, slot)
     modules = {}
     for lname, layer in trainable_layers(model).items():
+        if isinstance(layer, VOCAB_LAYERS):
+            found = layer.read_lora(int(slot))  # (A, B) as set_lora takes them, or None
+            if found is not None:
+                modules[lname] = ModuleLoRA(lname, (found[0],), (found[1],))
+            continue
         ranks = np.asarray(layer.slot_ranks[...])[:, int(slot)]  # [S]
         if not ranks.any():
             continue
@@ -112,17 +125,19 @@ def adapter_from_slot(
     return LoRAAdapter(id=int(adapter_id), name=name, rank=rank, modules=modules)
 
 
-def _checkpoint_modules(model, adapter: LoRAAdapter) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """checkpoint module name → (A `[r, in]`, B `[out, r]`)."""
+def _checkpoint_modules(model, adapter: LoRAAdapter) -> dict[str, tuple[np.ndarray, ...]]:
+    """checkpoint module name → (A `[r, in]`, B `[out, r]`, PEFT's key suffixes)."""
     layers = trainable_layers(model)
     out = {}
     for lname, m in adapter.modules.items():
         layer = layers[lname]
         members = packed_names(lname, layer_packed_modules(lname, layer))
-        if len(members) == len(m.lora_a):
+        if isinstance(layer, VocabParallelEmbeddingWithLoRA):  # A [r, V], B [D, r]
+            out[members[0]] = (m.lora_a[0], m.lora_b[0], EMBEDDING_KEYS)
+        elif len(members) == len(m.lora_a):
             for member, a, b in zip(members, m.lora_a, m.lora_b):
                 if a is not None:
-                    out[member] = (a, b)
+                    out[member] = (a, b, LINEAR_KEYS)
         elif len(members) == 1:  # one module over every slice: one A, B side by side
             present = [a for a in m.lora_a if a is not None]
             if len(present) != len(m.lora_a) or any(
@@ -132,7 +147,7 @@ def _checkpoint_modules(model, adapter: LoRAAdapter) -> dict[str, tuple[np.ndarr
                     f"export: {lname} is one checkpoint module ({members[0]}) but its "
                     "slices hold different A matrices: not one PEFT module"
                 )
-            out[members[0]] = (present[0], np.concatenate(m.lora_b, axis=0))
+            out[members[0]] = (present[0], np.concatenate(m.lora_b, axis=0), LINEAR_KEYS)
         else:
             raise ValueError(f"export: {lname} has {len(m.lora_a)} slices but answers to {members}")
     return out
@@ -192,16 +207,16 @@ def save_peft_adapter(
     if name_map is not None:
         modules = _mapped(modules, name_map)
     tensors, ranks = {}, {}
-    for mod, (a, b) in modules.items():
-        for kind, value in (("A", a), ("B", b)):  # A [r, in], B [out, r]
+    for mod, (a, b, keys) in modules.items():
+        for suffix, value in zip(keys, (a, b)):  # A [r, in], B [out, r]
             with np.errstate(over="ignore"):
                 stored = np.asarray(value).astype(dtype)
             if not np.isfinite(stored.astype(np.float32)).all():
                 raise ValueError(
-                    f"export: {mod} lora_{kind} has values past {dtype.name}'s range; save "
-                    "it in a wider dtype"
+                    f"export: {mod}{suffix} has values past {dtype.name}'s range; save it "
+                    "in a wider dtype"
                 )
-            tensors[f"{PEFT_PREFIX}{mod}.lora_{kind}.weight"] = stored
+            tensors[f"{PEFT_PREFIX}{mod}{suffix}"] = stored
         ranks[mod] = int(a.shape[0])
     r = max(ranks.values())
     pattern = {re.escape(mod): rk for mod, rk in ranks.items() if rk != r}

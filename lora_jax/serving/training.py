@@ -4,9 +4,10 @@ The LoRA stacks are `nnx.LoRAParam`s and every op has a gradient on every backen
 Pallas kernels' backward pass is the XLA backend's), so an adapter can be trained in a
 slot of a wrapped model while the other slots keep serving:
 
-1. `init_lora_slot` writes a fresh adapter into one slot of the linear LoRA layers, as
-   PEFT initialises one: A kaiming-uniform (`U(±1/sqrt(in))`), B zero, so the model
-   starts out as the base model for that slot's tokens;
+1. `init_lora_slot` writes a fresh adapter into one slot, as PEFT initialises one:
+   linear layers and the lm_head get A kaiming-uniform (`U(±1/sqrt(in))`) and B zero,
+   the token embedding A zero and B standard normal, so the model starts out as the
+   base model for that slot's tokens;
 2. `nnx.Optimizer(model, optax.chain(opt, train_only_slots([slot])), wrt=nnx.LoRAParam)`
    updates that slot only: the other slots' adapters, even under weight decay, and every
    rank column past the slot's rank stay as they were;
@@ -34,6 +35,8 @@ import numpy as np
 import optax
 
 from lora_jax.layers.base import BaseLayerWithLoRA
+from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
+from lora_jax.layers.logits import ParallelLMHeadWithLoRA
 from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.serving.merge import merged_slot
 from lora_jax.serving.peft_config import matches_targets
@@ -44,14 +47,21 @@ from lora_jax.serving.wrap import (
     packed_names,
 )
 
+VOCAB_LAYERS = (VocabParallelEmbeddingWithLoRA, ParallelLMHeadWithLoRA)
+
+
+def is_linear(layer) -> bool:
+    """A linear LoRA layer: a `BaseLayerWithLoRA` but fused MoE."""
+    return isinstance(layer, BaseLayerWithLoRA) and not isinstance(layer, FusedMoEWithLoRA)
+
 
 def trainable_layers(model) -> dict[str, BaseLayerWithLoRA]:
-    """The linear LoRA layers (every `BaseLayerWithLoRA` but fused MoE) by module name:
-    the layers `init_lora_slot` initialises and `save_peft_adapter` exports."""
+    """The LoRA layers `init_lora_slot` initialises and `save_peft_adapter` exports, by
+    module name: the linear ones, the token embedding and the lm_head (not fused MoE)."""
     return {
         name: layer
         for name, layer in lora_layers(model).items()
-        if isinstance(layer, BaseLayerWithLoRA) and not isinstance(layer, FusedMoEWithLoRA)
+        if is_linear(layer) or isinstance(layer, VOCAB_LAYERS)
     }
 
 
@@ -67,12 +77,14 @@ def init_lora_slot(
     checkpoint names of the modules it covers.
 
     Each targeted module (a packed layer's members each their own: `q_proj`, `k_proj`,
-    ...) gets A `[rank, in]` drawn from `U(-1/sqrt(in), 1/sqrt(in))` (PEFT's
-    `kaiming_uniform_(a=sqrt(5))`) and B `[out, rank]` zero; every other LoRA layer's
-    slot is reset, so the slot is exactly the base model. ``target_modules`` as in
-    PEFT (leaf names or a full-match regex of checkpoint names); None: every linear LoRA
-    layer (PEFT's "all-linear": no embedding, lm_head or MoE experts). Everything is
-    checked before the first write: on error no slot changes.
+    ...) and the lm_head get A `[rank, in]` drawn from `U(-1/sqrt(in), 1/sqrt(in))`
+    (PEFT's `kaiming_uniform_(a=sqrt(5))`) and B `[out, rank]` zero; the token embedding
+    gets `lora_embedding_A [rank, V]` zero and `lora_embedding_B [D, rank]` drawn from
+    `N(0, 1)`, as PEFT. Every other LoRA layer's slot is reset, so the slot is exactly
+    the base model. ``target_modules`` as in PEFT (leaf names or a full-match regex of
+    checkpoint names); None: every linear LoRA layer (PEFT's "all-linear": the embedding
+    and lm_head only when named, MoE experts never). Everything is checked before the
+    first write: on error no slot changes.
 
     A layer whose one checkpoint module spans several LoRA slices (a packed module of 3+
     output slices saved as one) is refused when targeted and skipped otherwise: its
@@ -102,6 +114,11 @@ def init_lora_slot(
     rng = np.random.default_rng(seed)
     plans, covered = {}, []
     for name, layer in trainable_layers(model).items():
+        if isinstance(layer, VOCAB_LAYERS):
+            if targets is not None and matches_targets(targets, name):
+                plans[name] = layer.prepare_lora(slot, *_vocab_init(layer, rank, rng))
+                covered.append(name)
+            continue
         members = packed_names(name, layer_packed_modules(name, layer))
         if len(members) not in (1, layer.n_slices):
             raise ValueError(
@@ -137,13 +154,26 @@ def init_lora_slot(
     return covered
 
 
+def _vocab_init(layer, rank: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """PEFT's initialisation of an embedding / lm_head LoRA, as `set_lora` takes it."""
+    if isinstance(layer, VocabParallelEmbeddingWithLoRA):
+        V, D = layer.num_embeddings, layer.embedding_dim
+        a = np.zeros((rank, V), np.float32)  # lora_embedding_A [r, V]
+        return a, rng.standard_normal((D, rank)).astype(np.float32)  # lora_embedding_B [D, r]
+    D = layer.logits_processor.hidden_size
+    bound = 1.0 / np.sqrt(D)
+    a = rng.uniform(-bound, bound, (rank, D)).astype(np.float32)  # lora_A [r, D]
+    return a, np.zeros((layer.num_embeddings, rank), np.float32)  # lora_B [V, r]
+
+
 def _check_targets(model, targets) -> None:
     if targets is None:
         return
+    trainable = trainable_layers(model)
     others = [
         name
         for name, layer in lora_layers(model).items()
-        if name not in trainable_layers(model)
+        if name not in trainable
         and any(
             matches_targets(targets, m)
             for m in packed_names(name, layer_packed_modules(name, layer))
@@ -151,17 +181,17 @@ def _check_targets(model, targets) -> None:
     ]
     if others:
         raise ValueError(
-            f"init_lora_slot: target_modules {targets!r} name {others}, which are not linear "
-            "LoRA layers (embeddings, lm_head and MoE experts are not trained here)"
+            f"init_lora_slot: target_modules {targets!r} name {others}, which are fused MoE "
+            "LoRA layers (MoE experts are not trained here)"
         )
     names = [
         m
-        for name, layer in trainable_layers(model).items()
+        for name, layer in trainable.items()
         for m in packed_names(name, layer_packed_modules(name, layer))
     ]
     if not any(matches_targets(targets, m) for m in names):
         raise ValueError(
-            f"init_lora_slot: target_modules {targets!r} match no linear LoRA layer; its "
+            f"init_lora_slot: target_modules {targets!r} match no LoRA layer; its "
             f"modules: {sorted({m.rpartition('.')[2] for m in names})}"
         )
 
