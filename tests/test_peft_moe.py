@@ -237,6 +237,64 @@ def test_per_expert_missing_experts_are_zeros_and_rank_is_checked(base, tmp_path
     assert load_peft_adapter(tmp_path / "r8", model, cfg).rank == 8
 
 
+@pytest.mark.parametrize("wrap", ["fused_w13", "w1_w3"])
+def test_a_trained_and_exported_moe_slot_serves_in_peft(base, tmp_path, wrap):
+    """Experts (PEFT's init), the router and q_proj trained in a slot and written with
+    `save_peft_adapter` (`target_parameters` on the fused expert weights; w1 / w3 apart
+    as one w13 LoRA of rank r1 + r3) give, loaded by HF peft, lora_jax's logits; loaded
+    back by lora_jax into a fresh slot, the same logits again."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import lora_jax as lj
+    from lora_jax.serving.export import save_peft_adapter
+    from lora_jax.serving.training import init_lora_slot, train_only_slots
+
+    family, d, _ = base
+    if wrap == "w1_w3" and family != "mixtral":
+        pytest.skip("one family covers FusedMoEWithLoRA")
+    cfg = LoRAConfig(max_loras=2, max_lora_rank=8)
+    model = load_hf_moe_model(d)
+    wrap_model(model, cfg, **(SEPARATE_W1_W3 if wrap == "w1_w3" else {}))
+    init_lora_slot(model, 1, 4, seed=0, target_modules=["experts", "gate", "q_proj"])
+    ids = jnp.asarray(_ids(), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(S), ids.shape)
+
+    def logits(m, slot):
+        with lj.lora_mapping(m, jnp.full(ids.size, slot, jnp.int32)):
+            return m(ids, pos)[0]
+
+    def loss_fn(m):
+        logp = jax.nn.log_softmax(logits(m, 1)[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], -1))
+
+    opt = nnx.Optimizer(
+        model, optax.chain(optax.adam(3e-2), train_only_slots([1])), wrt=nnx.LoRAParam
+    )
+
+    @nnx.jit
+    def step(model, opt):
+        loss, g = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+        opt.update(model, g)
+        return loss
+
+    losses = [float(step(model, opt)) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    got = np.asarray(logits(model, 1))
+    assert np.abs(got - np.asarray(logits(model, -1))).max() > 1e-2  # the slot moved
+    out = save_peft_adapter(model, 1, tmp_path / "t")
+    saved = json.load(open(tmp_path / "t" / "adapter_config.json"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in saved["target_parameters"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    ref = _hf_logits(peft.PeftModel.from_pretrained(hf, out).eval(), _ids())
+    np.testing.assert_allclose(got, ref, **TOL)
+    adapter = load_peft_adapter(out, model, cfg)
+    for name, m in adapter.modules.items():
+        lora_layers(model)[name].set_lora(0, *m.set_lora_args())
+    np.testing.assert_allclose(np.asarray(logits(model, 0)), got, **TOL)
+
+
 @pytest.mark.parametrize("layout", ["concat", "interleaved"])
 def test_per_expert_fused_w13_follows_the_gate_up_layout(layout):
     """The block-diagonal w13 B is laid out as the base's w13 (GPT-OSS interleaves gate and

@@ -345,31 +345,62 @@ def test_export_refuses_what_it_cannot_write(tmp_path):
         adapter_from_slot(model, 3)
 
 
-def test_moe_experts_are_neither_trained_nor_exported(tmp_path):
-    from lora_jax.layers.moe import FusedMoEWithLoRA
+def _moe_model(rules=None, separate=False):
+    from lora_jax.models import PACKED_MODULES_MAPPING
     from lora_jax.models.moe_decoder import MoEConfig, MoEDecoderForCausalLM
 
     moe = MoEConfig(model_type="mixtral", num_experts=4, top_k=2, moe_intermediate_size=32)
-    model = MoEDecoderForCausalLM(DecoderConfig.tiny(), moe, rngs=nnx.Rngs(0))
-    wrap_model(model, lj.LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK))
-    (name, experts), *_ = [
-        (n, layer)
-        for n, layer in lj.serving.wrap.lora_layers(model).items()
-        if isinstance(layer, FusedMoEWithLoRA)
-    ]
-    before = _stacks(model)
-    with pytest.raises(ValueError, match=f"{name}.*fused MoE"):
-        init_lora_slot(model, 1, 4, target_modules=[name.rpartition(".")[2], "q_proj"])
-    jax.tree.map(np.testing.assert_array_equal, _stacks(model), before)
-    init_lora_slot(model, 1, 4, target_modules=["q_proj"])
-    save_peft_adapter(model, 1, tmp_path / "q")  # linear only: written
-    assert experts.projections == ("w13", "w2")  # gate|up fused
-    a13, a2 = np.ones((4, 4, 64)), np.ones((4, 4, 32))  # [E, r, in]
-    b13, b2 = np.ones((4, 64, 4)), np.ones((4, 64, 4))  # [E, out, r]
-    experts.set_lora(1, [a13, a2], [b13, b2])
-    with pytest.raises(ValueError, match=f"slot 1 holds LoRA in {name}"):
-        save_peft_adapter(model, 1, tmp_path / "moe")
-    assert not (tmp_path / "moe").exists()
+    model = MoEDecoderForCausalLM(DecoderConfig.tiny(), moe, rules=rules, rngs=nnx.Rngs(0))
+    mapping = {**PACKED_MODULES_MAPPING, "experts": ["w1", "w3"]} if separate else None
+    wrap_model(
+        model, lj.LoRAConfig(max_loras=3, max_lora_rank=MAX_RANK), packed_modules_mapping=mapping
+    )
+    return model
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,separate", [(None, False), (None, True), ((1, 2), False)], ids=str
+)
+def test_moe_experts_train_and_export(tmp_path, mesh_shape, separate):
+    """Experts get PEFT's init (A kaiming-uniform per expert, B zero: the slot is the
+    base); a slot with trained experts is written as PEFT's fused-expert LoRA and loads
+    back with the same logits (w1 / w3 apart: one w13 LoRA of rank r1 + r3)."""
+    if mesh_shape and np.prod(mesh_shape) > jax.device_count():
+        pytest.skip(f"needs {np.prod(mesh_shape)} devices")
+    rules = lj.ShardingRules(jax.make_mesh(mesh_shape, ("dp", "tp"))) if mesh_shape else None
+    model = _moe_model(rules, separate)
+    experts = model.model.layers[0].mlp.experts
+    ids, pos = _batch()
+    base = np.asarray(_logits(model, ids, pos, jnp.full(32, -1, jnp.int32)))
+    names = init_lora_slot(model, 1, 4, seed=1, target_modules=["experts", "o_proj"])
+    assert "model.layers.0.mlp.experts" in names
+    np.testing.assert_array_equal(
+        np.asarray(_logits(model, ids, pos, jnp.full(32, 1, jnp.int32))), base
+    )
+    a_list, b_list = experts.read_lora(1)
+    assert len(a_list) == len(experts.projections) and not any(b.any() for b in b_list)
+    for proj, a in zip(experts.projections, a_list):  # [E, r, in], U(±1/sqrt(in))
+        fan_in = 32 if proj == "w2" else 64
+        assert a.shape == (4, 4, fan_in) and 0 < np.abs(a).max() <= 1 / np.sqrt(fan_in)
+    rng = np.random.default_rng(2)  # "trained": B random
+    for layer in (experts, model.model.layers[1].mlp.experts):
+        a_list, b_list = layer.read_lora(1)
+        b_list = [rng.normal(size=b.shape) * 0.2 for b in b_list]
+        layer.set_lora(1, a_list, b_list)
+        for got, want in zip(layer.read_lora(1)[1], b_list):  # read back as written
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+    want = np.asarray(_logits(model, ids, pos, jnp.full(32, 1, jnp.int32)))
+    assert np.abs(want - base).max() > 1e-2
+    out = save_peft_adapter(model, 1, tmp_path / "moe")
+    cfg = json.loads((tmp_path / "moe" / "adapter_config.json").read_text())
+    assert "model.layers.1.mlp.experts.down_proj" in cfg["target_parameters"]
+    adapter = load_peft_adapter(out, model, lj.LoRAConfig(max_loras=3, max_lora_rank=MAX_RANK))
+    for layer in trainable_layers(model).values():
+        layer.reset_lora(0)
+    for name, m in adapter.modules.items():
+        trainable_layers(model)[name].set_lora(0, *m.set_lora_args())
+    got = np.asarray(_logits(model, ids, pos, jnp.full(32, 0, jnp.int32)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @nnx.jit

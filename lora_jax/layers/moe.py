@@ -48,6 +48,7 @@ from lora_jax.layers.base import (
     host_f32,
     put_like,
 )
+from lora_jax.linear import unpack_shards
 from lora_jax.mapping import LoRAMapping, make_lora_mapping
 from lora_jax.moe import ExpertRoutes, FusedMoE
 
@@ -263,6 +264,31 @@ class FusedMoEWithLoRA(BaseLayerWithLoRA):
         new = np.array(old)
         new[:, int(index)] = ranks
         self.slot_ranks.set_value(put_like(new, old))
+
+    def read_lora(self, index: int) -> tuple[list, list] | None:
+        """Slot `index` as `set_lora` takes it (lists over `projections`, `A [E, r, in]`,
+        `B [E, out, r]` at the slot's rank, w13's B in the base's gate/up layout, None for
+        an empty projection), host f32; None for an empty slot. The inverse of `set_lora`.
+
+        Example:
+            >>> a_list, b_list = layer.read_lora(0)  # doctest: +SKIP
+        """
+        self._check_index(index, "read_lora")
+        ranks = np.asarray(self.slot_ranks[...])[:, int(index)]  # storage order
+        if not ranks.any():
+            return None
+        a_vars, b_vars = self._stacks()
+        stored = {}
+        order = [p for p in self.projections if p != "w2"] + ["w2"]  # storage order
+        for p, r, a_var, b_var in zip(order, ranks, a_vars, b_vars):
+            a = np.asarray(a_var[...][int(index)], np.float32)[:, :r]  # [E, r, in]
+            b = np.asarray(b_var[...][int(index)], np.float32)[..., :r]  # [E, out, r]
+            base = self.base_layer
+            if p == "w13" and base.is_act_and_mul and base.gate_up_layout != "interleaved":
+                n = base.intermediate_size  # per-shard [gate_i | up_i] → [gate; up]
+                b = np.concatenate(unpack_shards(b, [n, n], 1, base.tp), axis=1)
+            stored[p] = (a, b) if r else (None, None)
+        return [stored[p][0] for p in self.projections], [stored[p][1] for p in self.projections]
 
     def reset_lora(self, index: int) -> None:
         """Zeroes slot `index`: it then gives exactly the base output."""

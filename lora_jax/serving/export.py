@@ -4,13 +4,16 @@ The inverse of loading: each LoRA layer's stacks at the slot are read back to th
 cut to the slot's true rank per slice, and laid out as the checkpoint's modules (a packed
 `qkv_proj` → `q_proj` / `k_proj` / `v_proj`, kv-head replicas and per-shard packing
 undone; the token embedding as `lora_embedding_A` / `lora_embedding_B`, the lm_head's
-rows back in token order). B holds the scaling, so each module is written with `lora_alpha` equal
-to its rank (scaling 1) and per-module ranks go to `rank_pattern` / `alpha_pattern`.
+rows back in token order). B holds the scaling, so each module is written with
+`lora_alpha` equal to its rank (scaling 1) and per-module ranks go to `rank_pattern` /
+`alpha_pattern`.
 PEFT (`PeftModel.from_pretrained`), vLLM and `load_peft_adapter` load the result; a slot
 trained with `lora_jax.serving.training` leaves the library this way.
 
-Fused-MoE LoRA is not exported: a slot with one is refused by name rather than written
-without it.
+Fused MoE experts are written as PEFT writes LoRA on transformers 5's fused expert
+weights (`target_parameters` `<experts>.gate_up_proj` / `<experts>.down_proj`).
+A slot with LoRA in a layer of another kind (a user-registered class) is refused by name
+rather than written without it.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import json
 import os
 import re
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
+from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.linear import unpack_shards
 from lora_jax.serving.peft import (
     CONFIG_NAME,
@@ -34,7 +39,8 @@ from lora_jax.serving.peft import (
     _module_index,
     write_safetensors,
 )
-from lora_jax.serving.training import VOCAB_LAYERS, trainable_layers
+from lora_jax.serving.peft_experts import expert_tensors
+from lora_jax.serving.training import WHOLE_LAYERS, trainable_layers
 from lora_jax.serving.wrap import layer_packed_modules, lora_layers, packed_names
 
 # PEFT's tensor keys after the module name: `lora_A.weight` / `lora_B.weight` for linear
@@ -59,8 +65,8 @@ def _check_slot(model, slot) -> None:
         ranks = getattr(layer, "slot_ranks", None)
         if ranks is not None and np.asarray(ranks[...])[..., int(slot)].any():
             raise ValueError(
-                f"export: slot {slot} holds LoRA in {name} ({type(layer).__name__}); fused "
-                "MoE experts are not exported (linear layers, the embedding and lm_head are)"
+                f"export: slot {slot} holds LoRA in {name} ({type(layer).__name__}), a "
+                "layer kind the export does not know"
             )
 
 
@@ -88,8 +94,7 @@ def _logical_b(layer, s: int, b: np.ndarray, name: str) -> np.ndarray:
 def adapter_from_slot(
     model, slot: int, *, adapter_id: int = 1, name: str = "adapter"
 ) -> LoRAAdapter:
-    """The adapter in ``slot`` of the model's LoRA layers (all but fused MoE), as host f32
-    arrays.
+    """The adapter in ``slot`` of the model's LoRA layers, as host f32 arrays.
 
     Modules are keyed by LoRA layer name, as `load_peft_adapter` keys them, so
     `manager.add_adapter(adapter_from_slot(...))` serves a copy of the slot.
@@ -100,10 +105,14 @@ def adapter_from_slot(
     _check_slot(model, slot)
     modules = {}
     for lname, layer in trainable_layers(model).items():
-        if isinstance(layer, VOCAB_LAYERS):
+        if isinstance(layer, WHOLE_LAYERS):
             found = layer.read_lora(int(slot))  # (A, B) as set_lora takes them, or None
             if found is not None:
-                modules[lname] = ModuleLoRA(lname, (found[0],), (found[1],))
+                a, b = found
+                whole = not isinstance(a, list)  # the embedding / lm_head: one pair
+                modules[lname] = ModuleLoRA(
+                    lname, (a,) if whole else tuple(a), (b,) if whole else tuple(b)
+                )
             continue
         ranks = np.asarray(layer.slot_ranks[...])[:, int(slot)]  # [S]
         if not ranks.any():
@@ -125,19 +134,45 @@ def adapter_from_slot(
     return LoRAAdapter(id=int(adapter_id), name=name, rank=rank, modules=modules)
 
 
-def _checkpoint_modules(model, adapter: LoRAAdapter) -> dict[str, tuple[np.ndarray, ...]]:
-    """checkpoint module name → (A `[r, in]`, B `[out, r]`, PEFT's key suffixes)."""
+class _Pair(NamedTuple):
+    """One LoRA of the checkpoint: PEFT's tensors `<module><keys[0]>`, `<module><keys[1]>`."""
+
+    module: str  # the checkpoint module its keys start with
+    a: np.ndarray  # [r, in]
+    b: np.ndarray  # [out, r]
+    keys: tuple[str, str]
+    param: str | None = None  # target_parameters: the LoRA is on `<module>.<param>`
+    experts: int = 1  # a ParamWrapper over E experts: A `[r*E, in]`, B `[out, r*E]`
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0] // self.experts
+
+    @property
+    def name(self) -> str:
+        """What `target_modules` / `target_parameters` and the rank pattern name."""
+        return self.module if self.param is None else f"{self.module}.{self.param}"
+
+
+def _checkpoint_modules(model, adapter: LoRAAdapter) -> list[_Pair]:
     layers = trainable_layers(model)
-    out = {}
+    out = []
     for lname, m in adapter.modules.items():
         layer = layers[lname]
         members = packed_names(lname, layer_packed_modules(lname, layer))
         if isinstance(layer, VocabParallelEmbeddingWithLoRA):  # A [r, V], B [D, r]
-            out[members[0]] = (m.lora_a[0], m.lora_b[0], EMBEDDING_KEYS)
+            out.append(_Pair(members[0], m.lora_a[0], m.lora_b[0], EMBEDDING_KEYS))
+        elif isinstance(layer, FusedMoEWithLoRA):  # PEFT's ParamWrapper on fused experts
+            tensors = expert_tensors(layer, m)
+            for param, (a, b) in tensors.items():
+                # PEFT nests the wrapper of gate_up_proj under that of down_proj
+                nested = param == "gate_up_proj" and "down_proj" in tensors
+                keys = tuple(".base_layer" * nested + k for k in LINEAR_KEYS)
+                out.append(_Pair(lname, a, b, keys, param, layer.base_layer.num_experts))
         elif len(members) == len(m.lora_a):
             for member, a, b in zip(members, m.lora_a, m.lora_b):
                 if a is not None:
-                    out[member] = (a, b, LINEAR_KEYS)
+                    out.append(_Pair(member, a, b, LINEAR_KEYS))
         elif len(members) == 1:  # one module over every slice: one A, B side by side
             present = [a for a in m.lora_a if a is not None]
             if len(present) != len(m.lora_a) or any(
@@ -147,7 +182,8 @@ def _checkpoint_modules(model, adapter: LoRAAdapter) -> dict[str, tuple[np.ndarr
                     f"export: {lname} is one checkpoint module ({members[0]}) but its "
                     "slices hold different A matrices: not one PEFT module"
                 )
-            out[members[0]] = (present[0], np.concatenate(m.lora_b, axis=0), LINEAR_KEYS)
+            b = np.concatenate(m.lora_b, axis=0)
+            out.append(_Pair(members[0], present[0], b, LINEAR_KEYS))
         else:
             raise ValueError(f"export: {lname} has {len(m.lora_a)} slices but answers to {members}")
     return out
@@ -165,16 +201,22 @@ def _targets(model, mods: list[str], name_map) -> list[str] | str:
     return "(" + "|".join(re.escape(m) for m in sorted(mods)) + ")"
 
 
-def _mapped(modules: dict, name_map) -> dict:
-    """The checkpoint's names through ``name_map``: strings, one module each."""
-    out, source = {}, {}
-    for mod, value in modules.items():
-        new = name_map(mod)
-        if not isinstance(new, str) or not new:
-            raise ValueError(f"export: name_map({mod!r}) gave {new!r}; it must give a name")
-        if new in out:
-            raise ValueError(f"export: name_map gives {new!r} for both {source[new]!r} and {mod!r}")
-        out[new], source[new] = value, mod
+def _mapped(pairs: list[_Pair], name_map) -> list[_Pair]:
+    """The checkpoint's module names through ``name_map``: strings, one LoRA each."""
+    out, source = [], {}
+    for pair in pairs:
+        new = pair._replace(module=name_map(pair.module))
+        if not isinstance(new.module, str) or not new.module:
+            raise ValueError(
+                f"export: name_map({pair.module!r}) gave {new.module!r}; it must give a name"
+            )
+        if new.name in source:
+            raise ValueError(
+                f"export: name_map gives {new.name!r} for both {source[new.name]!r} and "
+                f"{pair.name!r}"
+            )
+        source[new.name] = pair.name
+        out.append(new)
     return out
 
 
@@ -203,23 +245,30 @@ def save_peft_adapter(
         raise ValueError(f"export: dtype {dtype!r} is not a dtype") from e
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"export: dtype must be a float dtype (f32, bf16, f16), got {dtype}")
-    modules = _checkpoint_modules(model, adapter_from_slot(model, slot))
+    pairs = _checkpoint_modules(model, adapter_from_slot(model, slot))
     if name_map is not None:
-        modules = _mapped(modules, name_map)
-    tensors, ranks = {}, {}
-    for mod, (a, b, keys) in modules.items():
-        for suffix, value in zip(keys, (a, b)):  # A [r, in], B [out, r]
+        pairs = _mapped(pairs, name_map)
+    tensors = {}
+    for pair in pairs:
+        for suffix, value in zip(pair.keys, (pair.a, pair.b)):  # A [r, in], B [out, r]
             with np.errstate(over="ignore"):
                 stored = np.asarray(value).astype(dtype)
             if not np.isfinite(stored.astype(np.float32)).all():
                 raise ValueError(
-                    f"export: {mod}{suffix} has values past {dtype.name}'s range; save it "
-                    "in a wider dtype"
+                    f"export: {pair.module}{suffix} has values past {dtype.name}'s range; "
+                    "save it in a wider dtype"
                 )
-            tensors[f"{PEFT_PREFIX}{mod}{suffix}"] = stored
-        ranks[mod] = int(a.shape[0])
-    r = max(ranks.values())
-    pattern = {re.escape(mod): rk for mod, rk in ranks.items() if rk != r}
+            tensors[f"{PEFT_PREFIX}{pair.module}{suffix}"] = stored
+    r = max(pair.rank for pair in pairs)
+    # PEFT on transformers 5 wraps a module that is no nn.Linear (an MoE router) through
+    # its weight and looks its rank up as `<module>.weight`: a key matches either way
+    pattern = {
+        re.escape(p.name) + (r"(\.weight)?" if p.param is None else ""): p.rank
+        for p in pairs
+        if p.rank != r
+    }
+    modules = [p.name for p in pairs if p.param is None]
+    params = sorted(p.name for p in pairs if p.param is not None)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -228,7 +277,8 @@ def save_peft_adapter(
         "lora_alpha": r,  # B holds the scaling
         "rank_pattern": pattern,
         "alpha_pattern": dict(pattern),
-        "target_modules": _targets(model, list(modules), name_map),
+        "target_modules": _targets(model, modules, name_map) if modules else None,
+        "target_parameters": params or None,
         "lora_dropout": 0.0,
         "bias": "none",
         "use_rslora": False,

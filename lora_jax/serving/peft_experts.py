@@ -103,7 +103,8 @@ def strip_base_layer(name: str) -> str:
 def fused_expert_lora(
     layer, name: str, checkpoint_name: str, found: Mapping[str, Mapping], cfg, source, untargeted
 ) -> ModuleLoRA | None:
-    """PEFT ParamWrapper tensors of one fused-experts module → `[w13, w2]` 3D LoRA.
+    """PEFT ParamWrapper tensors of one fused-experts module → `[w13, w2]` 3D LoRA (a
+    layer with w1 and w3 apart: `[w1, w2, w3]`, each half of B with the shared A).
 
     Which parameter a pair belongs to follows from its shapes (w13: in = hidden,
     out = w13 width; w2: in = inter, out = hidden), not from the nesting order. Each
@@ -112,8 +113,6 @@ def fused_expert_lora(
     """
     base = layer.base_layer
     E, H, n = base.num_experts, base.hidden_size, base.intermediate_size
-    if not getattr(layer, "fused_w13", False):
-        raise ValueError(f"{source}: module {name!r} must be wrapped as FusedMoE3DWithLoRA")
     shapes = {(H, base.w13_width): 0, (n, H): 1}  # (in, out) → w13 / w2
     params = [p.rpartition(".")[2] for p in EXPERT_PARAMS]  # w13, w2 as PEFT names them
     out_a: list = [None, None]
@@ -142,7 +141,12 @@ def fused_expert_lora(
         out_b[which] = b.reshape(b.shape[0], r, E).transpose(2, 0, 1) * scale  # [E, out, r]
     if all(a is None for a in out_a):
         return None
-    return ModuleLoRA(module_name=name, lora_a=tuple(out_a), lora_b=tuple(out_b))
+    if layer.fused_w13 or not base.is_act_and_mul:
+        return ModuleLoRA(module_name=name, lora_a=tuple(out_a), lora_b=tuple(out_b))
+    # w1 and w3 apart: each takes the shared A with its half of B (exact, same rank)
+    (a13, a2), (b13, b2) = out_a, out_b
+    gate, up = (None, None) if b13 is None else base.split_w13(b13, axis=1)  # [E, inter, r]
+    return ModuleLoRA(module_name=name, lora_a=(a13, a2, a13), lora_b=(gate, b2, up))
 
 
 def per_expert_lora(
@@ -217,10 +221,52 @@ def per_expert_lora(
     for h, part, lo, hi in zip(halves, parts, offsets[:-1], offsets[1:]):
         if h is not None:
             a13[:, lo:hi], part[:, :, lo:hi] = h
+    return ModuleLoRA(name, (a13, w2[0]), (_logical_w13(base, parts), w2[1]))
+
+
+def expert_tensors(layer, m: ModuleLoRA) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """A MoE LoRA layer's adapter (as `read_lora` gives it) → PEFT's ParamWrapper tensors
+    per fused expert weight: `{"gate_up_proj": (A [r*E, hidden], B [w13 out, r*E]),
+    "down_proj": (A [r*E, inter], B [hidden, r*E])}`, the inverse of `fused_expert_lora`.
+
+    Separate w1 / w3 LoRAs become one w13 LoRA of rank r1 + r3: A stacked on the rank
+    axis, B block-diagonal (each half sees only its own rank rows), which is exact.
+    """
+    base = layer.base_layer
+    E = base.num_experts
+    by_proj = dict(zip(layer.projections, zip(m.lora_a, m.lora_b)))
+    w13 = by_proj.get("w13")
+    if w13 is None:  # w1 (gate) and w3 (up) apart
+        halves = [by_proj.get("w1"), by_proj.get("w3")] if base.is_act_and_mul else [by_proj["w1"]]
+        present = [h for h in halves if h[0] is not None]
+        w13 = (None, None)
+        if present:
+            a13 = np.concatenate([a for a, _ in present], axis=1)  # [E, r1 + r3, hidden]
+            parts, lo = [], 0
+            for a, b in halves:
+                r = 0 if a is None else a.shape[1]
+                part = np.zeros((E, base.intermediate_size, a13.shape[1]), np.float32)
+                if b is not None:
+                    part[:, :, lo : lo + r] = b
+                parts.append(part)  # [E, inter, r1 + r3]
+                lo += r
+            w13 = (a13, _logical_w13(base, parts))
+    out = {}
+    for param, (a, b) in (("gate_up_proj", w13), ("down_proj", by_proj["w2"])):
+        if a is None:
+            continue
+        r = a.shape[1]
+        # PEFT: A's rows are expert-major (e*r + k), B's columns rank-major (k*E + e)
+        out[param] = (a.reshape(E * r, -1), b.transpose(1, 2, 0).reshape(b.shape[1], r * E))
+    return out
+
+
+def _logical_w13(base: FusedMoE, parts: list[np.ndarray]) -> np.ndarray:
+    """(gate, up) `[E, inter, r]` → the checkpoint's w13 `[E, w13 out, r]` (`split_w13`'s
+    inverse); a non-gated layer's one part is its w13."""
     if len(parts) == 1:
-        b13 = parts[0]
-    elif base.gate_up_layout == "interleaved":  # the base's own w13 layout (split_w13)
-        b13 = np.stack(parts, axis=2).reshape(E, 2 * n, sum(ranks))
-    else:
-        b13 = np.concatenate(parts, axis=1)  # [E, 2n, r1 + r3]
-    return ModuleLoRA(name, (a13, w2[0]), (b13, w2[1]))
+        return parts[0]
+    if base.gate_up_layout == "interleaved":
+        E, n, r = parts[0].shape
+        return np.stack(parts, axis=2).reshape(E, 2 * n, r)
+    return np.concatenate(parts, axis=1)

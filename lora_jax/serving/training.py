@@ -5,9 +5,9 @@ Pallas kernels' backward pass is the XLA backend's), so an adapter can be traine
 slot of a wrapped model while the other slots keep serving:
 
 1. `init_lora_slot` writes a fresh adapter into one slot, as PEFT initialises one:
-   linear layers and the lm_head get A kaiming-uniform (`U(±1/sqrt(in))`) and B zero,
-   the token embedding A zero and B standard normal, so the model starts out as the
-   base model for that slot's tokens;
+   linear layers, the lm_head and MoE experts get A kaiming-uniform (`U(±1/sqrt(in))`)
+   and B zero, the token embedding A zero and B standard normal, so the model starts
+   out as the base model for that slot's tokens;
 2. `nnx.Optimizer(model, optax.chain(opt, train_only_slots([slot])), wrt=nnx.LoRAParam)`
    updates that slot only: the other slots' adapters, even under weight decay, and every
    rank column past the slot's rank stay as they were;
@@ -47,7 +47,8 @@ from lora_jax.serving.wrap import (
     packed_names,
 )
 
-VOCAB_LAYERS = (VocabParallelEmbeddingWithLoRA, ParallelLMHeadWithLoRA)
+# Layers whose slots are read back whole (`read_lora`), not per linear slice.
+WHOLE_LAYERS = (VocabParallelEmbeddingWithLoRA, ParallelLMHeadWithLoRA, FusedMoEWithLoRA)
 
 
 def is_linear(layer) -> bool:
@@ -57,11 +58,11 @@ def is_linear(layer) -> bool:
 
 def trainable_layers(model) -> dict[str, BaseLayerWithLoRA]:
     """The LoRA layers `init_lora_slot` initialises and `save_peft_adapter` exports, by
-    module name: the linear ones, the token embedding and the lm_head (not fused MoE)."""
+    module name: the linear ones, the token embedding, the lm_head and fused MoE."""
     return {
         name: layer
         for name, layer in lora_layers(model).items()
-        if is_linear(layer) or isinstance(layer, VOCAB_LAYERS)
+        if is_linear(layer) or isinstance(layer, WHOLE_LAYERS)
     }
 
 
@@ -80,11 +81,13 @@ def init_lora_slot(
     ...) and the lm_head get A `[rank, in]` drawn from `U(-1/sqrt(in), 1/sqrt(in))`
     (PEFT's `kaiming_uniform_(a=sqrt(5))`) and B `[out, rank]` zero; the token embedding
     gets `lora_embedding_A [rank, V]` zero and `lora_embedding_B [D, rank]` drawn from
-    `N(0, 1)`, as PEFT. Every other LoRA layer's slot is reset, so the slot is exactly
+    `N(0, 1)`, as PEFT; fused MoE experts (named by their module, e.g. "experts") get
+    every projection's A `[E, rank, in]` kaiming-uniform and B zero, as PEFT's
+    `target_parameters` do. Every other LoRA layer's slot is reset, so the slot is exactly
     the base model. ``target_modules`` as in PEFT (leaf names or a full-match regex of
-    checkpoint names); None: every linear LoRA layer (PEFT's "all-linear": the embedding
-    and lm_head only when named, MoE experts never). Everything is checked before the
-    first write: on error no slot changes.
+    checkpoint names); None: every linear LoRA layer (PEFT's "all-linear": the embedding,
+    lm_head and experts only when named). Everything is checked before the first write:
+    on error no slot changes.
 
     A layer whose one checkpoint module spans several LoRA slices (a packed module of 3+
     output slices saved as one) is refused when targeted and skipped otherwise: its
@@ -114,9 +117,9 @@ def init_lora_slot(
     rng = np.random.default_rng(seed)
     plans, covered = {}, []
     for name, layer in trainable_layers(model).items():
-        if isinstance(layer, VOCAB_LAYERS):
+        if isinstance(layer, WHOLE_LAYERS):
             if targets is not None and matches_targets(targets, name):
-                plans[name] = layer.prepare_lora(slot, *_vocab_init(layer, rank, rng))
+                plans[name] = layer.prepare_lora(slot, *_whole_init(layer, rank, rng))
                 covered.append(name)
             continue
         members = packed_names(name, layer_packed_modules(name, layer))
@@ -154,8 +157,20 @@ def init_lora_slot(
     return covered
 
 
-def _vocab_init(layer, rank: int, rng) -> tuple[np.ndarray, np.ndarray]:
-    """PEFT's initialisation of an embedding / lm_head LoRA, as `set_lora` takes it."""
+def _whole_init(layer, rank: int, rng) -> tuple:
+    """PEFT's initialisation of an embedding / lm_head / experts LoRA, as `set_lora` takes
+    it."""
+    if isinstance(layer, FusedMoEWithLoRA):
+        base = layer.base_layer
+        E, H, n = base.num_experts, base.hidden_size, base.intermediate_size
+        sizes = {"w13": (H, base.w13_width), "w1": (H, n), "w3": (H, n), "w2": (n, H)}
+        a_list, b_list = [], []
+        for proj in layer.projections:  # (in, out) of each
+            fan_in, out = sizes[proj]
+            bound = 1.0 / np.sqrt(fan_in)
+            a_list.append(rng.uniform(-bound, bound, (E, rank, fan_in)).astype(np.float32))
+            b_list.append(np.zeros((E, out, rank), np.float32))
+        return a_list, b_list
     if isinstance(layer, VocabParallelEmbeddingWithLoRA):
         V, D = layer.num_embeddings, layer.embedding_dim
         a = np.zeros((rank, V), np.float32)  # lora_embedding_A [r, V]
@@ -180,9 +195,10 @@ def _check_targets(model, targets) -> None:
         )
     ]
     if others:
+        kinds = trainable.values()
         raise ValueError(
-            f"init_lora_slot: target_modules {targets!r} name {others}, which are fused MoE "
-            "LoRA layers (MoE experts are not trained here)"
+            f"init_lora_slot: target_modules {targets!r} name {others}, LoRA layers of a "
+            f"kind not trained here; trained: {sorted({type(x).__name__ for x in kinds})}"
         )
     names = [
         m
