@@ -467,6 +467,33 @@ def test_right_padded_prefill_then_decode_matches_unpadded():
         np.testing.assert_allclose(np.asarray(logits[:, 0]), np.asarray(full[:, t]), atol=2e-5)
 
 
+def test_positions_past_the_cache_are_refused():
+    """The cache write drops slots >= max_len (meant for pad tokens): a real token there
+    lost its key and value silently. Whatever fits still matches a cache-free forward."""
+    cfg = TP_CFG
+    model = _random_model(cfg)
+    ids = _ids(1, 6, cfg.vocab_size, seed=7)
+    pos = _positions(1, 6)
+    full = _fwd(model, ids, pos)
+    step = nnx.jit(lambda m, i, p, c, mask=None: m(i, p, c, attention_mask=mask))
+    # S > max_len: refused eager and jitted (S is static in both)
+    with pytest.raises(ValueError, match=r"S=6 exceeds cache.max_len=4"):
+        model(ids, pos, KVCache.init(cfg, 1, 4))
+    with pytest.raises(ValueError, match=r"S=6 exceeds cache.max_len=4"):
+        step(model, ids, pos, KVCache.init(cfg, 1, 4))
+    # a full cache: decoding position 5 has no slot; position 4, the last slot, has
+    _, cache4 = step(model, ids[:, :4], pos[:, :4], KVCache.init(cfg, 1, 5))
+    last, cache5 = model(ids[:, 4:5], pos[:, 4:5], cache4)
+    np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(full[:, 4]), atol=2e-5)
+    with pytest.raises(ValueError, match=r"position 5 does not fit cache.max_len=5"):
+        model(ids[:, 5:], pos[:, 5:], cache5)
+    # pad tokens may carry any position: they are never written
+    mask = jnp.array([[1, 1, 1, 0, 0, 0]], jnp.int32)
+    pad_pos = jnp.array([[0, 1, 2, 9, 10, 11]], jnp.int32)
+    logits, _ = model(ids, pad_pos, KVCache.init(cfg, 1, 6), attention_mask=mask)
+    np.testing.assert_allclose(np.asarray(logits[:, :3]), np.asarray(full[:, :3]), atol=2e-5)
+
+
 def test_bf16_model_close_to_f32():
     cfg = DecoderConfig.tiny()
     ids, pos = _ids(2, 6, cfg.vocab_size), _positions(2, 6)

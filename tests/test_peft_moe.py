@@ -101,7 +101,7 @@ def _serve(base_dir, adapter_dir, cfg, **wrap_kw):
     return adapter, np.asarray(model(jnp.asarray(ids, jnp.int32), pos)[0])
 
 
-def _per_expert_adapter(family, base_dir, out, r, alpha, drop=()):
+def _per_expert_adapter(family, base_dir, out, r, alpha, drop=(), **config):
     """A transformers-4 style per-expert adapter for the sparse layers (layer 0; Mixtral's
     layer 1 too), less the (layer, expert, member) in `drop`; returns its tensors."""
     block, names, _ = FAMILIES[family]
@@ -119,7 +119,7 @@ def _per_expert_adapter(family, base_dir, out, r, alpha, drop=()):
                 tensors[f"{k}.lora_B.weight"] = torch.randn(n_out, r, generator=g) * 0.2
     out.mkdir()
     save_file(tensors, str(out / "adapter_model.safetensors"))
-    config = dict(peft_type="LORA", r=r, lora_alpha=alpha, target_modules=list(names))
+    config = dict(peft_type="LORA", r=r, lora_alpha=alpha, target_modules=list(names), **config)
     (out / "adapter_config.json").write_text(json.dumps(config))
     return tensors
 
@@ -211,6 +211,23 @@ def test_per_expert_adapter_matches_peft(base, tmp_path, wrap):
     kw = SEPARATE_W1_W3 if wrap == "w1_w3" else {}
     adapter, ours = _serve(d, tmp_path / "a", LoRAConfig(max_loras=1, max_lora_rank=8), **kw)
     assert adapter.modules["model.layers.0.mlp.experts"].rank == (4 if kw else 8)
+    np.testing.assert_allclose(ours, ref, **TOL)
+
+
+def test_per_expert_rslora_scales_each_expert_by_its_own_rank(base, tmp_path):
+    """rsLoRA per-expert adapters are scaled alpha / sqrt(r) with each expert's own rank,
+    as they were trained (transformers 4) and as vLLM serves them: the oracle merges each
+    `scale * B @ A` into the HF weights. (PEFT 0.21 on transformers 5, converting them
+    to fused experts, serves other logits: 0.2 off this oracle, and off alpha / sqrt(2r)
+    too; it is not the oracle for rsLoRA here.)"""
+    family, d, _ = base
+    if family != "mixtral":
+        pytest.skip("one family covers the scaling")
+    tensors = _per_expert_adapter(family, d, tmp_path / "a", 4, 8, use_rslora=True)
+    ref = _hf_logits(_merged_oracle(family, d, tensors, 8 / np.sqrt(4)), _ids())
+    plain = _hf_logits(_merged_oracle(family, d, tensors, 8 / 4), _ids())
+    assert np.abs(ref - plain).max() > 1e-2  # rsLoRA's scale is visible
+    _, ours = _serve(d, tmp_path / "a", LoRAConfig(max_loras=1, max_lora_rank=8))
     np.testing.assert_allclose(ours, ref, **TOL)
 
 

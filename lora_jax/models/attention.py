@@ -125,7 +125,8 @@ class Attention(nnx.Module):
                 where = pos if mask is None else jnp.where(mask.astype(bool), pos, L)
                 rows = jnp.arange(bl)[:, None]
                 # [bl, S] row/position pairs around the head slice: the indexed block is
-                # [bl, S, kv, hd], k's own layout.
+                # [bl, S, kv, hd], k's own layout. "drop" discards the pad tokens sent to
+                # slot L; DecoderModel refuses real positions >= L where it can see them.
                 ck = ck.at[rows, :, where].set(k.astype(ck.dtype), mode="drop")
                 cv = cv.at[rows, :, where].set(v.astype(cv.dtype), mode="drop")
                 keys, vals, key_pos, key_ok = ck, cv, jnp.arange(L)[None, :], None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from lora_jax.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -120,13 +121,22 @@ class DecoderModel(nnx.Module):
     ):
         """`input_ids, positions i32[B, S]` → `(hidden [B, S, D] (or [B*S, D] if flat),
         new cache | None)`. `attention_mask [B, S]`: 0 marks pad tokens (never attended,
-        never written to the cache)."""
+        never written to the cache).
+
+        With a cache, every real (unmasked) token's position must be `< cache.max_len`: a
+        ValueError when S exceeds it, or when concrete positions reach it. Traced positions
+        (inside `jax.jit`) cannot be checked, so jitted callers must size the cache for
+        the last position they write (`generate` makes it prompt + new tokens long); a
+        position past the end would drop its key and value silently (wrong logits).
+        """
         if input_ids.shape != positions.shape or input_ids.ndim != 2:
             raise ValueError(
                 f"input_ids {input_ids.shape} and positions {positions.shape} must both be [B, S]"
             )
         if cache is not None and len(cache.k) != len(self.layers):
             raise ValueError(f"cache has {len(cache.k)} layers, model has {len(self.layers)}")
+        if cache is not None:
+            _check_cache_room(positions, attention_mask, cache.max_len)
         B, S = input_ids.shape
         rules = self.rules
         tok = "batch" if B % rules.size("batch") == 0 else None
@@ -142,6 +152,31 @@ class DecoderModel(nnx.Module):
         h = self.norm(h)
         new_cache = None if cache is None else KVCache(k=tuple(ks), v=tuple(vs))
         return (h if flat else h.reshape(B, S, -1)), new_cache
+
+
+def _check_cache_room(positions, attention_mask, max_len: int) -> None:
+    """A ValueError unless every real token's position fits a cache of `max_len` slots:
+    the cache write drops out-of-range slots (meant for pad tokens), so an overflowing
+    position would lose its key and value without an error."""
+    S = positions.shape[1]
+    if S > max_len:
+        raise ValueError(
+            f"sequence length S={S} exceeds cache.max_len={max_len}; the cache holds "
+            f"positions 0..{max_len - 1} (make a longer KVCache)"
+        )
+    arrays = [a for a in (positions, attention_mask) if a is not None]
+    if any(isinstance(a, jax.core.Tracer) for a in arrays):
+        return  # traced: the caller sizes the cache (see DecoderModel.__call__)
+    if not all(getattr(a, "is_fully_addressable", True) for a in arrays):
+        return  # multi-process arrays: no host holds them all
+    pos = np.asarray(positions)
+    if attention_mask is not None:
+        pos = pos[np.asarray(attention_mask).astype(bool)]  # pad tokens are never written
+    if pos.size and int(pos.max()) >= max_len:
+        raise ValueError(
+            f"position {int(pos.max())} does not fit cache.max_len={max_len}; positions "
+            f"must be < max_len (make a longer KVCache)"
+        )
 
 
 class DecoderForCausalLM(nnx.Module):
