@@ -333,6 +333,7 @@ def run(argv: Sequence[str] | None = None) -> list[RequestResult]:
 def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestResult]:
     from lora_jax.config import LoRAConfig
     from lora_jax.models import load_hf_model
+    from lora_jax.models.config import SUPPORTED_MODEL_TYPES
     from lora_jax.models.loading import read_config_json
     from lora_jax.models.moe_decoder import MOE_MODEL_TYPES, load_hf_moe_model
     from lora_jax.serving.generate import generate
@@ -341,6 +342,12 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
 
     rules = _rules(args.tp)
     model_dir, config = read_config_json(model_dir)  # a file in the checkpoint: its directory
+    served = (*SUPPORTED_MODEL_TYPES, *MOE_MODEL_TYPES)
+    if config.get("model_type") not in served:  # the dense loader would name only its own
+        raise ValueError(
+            f"{os.path.join(model_dir, 'config.json')}: model_type="
+            f"{config.get('model_type')!r} is not supported; allowed: {served}"
+        )
     moe = config.get("model_type") in MOE_MODEL_TYPES
     model = (load_hf_moe_model if moe else load_hf_model)(model_dir, rules=rules)
     tokenizer = _tokenizer(None if args.model is None else model_dir, model.config.vocab_size)

@@ -131,6 +131,22 @@ def test_logits_match_hf(tmp_path, model_type, overrides):
 
 
 @pytest.mark.oracle
+def test_mistral_layer_types_window_only_sliding_layers(tmp_path):
+    """A *mistral* config.json with `layer_types` loads in transformers as Ministral,
+    which honours them (unlike Mixtral, tests/test_moe_model.py): only the
+    "sliding_attention" layers get the window."""
+    path = _save(_hf_model("mistral", sliding_window=4), tmp_path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["layer_types"] = ["full_attention", "sliding_attention"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    _compare_with_hf(hf, path)
+
+
+@pytest.mark.oracle
 def test_right_padded_batch_matches_hf(tmp_path):
     hf = _hf_model("llama")
     mask = jnp.array([[1] * 10, [1] * 6 + [0] * 4, [1] * 3 + [0] * 7], jnp.int32)
@@ -223,6 +239,89 @@ def test_from_hf_reads_both_rope_layouts():
 def test_from_hf_rejects_bad_configs(bad, match):
     with pytest.raises(ValueError, match=match):
         DecoderConfig.from_hf(_hf_dict(**bad))
+
+
+LLAMA3 = dict(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=16,
+)
+# config.json rope fields: (fields, None if transformers loads them, else the ValueError
+# lora_jax raises where transformers raises too)
+ROPE_CONFIGS = {
+    # transformers 5 writes partial_rotary_factor inside rope_parameters
+    "partial-in-rope_parameters": (
+        dict(rope_parameters=dict(rope_type="linear", factor=2.0, partial_rotary_factor=0.5)),
+        r"rope_parameters.partial_rotary_factor=0.5 is not supported",
+    ),
+    "linear-without-factor": (
+        dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4)),
+        r"rope_parameters of rope_type 'linear' lacks required fields \['factor'\]",
+    ),
+    "llama3-without-factor": (
+        dict(rope_parameters={k: v for k, v in LLAMA3.items() if k != "factor"}),
+        r"rope_type 'llama3' lacks required fields \['factor'\]",
+    ),
+    "legacy-llama3-without-low_freq_factor": (
+        dict(rope_scaling={k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}),
+        r"rope_scaling of rope_type 'llama3' lacks required fields \['low_freq_factor'\]",
+    ),
+    # both layouts: the legacy rope_scaling wins whole, rope_parameters' theta included
+    "legacy-llama3-over-linear": (
+        dict(
+            rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=5e5),
+            rope_scaling=LLAMA3,
+        ),
+        None,
+    ),
+    "legacy-linear-over-default": (
+        dict(
+            rope_theta=2e4,
+            rope_parameters=dict(rope_type="default", rope_theta=5e5),
+            rope_scaling=dict(type="linear", factor=4.0),
+        ),
+        None,
+    ),
+    "legacy-default-over-linear": (
+        dict(
+            rope_parameters=dict(rope_type="linear", factor=2.0), rope_scaling=dict(type="default")
+        ),
+        None,
+    ),
+}
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("name", list(ROPE_CONFIGS))
+def test_rope_fields_read_as_transformers_reads_them(tmp_path, name):
+    """Inverse frequencies of the model transformers builds from the same config.json, or
+    a ValueError naming the field where transformers fails (lora_jax read a missing
+    factor as 1.0, ignored an inner partial_rotary_factor and preferred rope_parameters
+    over a legacy rope_scaling)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    fields, error = ROPE_CONFIGS[name]
+    d = _hf_dict(**fields)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(d, f)
+
+    def hf_inv_freq():
+        cfg = transformers.AutoConfig.from_pretrained(str(tmp_path))
+        hf = transformers.AutoModelForCausalLM.from_config(cfg)
+        hf(torch.tensor([[1, 2, 3]]))  # a partial rotary factor fails only here
+        return hf.model.rotary_emb.inv_freq.numpy()
+
+    if error is not None:
+        with pytest.raises((KeyError, RuntimeError)):  # missing key / shape mismatch
+            hf_inv_freq()
+        with pytest.raises(ValueError, match=error):
+            DecoderConfig.from_hf(d)
+        return
+    ours = DecoderConfig.from_hf(d)
+    got = rope_inv_freq(ours.head_dim, ours.rope_theta, ours.rope_scaling)
+    np.testing.assert_allclose(got, hf_inv_freq(), rtol=1e-6)
 
 
 def test_qwen2_sliding_layers_follow_max_window_layers():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 
@@ -20,11 +23,11 @@ pytestmark = pytest.mark.oracle
 B, S, V = 2, 6, 96
 
 
-def _mixtral(tmp_path):
+def _mixtral(tmp_path, **overrides):
     cfg = transformers.MixtralConfig(
         vocab_size=V, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+        num_experts_per_tok=2, max_position_embeddings=64, rms_norm_eps=1e-5, **overrides,
     )  # fmt: skip
     return transformers.MixtralForCausalLM(cfg)
 
@@ -67,6 +70,22 @@ def _ours(directory, rules=None):
 @pytest.mark.parametrize("make", [_mixtral, _qwen3_moe], ids=["mixtral", "qwen3_moe"])
 def test_logits_match_transformers(make, tmp_path):
     hf, d = _save(make, tmp_path)
+    with torch.no_grad():
+        ref = hf(torch.as_tensor(_ids())).logits.float().numpy()
+    np.testing.assert_allclose(_ours(d), ref, rtol=2e-4, atol=2e-4)
+
+
+def test_mixtral_windows_every_layer_whatever_layer_types(tmp_path):
+    """transformers' Mixtral applies sliding_window to every layer and ignores a
+    config.json `layer_types` (lora_jax gave its "full_attention" layers no window)."""
+    _, d = _save(lambda p: _mixtral(p, sliding_window=3), tmp_path)  # window < S
+    path = os.path.join(d, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["layer_types"] = ["full_attention", "sliding_attention"]
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.as_tensor(_ids())).logits.float().numpy()
     np.testing.assert_allclose(_ours(d), ref, rtol=2e-4, atol=2e-4)

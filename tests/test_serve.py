@@ -161,6 +161,20 @@ def test_cli_names_a_bad_generation_config(tmp_path, capsys):
         assert repr(json.loads(eos)) in err
 
 
+def test_cli_unsupported_model_type_lists_every_served_type(tmp_path, capsys):
+    """The error names every model_type the CLI serves, MoE ones included (it listed only
+    the dense decoder's)."""
+    from lora_jax.models.config import SUPPORTED_MODEL_TYPES
+    from lora_jax.models.moe_decoder import MOE_MODEL_TYPES
+
+    (tmp_path / "config.json").write_text('{"model_type": "gemma", "vocab_size": 300}')
+    assert serve.main(["--model", str(tmp_path), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json: model_type='gemma' is not supported" in err
+    for mt in (*SUPPORTED_MODEL_TYPES, *MOE_MODEL_TYPES):
+        assert repr(mt) in err
+
+
 def test_cli_serves_an_moe_checkpoint(tmp_path):
     """A Mixtral directory goes to the MoE loader: the CLI's tokens are `generate`'s on
     `load_hf_moe_model`'s model."""

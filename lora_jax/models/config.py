@@ -5,7 +5,8 @@ named preset (`tiny()`, `llama3_8b()`) for random-weight benchmarks. Frozen and 
 hashable fields only, so it can live in an NNX graphdef that is a `jax.jit` static arg.
 
 Both HF config layouts are read: transformers 5 (`rope_parameters` holding `rope_theta`
-and the scaling) and transformers 4 (`rope_theta` + `rope_scaling` at the top level).
+and the scaling) and transformers 4 (`rope_theta` + `rope_scaling` at the top level);
+a file with both is read as transformers 5.25 reads it: `rope_scaling` wins.
 """
 
 from __future__ import annotations
@@ -303,15 +304,22 @@ class DecoderConfig:
 
 
 def _read_rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
-    params = hf.get("rope_parameters") or {}
-    if params and not isinstance(params, Mapping):
-        raise ValueError(f"config.json rope_parameters must be a dict, got {type(params).__name__}")
-    if params and any(isinstance(v, Mapping) for v in params.values()):
-        raise ValueError("config.json: per-layer-type rope_parameters are not supported")
-    legacy = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    src = params if params.get("rope_type", params.get("type", "default")) != "default" else legacy
-    rope_type = src.get("rope_type", src.get("type", "default")) if src else "default"
+    # transformers 5.25 (`convert_rope_params_to_dict`): a non-empty legacy `rope_scaling`
+    # replaces `rope_parameters` whole (even when they disagree); `rope_theta` is the
+    # chosen dict's, else the top-level field, else the default
+    legacy, params = hf.get("rope_scaling"), hf.get("rope_parameters")
+    name, src = ("rope_scaling", legacy) if legacy else ("rope_parameters", params or {})
+    if not isinstance(src, Mapping):
+        raise ValueError(f"config.json {name} must be a dict, got {type(src).__name__}")
+    if any(isinstance(v, Mapping) for v in src.values()):
+        raise ValueError(f"config.json: per-layer-type {name} are not supported")
+    if src.get("partial_rotary_factor", 1.0) not in (None, 1.0):
+        raise ValueError(
+            f"config.json {name}.partial_rotary_factor={src['partial_rotary_factor']} is not "
+            "supported (only 1.0)"
+        )
+    theta = src.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = src.get("rope_type", src.get("type", "default"))
     if rope_type in (None, "default"):
         return float(theta), None
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -319,12 +327,22 @@ def _read_rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
             f"config.json rope scaling type {rope_type!r} is not supported; allowed: "
             f"{SUPPORTED_ROPE_TYPES} (or no scaling)"
         )
-    kw: dict[str, Any] = dict(rope_type=rope_type, factor=float(src.get("factor", 1.0)))
+    # what transformers requires of the scaling (it raises a KeyError without them)
+    required = ["factor"] + (
+        ["low_freq_factor", "high_freq_factor"] if rope_type == "llama3" else []
+    )
+    missing = [k for k in required if k not in src]
+    if missing:
+        raise ValueError(
+            f"config.json {name} of rope_type {rope_type!r} lacks required fields {missing}; "
+            f"{rope_type!r} scaling needs {required}"
+        )
+    kw: dict[str, Any] = dict(rope_type=rope_type, factor=float(src["factor"]))
     if rope_type == "llama3":
         orig = src.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
         kw.update(
-            low_freq_factor=float(src.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(src.get("high_freq_factor", 4.0)),
+            low_freq_factor=float(src["low_freq_factor"]),
+            high_freq_factor=float(src["high_freq_factor"]),
             original_max_position_embeddings=int(orig),
         )
     return float(theta), RopeScaling(**kw)

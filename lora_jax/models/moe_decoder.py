@@ -117,6 +117,9 @@ class MoEConfig:
                 "num_key_value_heads": 8,
                 "head_dim": None,
             }
+            # transformers' Mixtral windows every layer with sliding_window and ignores
+            # layer_types (AutoConfig reads only a *mistral* file with them as Ministral)
+            overrides = {"layer_types": None}
         else:
             defaults = {"num_key_value_heads": 4, "head_dim": None}
             # transformers 5's Qwen3-MoE puts the window (when use_sliding_window) on every
