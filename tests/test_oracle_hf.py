@@ -313,6 +313,140 @@ def test_layers_to_transform_serves_the_layers_peft_serves(hf, tmp_path, layers)
     np.testing.assert_allclose(_logits(model, mgr, ids, [adapter.id] * 2), want, **TOL)
 
 
+def _edited_copy(src, dst, **changes):
+    import json
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "adapter_config.json").read_text())
+    config.update(changes)
+    (dst / "adapter_config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _peft_single(base_dir, d, ids):
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT warns of the tensors it leaves out
+        pm = peft.PeftModel.from_pretrained(base, str(d)).eval()
+    with torch.no_grad():
+        return pm(input_ids=torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
+
+
+def test_null_target_modules_serves_as_peft(hf, tmp_path):
+    """Adapter A's file (q, k, v, o) under `target_modules: null`: PEFT targets its default
+    for the model type (q_proj, v_proj) and ignores k / o; so does lora_jax, with a warning
+    (it served every tensor: logits off by ~1)."""
+    _, base_dir, dirs, _ = hf
+    d = _edited_copy(dirs["A"], tmp_path / "null", target_modules=None)
+    ids = _ids(seed=6, shape=(2, S))
+    want = _peft_single(base_dir, d, ids)
+    model, mgr = _serve(base_dir)
+    with pytest.warns(UserWarning, match="null target_modules.*ignored"):
+        (adapter,) = mgr.load_adapters({"null": d}, activate=True, progress=False)
+    assert not any(k.endswith("o_proj") for k in adapter.modules)
+    np.testing.assert_allclose(_logits(model, mgr, ids, [adapter.id] * 2), want, **TOL)
+
+
+def test_null_target_modules_defaults_are_peft_s():
+    """lora_jax's reading of a null `target_modules` is PEFT's, on a tiny HF model of every
+    type lora_jax serves, with and without `target_parameters`: the modules PEFT gives a
+    LoRA (MoE types: none, as PEFT's transformers 5 conversion empties the list), or a
+    refusal where PEFT refuses."""
+    from lora_jax.models.config import SUPPORTED_MODEL_TYPES
+    from lora_jax.models.moe_decoder import MOE_MODEL_TYPES
+    from lora_jax.serving.peft_config import PEFTConfig
+
+    tiny = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+    )  # fmt: skip
+    for model_type in (*SUPPORTED_MODEL_TYPES, *MOE_MODEL_TYPES):
+        moe = model_type in MOE_MODEL_TYPES
+        for extra in ({}, {"target_parameters": ["experts.down_proj"]} if moe else None):
+            if extra is None:
+                continue
+            torch.manual_seed(0)
+            config = transformers.AutoConfig.for_model(model_type, **tiny)
+            model = transformers.AutoModelForCausalLM.from_config(config)
+            names = [n for n, _ in model.named_modules() if n]
+            ours = PEFTConfig.from_dict({"r": 2, "lora_alpha": 4, **extra})
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    pm = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, **extra))
+            except ValueError:
+                with pytest.raises(ValueError, match="target_modules is null"):
+                    ours.for_model_type(model_type)
+                continue
+            want = {
+                n.removeprefix("base_model.model.")
+                for n, m in pm.named_modules()
+                if isinstance(m, peft.tuners.lora.LoraLayer) and not n.endswith("experts")
+            }
+            resolved = ours.for_model_type(model_type)
+            got = {n.removeprefix("base_model.model.") for n in names if resolved.targets(n)}
+            assert got == want, model_type
+
+
+@pytest.mark.parametrize("shorthand", ["all-linear", "ALL-LINEAR"])
+def test_all_linear_literal_serves_as_peft(hf, tmp_path, shorthand):
+    """A file with q / down_proj, embed_tokens and lm_head LoRA under a literal
+    `target_modules: "all-linear"` (PEFT matches it in any case): PEFT targets every linear
+    but the output layer, so it ignores the embedding's and lm_head's tensors; lora_jax
+    too (it served them, logits off by ~6; "ALL-LINEAR" was refused as a regex)."""
+    _, base_dir, _, _ = hf
+    spec = dict(
+        r=4, lora_alpha=8, target_modules=["q_proj", "down_proj", "embed_tokens", "lm_head"]
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        src = _make_adapter(base_dir, "E", spec, str(tmp_path / "src"), seed=7)
+    d = _edited_copy(src, tmp_path / "all_linear", target_modules=shorthand)
+    ids = _ids(seed=7, shape=(2, S))
+    want = _peft_single(base_dir, d, ids)
+    model, mgr = _serve(base_dir)
+    with pytest.warns(UserWarning, match="ignored"):
+        (adapter,) = mgr.load_adapters({"all": d}, activate=True, progress=False)
+    assert "lm_head" not in adapter.modules and "model.embed_tokens" not in adapter.modules
+    np.testing.assert_allclose(_logits(model, mgr, ids, [adapter.id] * 2), want, **TOL)
+
+
+def test_configs_peft_refuses_are_refused():
+    """PEFT's `LoraConfig` refuses a layer filter with a string `target_modules` (a regex,
+    or "all-linear") and `layers_pattern` without `layers_to_transform`: lora_jax refuses
+    the same configs, naming the file and the fields, and accepts the others."""
+    from lora_jax.serving.peft_config import PEFTConfig
+
+    configs = [
+        dict(target_modules=r".*\.(q|k)_proj", layers_to_transform=[0]),
+        dict(target_modules="all-linear", layers_to_transform=[0]),
+        dict(target_modules="ALL-LINEAR", layers_to_transform=0),
+        dict(target_modules=r".*\.q_proj", layers_pattern="layers"),
+        dict(target_modules=r".*\.q_proj", layers_pattern=["layers"], layers_to_transform=[1]),
+        dict(target_modules=["q_proj"], layers_pattern="layers"),
+        dict(target_modules=["q_proj"], layers_pattern=["h"]),
+        # accepted by both
+        dict(target_modules=["q_proj"], layers_pattern="layers", layers_to_transform=[0]),
+        dict(target_modules=["q_proj"], layers_to_transform=[0]),
+        dict(target_modules=r".*\.q_proj"),
+        dict(target_modules="all-linear"),
+        dict(target_modules=["q_proj"], layers_pattern=[]),
+    ]
+    for extra in configs:
+        d = {"r": 4, "lora_alpha": 8, **extra}
+        try:
+            peft.LoraConfig(**d)
+            refused = False
+        except ValueError:
+            refused = True
+        if not refused:
+            PEFTConfig.from_dict(d)
+            continue
+        with pytest.raises(ValueError, match=r"adapter_config.json: layers_(to_transform|pattern)"):
+            PEFTConfig.from_dict(d)
+
+
 def test_target_rule_is_peft_check_target_module_exists():
     """`PEFTConfig.targets` against PEFT's own rule over names and configs with layer
     filters, exact names, regexes and exclusions."""
@@ -349,17 +483,31 @@ def test_target_rule_is_peft_check_target_module_exists():
             assert ours.targets(name) == want, (extra, name)
 
 
-@pytest.mark.parametrize("targets", [["embed_tokens", "q_proj"], ["embed_tokens", "lm_head"]])
-def test_ensure_weight_tying_serves_the_tied_lm_head_lora(tmp_path, targets):
+@pytest.mark.parametrize(
+    "targets, patterns",
+    [
+        (["embed_tokens", "q_proj"], {}),
+        (["embed_tokens", "lm_head"], {}),
+        (["embed_tokens", "q_proj"], dict(rank_pattern={"embed_tokens": 6})),
+        (
+            ["embed_tokens", "q_proj"],
+            dict(rank_pattern={"embed_tokens": 6}, alpha_pattern={"lm_head": 12}),
+        ),
+    ],
+)
+def test_ensure_weight_tying_serves_the_tied_lm_head_lora(tmp_path, targets, patterns):
     """A tied model's adapter saved with `ensure_weight_tying=True`: PEFT ties a LoRA onto
     lm_head and saves it, though the saved `target_modules` name only the embedding;
-    lora_jax serves it too (it was dropped as untargeted: logits off by ~30)."""
+    lora_jax serves it too (it was dropped as untargeted: logits off by ~30). The tied
+    LoRA shares the embedding's factors, so it has the embedding's rank (a rank_pattern
+    for embed_tokens), but PEFT scales it by lm_head's own r and alpha (it was refused:
+    "has rank 6 but ... gives r=4")."""
     cfg = transformers.LlamaConfig(**{**TINY, "tie_word_embeddings": True})
     torch.manual_seed(1)
     base = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     base_dir = str(tmp_path / "base")
     base.save_pretrained(base_dir, safe_serialization=True)
-    spec = dict(r=4, lora_alpha=8, target_modules=targets, ensure_weight_tying=True)
+    spec = dict(r=4, lora_alpha=8, target_modules=targets, ensure_weight_tying=True, **patterns)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         d = _make_adapter(base_dir, "tied", spec, str(tmp_path / "tied"), seed=3)

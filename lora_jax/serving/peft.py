@@ -7,17 +7,21 @@ like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (`[r, in]`
 
 1. reads the config and refuses what cannot be served exactly (DoRA, aLoRA, QALoRA,
    `modules_to_save`, LoRA bias, layer replication, initialisations that
-   changed the base weights such as PiSSA / OLoRA / LoftQ, ranks outside
-   `[1, max_lora_rank]`);
+   changed the base weights such as PiSSA / OLoRA / LoftQ) or what PEFT refuses; a null
+   `target_modules` is PEFT's default for the model's type (`q_proj`, `v_proj` for the
+   dense types; none for Mixtral / Qwen3-MoE on transformers 5: only their
+   `target_parameters`), refused for a model of no known type;
 2. reads the safetensors file with a strict parser (never unpickles; a `.bin`
    checkpoint is refused) — a truncated or corrupt file fails before anything is kept;
 3. resolves every module against the wrapped model's LoRA layers, packing `q/k/v` →
    `qkv_proj` and `gate/up` → `gate_up_proj` (a missing member is a `None` slice);
    tensors of modules the config does not target (`target_modules`, `exclude_modules`,
-   `target_parameters`, by PEFT's rules) are ignored with a warning, as PEFT ignores
-   them; a targeted module that the model has but did not LoRA-wrap is an error; a saved
-   copy of a base embedding / lm_head table must equal the model's; training-only buffers
-   (VeLoRA's `lora_velora_embed`: its forward is plain LoRA) are skipped;
+   `target_parameters`, by PEFT's rules; `all-linear` never names an embedding or the
+   lm_head) are ignored with a warning, as PEFT ignores them; a targeted module that the
+   model has but did not LoRA-wrap is an error; a served module's rank must fit
+   `max_lora_rank` (a `rank_pattern` rank that no module uses need not); a saved copy of a
+   base embedding / lm_head table must equal the model's; training-only buffers (VeLoRA's
+   `lora_velora_embed`: its forward is plain LoRA) are skipped;
 4. MoE experts come in two layouts. Fused (PEFT `target_parameters` on transformers 5's
    `experts.gate_up_proj` / `experts.down_proj`) goes to `FusedMoE3DWithLoRA` as it is.
    Per expert (transformers 4 names: Mixtral `block_sparse_moe.experts.{j}.w1/w2/w3`,
@@ -32,7 +36,8 @@ like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (`[r, in]`
    in the checkpoint (before any `name_map`; fused experts: `<module>.gate_up_proj` /
    `<module>.down_proj`, each its own rank; a `target_parameters` weight:
    `<module>.weight`; per expert: each expert's own module) by PEFT's rule: the first key
-   `k` with `re.match(rf"(.*\\.)?({k})$", name)`.
+   `k` with `re.match(rf"(.*\\.)?({k})$", name)`. A tied lm_head under `ensure_weight_tying`
+   shares the embedding's factors in PEFT: its rank is the embedding's, its scaling its own.
 
 Ranks stay as in the file; zero-padding to `max_lora_rank` happens at the slot write.
 """
@@ -49,7 +54,11 @@ from typing import Any
 import numpy as np
 
 from lora_jax.config import LoRAConfig
-from lora_jax.layers import VocabParallelEmbeddingWithLoRA
+from lora_jax.layers import (
+    LogitsProcessorWithLoRA,
+    ParallelLMHeadWithLoRA,
+    VocabParallelEmbeddingWithLoRA,
+)
 from lora_jax.serving.adapters import LoRAAdapter as LoRAAdapter
 from lora_jax.serving.adapters import ModuleLoRA as ModuleLoRA
 from lora_jax.serving.peft_config import ALL_LINEAR, matches_targets
@@ -88,6 +97,8 @@ BASE_EMBEDDING_SUFFIXES = (".embed_tokens.base_layer.weight", ".lm_head.base_lay
 # Buffers PEFT saves that only training reads: VeLoRA's projection compresses the
 # activations stored for the backward pass; its forward is plain LoRA, so they are skipped.
 TRAINING_ONLY_SUFFIXES = (".lora_velora_embed",)
+# LoRA layers that PEFT's `all-linear` never targets: embeddings, and the output layer
+NOT_ALL_LINEAR = (VocabParallelEmbeddingWithLoRA, ParallelLMHeadWithLoRA, LogitsProcessorWithLoRA)
 _ids = itertools.count(1)
 
 
@@ -118,6 +129,25 @@ def _module_index(model) -> tuple[dict[str, tuple[str, int, int]], dict[str, Any
         if path and isinstance(node, nnx.Module):
             all_names.add(module_name(path))
     return index, layers, all_names
+
+
+def _model_type(model) -> str | None:
+    """The `config.json` model type of a lora_jax model (an MoE model's `config` holds its
+    attention family, its `moe_config` the type); None for another model."""
+    for attr in ("moe_config", "config"):
+        model_type = getattr(getattr(model, attr, None), "model_type", None)
+        if isinstance(model_type, str):
+            return model_type
+    return None
+
+
+def _tied_embedding(cfg: PEFTConfig, layer, layers: Mapping[str, Any], names) -> str | None:
+    """The checkpoint name of the embedding whose LoRA factors PEFT shares with this lm_head
+    (`ensure_weight_tying` on a tied model, an embedding targeted), else None."""
+    if not (cfg.ensure_weight_tying and getattr(layer, "tied", False) and cfg.targets_embedding()):
+        return None
+    emb = next((n for n, x in layers.items() if x is layer.base_layer), "model.embed_tokens")
+    return names.get(emb, emb)
 
 
 def _check_targets(cfg: PEFTConfig, all_names: set[str]) -> None:
@@ -195,7 +225,6 @@ def load_peft_adapter(
     """
     path = os.fspath(path)
     cfg = PEFTConfig.from_dir(path)
-    cfg.validate(lora_config)
     file = os.path.join(path, WEIGHTS_NAME)
     if not os.path.isfile(file):
         pickles = [p for p in PICKLE_NAMES if os.path.isfile(os.path.join(path, p))]
@@ -240,7 +269,7 @@ def adapter_from_tensors(
         >>> manager.add_adapter(adapter)  # doctest: +SKIP
         True
     """
-    cfg.validate(lora_config)
+    given, cfg = cfg, cfg.for_model_type(_model_type(model))
     index, layers, all_names = _module_index(model)
     moe_owners, expert_members = expert_modules(model)
     all_names |= expert_members
@@ -311,6 +340,9 @@ def adapter_from_tensors(
                 f"{hint}; LoRA modules: {known}"
             )
         layer = layers[index[mod][0]]
+        if cfg.target_modules == ALL_LINEAR and not by_weight and isinstance(layer, NOT_ALL_LINEAR):
+            untargeted.append(key)  # PEFT's all-linear: not an embedding, not the output layer
+            continue
         if by_weight and (
             isinstance(layer, VocabParallelEmbeddingWithLoRA) or getattr(layer, "tied", False)
         ):
@@ -345,18 +377,16 @@ def adapter_from_tensors(
                 f"{source}: tensors {ka!r} {list(a.shape)} and {kb!r} {list(b.shape)} must be "
                 "[r, in] and [out, r] with the same r"
             )
-        r = cfg.rank_for(checkpoint_names[mod])
+        layer_name, i, n = index[mod]
+        # a tied lm_head's factors are the embedding's in PEFT: its rank too
+        tied = _tied_embedding(cfg, layers[layer_name], layers, checkpoint_names)
+        r = cfg.rank_for(checkpoint_names[mod] if tied is None else tied)
         if a.shape[0] != r:
+            tie = "" if tied is None else f" (the rank of {tied!r}, tied by ensure_weight_tying)"
             raise ValueError(
                 f"{source}: tensor {ka!r} has rank {a.shape[0]} but {cfg.source} gives r={r} for "
-                f"module {mod!r}"
+                f"module {mod!r}{tie}"
             )
-        if r > lora_config.max_lora_rank:
-            raise ValueError(
-                f"{source}: module {mod!r} rank {r} is greater than max_lora_rank="
-                f"{lora_config.max_lora_rank}"
-            )
-        layer_name, i, n = index[mod]
         _check_member_shape(layers[layer_name], i, n, a, b, ka, kb, source)
         scale = np.float32(cfg.scaling_for(checkpoint_names[mod]))
         slot = members.setdefault(layer_name, [[None] * n, [None] * n])
@@ -372,6 +402,13 @@ def adapter_from_tensors(
             modules[ln] = m
     for ln, found in per_expert.items():
         modules[ln] = per_expert_lora(layers[ln], ln, found, cfg, lora_config, source)
+    R = lora_config.max_lora_rank
+    for ln, m in modules.items():
+        if m.rank > R:  # only ranks of served modules: PEFT loads any rank_pattern
+            raise ValueError(
+                f"{source}: module {ln!r} has rank {m.rank} (from {cfg.source}), greater than "
+                f"max_lora_rank={R}"
+            )
     for ln, m in modules.items():
         prepare = getattr(layers[ln], "prepare_lora", None)
         if prepare is not None:
@@ -380,10 +417,17 @@ def adapter_from_tensors(
             except ValueError as e:
                 raise ValueError(f"{source}: module {ln!r}: {e}") from e
     if untargeted:
+        default = ""
+        if given.targets_by_model_type and cfg.target_modules is not None:
+            default = (
+                f"; its null target_modules is PEFT's default for {_model_type(model)!r}, "
+                f"{list(cfg.target_modules)}"
+            )
         warnings.warn(
             f"{source}: {len(untargeted)} tensors are for modules that {cfg.source} does not "
-            f"target (target_modules / exclude_modules / target_parameters) and are ignored, "
-            f"as PEFT ignores them: {untargeted[:4]}{' ...' if len(untargeted) > 4 else ''}",
+            f"target (target_modules / exclude_modules / target_parameters{default}) and are "
+            f"ignored, as PEFT ignores them: {untargeted[:4]}"
+            f"{' ...' if len(untargeted) > 4 else ''}",
             stacklevel=2,
         )
     if not modules:

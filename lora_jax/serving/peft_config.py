@@ -2,9 +2,11 @@
 
 Refuses what cannot be served exactly (DoRA, `modules_to_save`, LoRA bias, trainable
 tokens, `target_parameters` other than fused MoE experts and 2-D `<module>.weight`s such as
-the MoE router `gate.weight`), keeps PEFT's layer filter
-(`layers_to_transform` / `layers_pattern`) and resolves per-module ranks and alphas
-with PEFT's pattern rule (the first key `k` with `re.match(rf"(.*\\.)?({k})$", name)`).
+the MoE router `gate.weight`) and what PEFT's `LoraConfig` refuses (a layer filter with a
+string `target_modules`), keeps PEFT's layer filter (`layers_to_transform` /
+`layers_pattern`), reads a null `target_modules` as PEFT's default for the model type
+(`for_model_type`) and resolves per-module ranks and alphas with PEFT's pattern rule (the
+first key `k` with `re.match(rf"(.*\\.)?({k})$", name)`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-
-from lora_jax.config import LoRAConfig
 
 CONFIG_NAME = "adapter_config.json"
 # PEFT `target_parameters` on transformers 5's fused experts (ParamWrapper): A is
@@ -37,12 +37,19 @@ WEIGHT_PARAM = "weight"
 # would give other outputs. PEFT converts them to plain LoRA when saved with
 # `path_initial_model_for_weight_conversion`.
 BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga", "lora-ga")
-# `target_modules` shorthand for every linear but the output layer (PEFT expands it).
+# `target_modules` shorthand for every linear but the output layer (PEFT expands it, and
+# matches it in any case): never the embeddings (not linear) nor lm_head.
 ALL_LINEAR = "all-linear"
 
 
 # PEFT's embedding layer names (`peft.utils.constants.EMBEDDING_LAYER_NAMES`)
 EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
+
+# What PEFT targets when `target_modules` is null, by `config.json` model type
+# (`peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`, for the types
+# lora_jax serves). None for Mixtral / Qwen3-MoE: on transformers 5 PEFT converts their
+# configs first (`_convert_peft_config_moe`), which makes a null `target_modules` empty.
+DEFAULT_TARGET_MODULES = {t: ("q_proj", "v_proj") for t in ("llama", "mistral", "qwen2", "qwen3")}
 
 
 def _leaf(name: str) -> str:
@@ -136,6 +143,10 @@ class PEFTConfig:
     layers_pattern: tuple[str, ...] | None = None
     """PEFT `layers_pattern`: the name part before the layer index (`layers`, `h`, ...);
     None: the first numbered part after a dot."""
+    targets_by_model_type: bool = False
+    """The file's `target_modules` is null: PEFT then targets its default for the model
+    type, which `for_model_type` resolves when the adapter is loaded. (A config made in
+    code with `target_modules=None` targets every module.)"""
 
     def targets(self, name: str) -> bool:
         """Whether PEFT would give the checkpoint module `name` a LoRA layer (its
@@ -150,17 +161,19 @@ class PEFTConfig:
         t = self.target_modules
         if t is None and self.target_parameters:  # only the expert parameters are targeted
             return False
-        if self.ensure_weight_tying and _leaf(name) == "lm_head" and self._targets_embedding():
+        if self.ensure_weight_tying and _leaf(name) == "lm_head" and self.targets_embedding():
             return True  # PEFT ties a LoRA onto the head tied with the targeted embedding
-        if not (t == ALL_LINEAR or matches_targets(t, name)):
+        if t == ALL_LINEAR:  # PEFT expands it to the full names: no layer filter
+            return _leaf(name) not in EMBEDDING_LAYER_NAMES  # not linear / the output layer
+        if not matches_targets(t, name):
             return False
-        if isinstance(t, str) and t != ALL_LINEAR:
+        if isinstance(t, str):
             return True  # PEFT filters by layer only the names a list matches by suffix
         if isinstance(t, tuple) and name in t:
             return True
         return self.in_layers(name)
 
-    def _targets_embedding(self) -> bool:
+    def targets_embedding(self) -> bool:
         """PEFT's test of whether `target_modules` names an embedding layer (tied weights)."""
         t = self.target_modules
         if isinstance(t, str):
@@ -211,7 +224,33 @@ class PEFTConfig:
         """
         return self.targets_parameter(f"{name}.{WEIGHT_PARAM}")
 
+    def for_model_type(self, model_type: str | None) -> PEFTConfig:
+        """PEFT's reading of a null `target_modules` (`_prepare_adapter_config`): the model
+        type's default list, even beside `target_parameters`; without a default only the
+        `target_parameters` are targeted, and with neither PEFT refuses the config.
+
+        Example:
+            >>> cfg = PEFTConfig.from_dict({"r": 8, "lora_alpha": 8, "target_modules": None})
+            >>> cfg.for_model_type("llama").target_modules
+            ('q_proj', 'v_proj')
+        """
+        if not self.targets_by_model_type:
+            return self
+        default = DEFAULT_TARGET_MODULES.get(model_type)
+        if default is None and not self.target_parameters:
+            known = "an unknown type" if model_type is None else f"type {model_type!r}"
+            raise ValueError(
+                f"{self.source}: target_modules is null (and no target_parameters), which PEFT "
+                f"reads as its default for the model type, and it has none for this model "
+                f"({known}; lora_jax knows PEFT's defaults for {sorted(DEFAULT_TARGET_MODULES)}); "
+                "give target_modules in the adapter config"
+            )
+        return dataclasses.replace(self, target_modules=default, targets_by_model_type=False)
+
     def __post_init__(self):
+        t = self.target_modules
+        if isinstance(t, str) and t.lower() == ALL_LINEAR:
+            object.__setattr__(self, "target_modules", ALL_LINEAR)
         for what, r in [
             ("r", self.r),
             *((f"rank_pattern[{k!r}]", v) for k, v in self.rank_pattern),
@@ -309,6 +348,21 @@ class PEFTConfig:
             pattern = tuple(pattern) or None
         elif pattern is not None:
             raise ValueError(f"{source}: layers_pattern={pattern!r} must be a string or a list")
+        # PEFT's LoraConfig refuses these (its `__post_init__`); "all-linear" is a string too
+        raw_targets, raw_pattern = d.get("target_modules"), d.get("layers_pattern")
+        for key in ("layers_to_transform", "layers_pattern"):
+            value = d.get(key)
+            if isinstance(raw_targets, str) and value is not None:
+                raise ValueError(
+                    f"{source}: {key}={value!r} with target_modules={raw_targets!r}: PEFT "
+                    f"refuses {key} with a string target_modules (a regex or 'all-linear'); "
+                    "give target_modules as a list of module names, or drop the layer filter"
+                )
+        if raw_pattern and layers is None:
+            raise ValueError(
+                f"{source}: layers_pattern={raw_pattern!r} without layers_to_transform: PEFT "
+                "refuses it; give layers_to_transform too, or drop layers_pattern"
+            )
         init = d.get("init_lora_weights", True)
         if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
             raise ValueError(
@@ -372,6 +426,7 @@ class PEFTConfig:
             layers_to_transform=layers,
             layers_pattern=pattern,
             ensure_weight_tying=bool(d.get("ensure_weight_tying", False)),
+            targets_by_model_type=targets is None,
         )
 
     @classmethod
@@ -400,13 +455,3 @@ class PEFTConfig:
     def scaling_for(self, name: str) -> float:
         r, alpha = self.rank_for(name), self.alpha_for(name)
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
-
-    def validate(self, lora_config: LoRAConfig) -> None:
-        """Every rank must fit `max_lora_rank`."""
-        R = lora_config.max_lora_rank
-        for what, r in [
-            ("r", self.r),
-            *((f"rank_pattern[{k!r}]", v) for k, v in self.rank_pattern),
-        ]:
-            if r > R:
-                raise ValueError(f"{self.source}: {what}={r} is greater than max_lora_rank={R}")
