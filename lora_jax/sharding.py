@@ -48,6 +48,15 @@ class ShardingRules:
         if isinstance(self.rules, Mapping):
             object.__setattr__(self, "rules", tuple(self.rules.items()))
         table = dict(self.rules)
+        for logical, axis in table.items():
+            # A tuple of mesh axes (PartitionSpec's multi-axis form) is not supported: the
+            # layers' shard counts and collectives take one axis, and an axis name the mesh
+            # lacks means "replicated", which would run it unsharded without a word.
+            if axis is not None and not isinstance(axis, str):
+                raise ValueError(
+                    f"ShardingRules: logical axis {logical!r} maps to {axis!r}; a rule's value "
+                    "must be one mesh axis name (a str) or None (replicated)"
+                )
         # S-LoRA's rank shards go where the tensor axis goes: a table that moves "tensor"
         # and keeps the default "lora_rank_sharded" means the same axis for both
         if (

@@ -56,6 +56,14 @@ class VocabParallelEmbedding(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.rules = rules if rules is not None else ShardingRules()
+        vocab_axis = self.rules.mesh_axis("vocab")
+        if vocab_axis is not None and vocab_axis == self.rules.mesh_axis("embed"):
+            # the table [V_pad, D] would be split twice over one mesh axis
+            raise ValueError(
+                f"{type(self).__name__}: the rules map 'vocab' and 'embed' to one mesh axis "
+                f"{vocab_axis!r}; the table splits its rows over 'vocab' and its columns over "
+                "'embed': map them to different axes (or 'embed' to None)"
+            )
         self.num_embeddings = int(num_embeddings)
         self.embedding_dim = int(embedding_dim)
         self.shards = self.rules.size("vocab")

@@ -324,3 +324,31 @@ def test_peft_embedding_tensors_load_and_bad_vocab_is_refused():
     tensors[f"{key}.lora_embedding_A"] = rng.normal(size=(4, V + 1)).astype(np.float32)
     with pytest.raises(ValueError, match=r"lora_embedding_A\) must be \[rank, 100\]"):
         adapter_from_tensors(tensors, peft_cfg, model, cfg, adapter_id=2)
+
+
+def test_embed_on_the_vocab_axis_is_refused_by_name_and_on_another_axis_runs():
+    """Rules mapping "embed" to the mesh axis of "vocab" split the table `[V_pad, D]` twice
+    over one axis: JAX's raw DuplicateSpecError naming no layer. "embed" on another axis
+    still gives the unsharded embedding and tied logits."""
+    from lora_jax.models import DecoderConfig, DecoderForCausalLM
+    from lora_jax.sharding import DEFAULT_RULES
+
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), devices=jax.devices()[:8])
+    clash = lj.ShardingRules(mesh, {**DEFAULT_RULES, "embed": "tp"})
+    for cls in (VocabParallelEmbedding, ParallelLMHead):
+        with pytest.raises(
+            ValueError,
+            match=rf"{cls.__name__}: the rules map 'vocab' and 'embed' to one mesh "
+            "axis 'tp'",
+        ):
+            cls(V, D, rules=clash, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="map 'vocab' and 'embed' to one mesh axis 'tp'"):
+        DecoderForCausalLM(DecoderConfig.tiny(), rules=clash, rngs=nnx.Rngs(0))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, V, (3, 5)), jnp.int32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(6, D)), jnp.float32)
+    outs = []
+    for rules in (lj.ShardingRules(), lj.ShardingRules(mesh, {**DEFAULT_RULES, "embed": "dp"})):
+        emb = VocabParallelEmbedding(V, D, rules=rules, rngs=nnx.Rngs(0))
+        outs.append((np.asarray(emb(ids)), np.asarray(emb.attend(x, gather=True))))
+    for got, want in zip(outs[1], outs[0]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -422,6 +422,24 @@ def test_sharded_lora_generation_matches_unsharded(mixed, mesh_shape):
         assert Generator(model)(PROMPTS, SLOTS, max_new_tokens=NEW, **B8).tokens == mixed.tokens
 
 
+def test_generation_inside_set_mesh_matches_outside_and_unsharded(mixed):
+    """Inside `jax.set_mesh` of an Explicit-axis mesh (jax.make_mesh's default) the prefill's
+    token→slot repeat of the batch-sharded slots crashed ("pass sharding to `jnp.repeat`
+    via `out_sharding`"); generate and a Generator now give the tokens of the same call
+    outside the context and of the unsharded model."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices")
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), devices=jax.devices()[:4])
+    model = _wrap(_model(ShardingRules(mesh)))
+    for slot, adapter in enumerate(ADAPTERS):
+        _set(model, slot, adapter)
+    outside = generate(model, PROMPTS, SLOTS, max_new_tokens=NEW, **B8).tokens
+    with jax.set_mesh(mesh):
+        inside = generate(model, PROMPTS, SLOTS, max_new_tokens=NEW, **B8).tokens
+        gen = Generator(model)(PROMPTS, SLOTS, max_new_tokens=NEW, **B8).tokens
+    assert inside == outside == gen == mixed.tokens
+
+
 # -- sampling ---------------------------------------------------------------------------------
 def test_sampled_generation_is_seeded_and_top_p_tiny_is_greedy(base_model):
     greedy = generate(base_model, PROMPTS, max_new_tokens=NEW, **B8).tokens

@@ -1,6 +1,7 @@
 """Every linear LoRA layer against a dense per-token oracle and against its tp=1 run."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -470,3 +471,56 @@ def test_variable_slices_take_a_list_of_a_with_one_b():
         np.testing.assert_array_equal(np.asarray(v[...]), np.asarray(w[...]))
     with pytest.raises(ValueError, match="expected 3 slice"):
         one_b.set_lora(0, a[:2], np.concatenate(bs))
+
+
+def test_row_s_lora_takes_a_rank_the_tensor_axis_does_not_divide():
+    """The row S-LoRA splits A on its in dim and B on its out dim, never the rank, yet it
+    refused max_lora_rank % tp != 0 (vLLM takes any rank there); the column S-LoRA, which
+    splits A's rank rows, still refuses it by name."""
+    mesh = jax.make_mesh((1, 3), ("dp", "tp"), devices=jax.devices()[:3])
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, fully_sharded_loras=True)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(12, 48)), jnp.float32)
+    w = rng.normal(0, 0.2, size=(48, 24)).astype(np.float32)
+    a, b = rng.normal(0, 0.3, size=(5, 48)), rng.normal(0, 0.3, size=(24, 5))  # rank 5 < 8
+    slots = jnp.asarray(np.where(np.arange(12) % 3 == 0, -1, 1), jnp.int32)
+    outs = []
+    for rules in (lj.ShardingRules(), lj.ShardingRules(mesh)):
+        base = lj.RowParallelLinear(48, 24, rules=rules, rngs=nnx.Rngs(0))
+        base.load_kernel([w])
+        layer = lj.RowParallelLinearWithShardedLoRA(base, cfg, lj.LoRAContext(None))
+        layer.set_lora(1, a, b)
+        outs.append(np.asarray(forward(layer, x, slots)))
+    assert layer.lora_b[0][...].sharding.spec[1] == "tp"  # B's out dim split, rank 8 whole
+    xn = np.asarray(x, np.float64)
+    want = xn @ w + (xn @ a.T @ b.T) * (np.asarray(slots) >= 0)[:, None]
+    np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-4)  # the adapter acts
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    column = lj.ColumnParallelLinear(48, 24, rules=lj.ShardingRules(mesh), rngs=nnx.Rngs(0))
+    with pytest.raises(
+        ValueError,
+        match=r"ColumnParallelLinearWithShardedLoRA: max_lora_rank=8 must be divisible by "
+        r"the tensor axis \(3\)",
+    ):
+        lj.ColumnParallelLinearWithShardedLoRA(column, cfg)
+
+
+@pytest.mark.parametrize("value", [("x", "y"), ("x",), ["x"], 1])
+def test_a_rule_value_that_is_not_one_mesh_axis_is_refused_by_name(value):
+    """A tuple of mesh axes (PartitionSpec's multi-axis form) was read as an axis name the
+    mesh lacks, so "tensor" ran replicated (tp=1, full weights on every device) without a
+    word; every rule value is one mesh axis name or None."""
+    from lora_jax.sharding import DEFAULT_RULES
+
+    mesh = jax.make_mesh((2, 2, 2), ("dp", "x", "y"), devices=jax.devices()[:8])
+    with pytest.raises(
+        ValueError,
+        match=rf"logical axis 'tensor' maps to {re.escape(repr(value))}; .*one mesh axis "
+        r"name \(a str\) or None",
+    ):
+        lj.ShardingRules(mesh, {**DEFAULT_RULES, "tensor": value})
+    # one axis of the same mesh still shards the layers
+    rules = lj.ShardingRules(mesh, {**DEFAULT_RULES, "tensor": "x", "vocab": "x"})
+    assert rules.size("tensor") == 2
+    base = lj.ColumnParallelLinear(16, 32, rules=rules, rngs=nnx.Rngs(0))
+    assert base.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "x")

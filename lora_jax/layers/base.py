@@ -181,14 +181,17 @@ class BaseLayerWithLoRA(nnx.Module):
         cfg = lora_config
         L, R = cfg.max_loras, cfg.max_lora_rank
         rules.check_lora_axes(self.name, self.fully_sharded)
-        if self.fully_sharded and R % max(1, rules.size("lora_rank_sharded")):
+        a_axes, b_axes = self.lora_axes()
+        # Only layers that split A's rank rows need the rank to divide (the column S-LoRA);
+        # the row S-LoRA splits A on its in dim and B on its out dim, any rank runs.
+        rank_shards = rules.size("lora_rank_sharded") if "lora_rank_sharded" in a_axes else 1
+        if R % rank_shards:
             raise ValueError(
                 f"{self.name}: max_lora_rank={R} must be divisible by the tensor axis "
-                f"({rules.size('lora_rank_sharded')}) with fully_sharded_loras"
+                f"({rank_shards}) with fully_sharded_loras"
             )
         dtype = cfg.dtype_for(base_layer.param_dtype)
         self.lora_dtype = dtype
-        a_axes, b_axes = self.lora_axes()
         self.lora_a = nnx.List(
             [
                 nnx.LoRAParam(rules.place(jnp.zeros((L, R, n_in), dtype), *a_axes))

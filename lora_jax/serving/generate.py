@@ -44,7 +44,7 @@ from lora_jax.models.kv_cache import KVCache, cache_batch_axis, float_cache_dtyp
 from lora_jax.serving import wrap
 from lora_jax.serving.merge import layer_merged_slot
 from lora_jax.serving.sampling import SamplingParams, row_keys, sample_tokens, seed_key
-from lora_jax.sharding import ShardingRules, shard_map
+from lora_jax.sharding import ShardingRules, shard_map, unshard
 
 # Traces of the jitted steps ("prefill", "decode"); a trace is a (re)compile.
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
@@ -158,9 +158,11 @@ def _prefill_fn(
     # one slot each (`PROMPT_TILE_TOKENS`: the expand's Mosaic kernel takes them all).
     tiles = "all" if S >= PROMPT_ROWS_MIN_TOKENS else None
     whole = "all" if S >= PROMPT_TILE_TOKENS else None
-    _set_mapping(
-        model, jnp.repeat(slots, S), slots, is_prefill=True, prompt_tiles=tiles, whole_tiles=whole
-    )
+    # Repeated from the replicated slots: under `jax.set_mesh` of an Explicit mesh,
+    # jnp.repeat refuses a batch-sharded operand without an `out_sharding` (the mapping
+    # wants the tokens unsharded anyway).
+    token_slots = jnp.repeat(unshard(slots), S)  # [B*S]
+    _set_mapping(model, token_slots, slots, is_prefill=True, prompt_tiles=tiles, whole_tiles=whole)
     mask = positions < lengths[:, None]
     hidden, cache = model.model(ids, positions, cache, attention_mask=mask, flat=True)
     logits = model.compute_logits(_last_hidden(model.rules, hidden, lengths, S))  # [B, V]
