@@ -262,6 +262,9 @@ def test_training_moves_only_its_slot_and_lowers_the_loss(targets):
 def test_train_only_slots_refuses_slots_outside_the_stacks():
     with pytest.raises(ValueError, match="at least one slot"):
         train_only_slots([])
+    for bad in (1, "1", [True], [1.7], [1, None]):  # was a raw TypeError, or slot 1
+        with pytest.raises(ValueError, match="train_only_slots: slots must be"):
+            train_only_slots(bad)
     tx = train_only_slots([5])
     with pytest.raises(ValueError, match=r"slots \[5\] outside the 3 slots"):
         tx.update({"a": jnp.ones((3, 2, 2))}, tx.init(None))
@@ -372,8 +375,14 @@ def test_moe_experts_train_and_export(tmp_path, mesh_shape, separate):
     experts = model.model.layers[0].mlp.experts
     ids, pos = _batch()
     base = np.asarray(_logits(model, ids, pos, jnp.full(32, -1, jnp.int32)))
+    with pytest.raises(ValueError, match="match no LoRA layer"):  # experts are named whole
+        init_lora_slot(model, 1, 4, target_modules=["w1", "w3"])
     names = init_lora_slot(model, 1, 4, seed=1, target_modules=["experts", "o_proj"])
     assert "model.layers.0.mlp.experts" in names
+    assert init_lora_slot(model, 2, MAX_RANK, target_modules=r".*\.experts") == [
+        "model.layers.0.mlp.experts",
+        "model.layers.1.mlp.experts",
+    ]
     np.testing.assert_array_equal(
         np.asarray(_logits(model, ids, pos, jnp.full(32, 1, jnp.int32))), base
     )
@@ -395,6 +404,12 @@ def test_moe_experts_train_and_export(tmp_path, mesh_shape, separate):
     cfg = json.loads((tmp_path / "moe" / "adapter_config.json").read_text())
     assert "model.layers.1.mlp.experts.down_proj" in cfg["target_parameters"]
     adapter = load_peft_adapter(out, model, lj.LoRAConfig(max_loras=3, max_lora_rank=MAX_RANK))
+    moe_ranks = [a.shape[1] for a in adapter.modules["model.layers.0.mlp.experts"].lora_a]
+    assert moe_ranks == [4] * len(experts.projections)  # w1 / w3 apart: r, not r1 + r3
+    # a slot at max_lora_rank round-trips too (its w13 LoRA is written at rank 2 * 8)
+    save_peft_adapter(model, 2, tmp_path / "full")
+    full = load_peft_adapter(tmp_path / "full", model, lj.LoRAConfig(max_loras=3, max_lora_rank=8))
+    assert full.rank == MAX_RANK
     for layer in trainable_layers(model).values():
         layer.reset_lora(0)
     for name, m in adapter.modules.items():

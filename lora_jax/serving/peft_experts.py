@@ -143,10 +143,26 @@ def fused_expert_lora(
         return None
     if layer.fused_w13 or not base.is_act_and_mul:
         return ModuleLoRA(module_name=name, lora_a=tuple(out_a), lora_b=tuple(out_b))
-    # w1 and w3 apart: each takes the shared A with its half of B (exact, same rank)
+    # w1 and w3 apart: each takes the shared A with its half of B (exact)
     (a13, a2), (b13, b2) = out_a, out_b
-    gate, up = (None, None) if b13 is None else base.split_w13(b13, axis=1)  # [E, inter, r]
-    return ModuleLoRA(module_name=name, lora_a=(a13, a2, a13), lora_b=(gate, b2, up))
+    halves = [(None, None), (None, None)]
+    if b13 is not None:
+        for i, half in enumerate(base.split_w13(b13, axis=1)):  # [E, inter, r]
+            halves[i] = _used_rank(a13, half)
+    (a1, b1), (a3, b3) = halves
+    if a1 is None and a2 is None and a3 is None:
+        return None
+    return ModuleLoRA(module_name=name, lora_a=(a1, a2, a3), lora_b=(b1, b2, b3))
+
+
+def _used_rank(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """`A [E, r, in]`, `B [E, out, r]` less the rank columns B never uses: a w13 LoRA of
+    rank r1 + r3 (what the export writes for w1 / w3 apart: B block-diagonal) gives each
+    half back its own rank rather than r1 + r3 with zero columns. (None, None) when B is 0."""
+    used = np.any(b != 0, axis=(0, 1))  # [r]
+    if not used.any():
+        return None, None
+    return a[:, used], b[:, :, used]
 
 
 def per_expert_lora(

@@ -149,6 +149,11 @@ def init_lora_slot(
         ]
         plans[name] = layer.prepare_lora(slot, a_list, b_list)
         covered += [m for m, keep in zip(members, chosen) if keep]
+    if not covered:  # e.g. only the w1 / w3 of experts, which train as one "experts"
+        raise ValueError(
+            f"init_lora_slot: target_modules {targets!r} cover no module that trains here "
+            "(experts are named whole, e.g. 'experts')"
+        )
     for name, layer in everything.items():  # every layer checked before the first write
         if name in plans:
             layer.write_lora(slot, plans[name])
@@ -181,6 +186,15 @@ def _whole_init(layer, rank: int, rng) -> tuple:
     return a, np.zeros((layer.num_embeddings, rank), np.float32)  # lora_B [V, r]
 
 
+def _target_names(name: str, layer) -> list[str]:
+    """The names ``target_modules`` picks a layer by: its checkpoint modules (`q_proj`, ...
+    of a packed layer), the module itself for a layer written whole (the embedding, the
+    lm_head, experts: "experts" even when w1 / w3 are apart)."""
+    if isinstance(layer, WHOLE_LAYERS):
+        return [name]
+    return packed_names(name, layer_packed_modules(name, layer))
+
+
 def _check_targets(model, targets) -> None:
     if targets is None:
         return
@@ -189,10 +203,7 @@ def _check_targets(model, targets) -> None:
         name
         for name, layer in lora_layers(model).items()
         if name not in trainable
-        and any(
-            matches_targets(targets, m)
-            for m in packed_names(name, layer_packed_modules(name, layer))
-        )
+        and any(matches_targets(targets, m) for m in _target_names(name, layer))
     ]
     if others:
         kinds = trainable.values()
@@ -200,11 +211,7 @@ def _check_targets(model, targets) -> None:
             f"init_lora_slot: target_modules {targets!r} name {others}, LoRA layers of a "
             f"kind not trained here; trained: {sorted({type(x).__name__ for x in kinds})}"
         )
-    names = [
-        m
-        for name, layer in trainable.items()
-        for m in packed_names(name, layer_packed_modules(name, layer))
-    ]
+    names = [m for name, layer in trainable.items() for m in _target_names(name, layer)]
     if not any(matches_targets(targets, m) for m in names):
         raise ValueError(
             f"init_lora_slot: target_modules {targets!r} match no LoRA layer; its "
@@ -223,6 +230,13 @@ def train_only_slots(slots: Sequence[int]) -> optax.GradientTransformation:
         >>> tx = optax.chain(optax.adamw(1e-3), train_only_slots([1]))
         >>> opt = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)  # doctest: +SKIP
     """
+    if isinstance(slots, str) or not isinstance(slots, Sequence | np.ndarray):
+        raise ValueError(f"train_only_slots: slots must be a list of ints, got {slots!r}")
+    bad = [
+        s for s in slots if isinstance(s, bool | np.bool_) or not isinstance(s, int | np.integer)
+    ]
+    if bad:
+        raise ValueError(f"train_only_slots: slots must be ints, got {bad!r} in {slots!r}")
     keep_slots = tuple(int(s) for s in slots)
     if not keep_slots:
         raise ValueError("train_only_slots: name at least one slot")
