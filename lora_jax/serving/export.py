@@ -36,10 +36,10 @@ from lora_jax.serving.peft import (
     WEIGHTS_NAME,
     LoRAAdapter,
     ModuleLoRA,
-    _module_index,
     write_safetensors,
 )
 from lora_jax.serving.peft_experts import expert_tensors
+from lora_jax.serving.peft_keys import module_index
 from lora_jax.serving.training import WHOLE_LAYERS, trainable_layers
 from lora_jax.serving.wrap import layer_packed_modules, lora_layers, packed_names
 
@@ -194,7 +194,7 @@ def _targets(model, mods: list[str], name_map) -> list[str] | str:
     model with those leaves, else a regex of exactly its modules (PEFT would put an empty
     LoRA on the others, and warn of missing keys)."""
     if name_map is None:
-        _, _, every = _module_index(model)  # every module and packed member name
+        _, _, every = module_index(model)  # every module and packed member name
         leaves = sorted({m.rpartition(".")[2] for m in mods})
         if {m for m in every if m.rpartition(".")[2] in leaves} == set(mods):
             return leaves

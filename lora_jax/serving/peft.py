@@ -46,22 +46,16 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import numpy as np
 
 from lora_jax.config import LoRAConfig
-from lora_jax.layers import (
-    LogitsProcessorWithLoRA,
-    ParallelLMHeadWithLoRA,
-    VocabParallelEmbeddingWithLoRA,
-)
+from lora_jax.layers import VocabParallelEmbeddingWithLoRA
 from lora_jax.serving.adapters import LoRAAdapter as LoRAAdapter
 from lora_jax.serving.adapters import ModuleLoRA as ModuleLoRA
-from lora_jax.serving.peft_config import ALL_LINEAR, matches_targets
+from lora_jax.serving.peft_config import ALL_LINEAR
 from lora_jax.serving.peft_config import CONFIG_NAME as CONFIG_NAME
 from lora_jax.serving.peft_config import EXPERT_PARAMS as EXPERT_PARAMS
 from lora_jax.serving.peft_config import PEFTConfig as PEFTConfig
@@ -76,126 +70,25 @@ from lora_jax.serving.peft_experts import (
     per_expert_lora,
     strip_base_layer,
 )
+from lora_jax.serving.peft_keys import (
+    BASE_EMBEDDING_SUFFIXES,
+    NOT_ALL_LINEAR,
+    TRAINING_ONLY_SUFFIXES,
+    check_base_table,
+    check_member_shape,
+    check_targets,
+    model_type_of,
+    module_index,
+    parse_key,
+    tied_embedding,
+)
+from lora_jax.serving.peft_keys import PEFT_PREFIX as PEFT_PREFIX
 from lora_jax.serving.safetensors_io import read_safetensors as read_safetensors
 from lora_jax.serving.safetensors_io import write_safetensors as write_safetensors
-from lora_jax.serving.wrap import layer_packed_modules, lora_layers, module_name, packed_names
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
-PEFT_PREFIX = "base_model.model."
-# PEFT key suffix → which factor it is. lm_head LoRA uses plain lora_A / lora_B.
-KEY_KINDS: dict[str, str] = {
-    ".lora_A.weight": "a",
-    ".lora_B.weight": "b",
-    ".lora_embedding_A": "a",
-    ".lora_embedding_B": "b",
-}
-# PEFT's `save_embedding_layers` also stores the base embedding / lm_head tables; like
-# vLLM (`is_base_embedding_weights`) they are not served, and must equal the model's
-# (`_check_base_table`).
-BASE_EMBEDDING_SUFFIXES = (".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight")
-# Buffers PEFT saves that only training reads: VeLoRA's projection compresses the
-# activations stored for the backward pass; its forward is plain LoRA, so they are skipped.
-TRAINING_ONLY_SUFFIXES = (".lora_velora_embed",)
-# LoRA layers that PEFT's `all-linear` never targets: embeddings, and the output layer
-NOT_ALL_LINEAR = (VocabParallelEmbeddingWithLoRA, ParallelLMHeadWithLoRA, LogitsProcessorWithLoRA)
 _ids = itertools.count(1)
-
-
-def _parse_key(key: str, file: str, name_map) -> tuple[str, str, str]:
-    """(the model's module name, the checkpoint's module name, "a" | "b") of a tensor key.
-    PEFT's rank / alpha patterns name the checkpoint's modules, so they match the latter."""
-    for suffix, kind in KEY_KINDS.items():
-        if key.endswith(suffix):
-            name = key[: -len(suffix)]
-            name = name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
-            return (name_map(name) if name_map else name), name, kind
-    allowed = ", ".join(f"*{s}" for s in KEY_KINDS)
-    raise ValueError(f"{file}: tensor {key!r} is not a LoRA weight; allowed keys: {allowed}")
-
-
-def _module_index(model) -> tuple[dict[str, tuple[str, int, int]], dict[str, Any], set[str]]:
-    """checkpoint module name → (LoRA layer name, member index, member count)."""
-    layers = lora_layers(model)
-    index = {}
-    for name, layer in layers.items():
-        members = packed_names(name, layer_packed_modules(name, layer))
-        for i, full in enumerate(members):
-            index[full] = (name, i, len(members))
-    from flax import nnx
-
-    all_names = set(index)
-    for path, node in nnx.iter_graph(model):
-        if path and isinstance(node, nnx.Module):
-            all_names.add(module_name(path))
-    return index, layers, all_names
-
-
-def _model_type(model) -> str | None:
-    """The `config.json` model type of a lora_jax model (an MoE model's `config` holds its
-    attention family, its `moe_config` the type); None for another model."""
-    for attr in ("moe_config", "config"):
-        model_type = getattr(getattr(model, attr, None), "model_type", None)
-        if isinstance(model_type, str):
-            return model_type
-    return None
-
-
-def _tied_embedding(cfg: PEFTConfig, layer, layers: Mapping[str, Any], names) -> str | None:
-    """The checkpoint name of the embedding whose LoRA factors PEFT shares with this lm_head
-    (`ensure_weight_tying` on a tied model, an embedding targeted), else None."""
-    if not (cfg.ensure_weight_tying and getattr(layer, "tied", False) and cfg.targets_embedding()):
-        return None
-    emb = next((n for n, x in layers.items() if x is layer.base_layer), "model.embed_tokens")
-    return names.get(emb, emb)
-
-
-def _check_targets(cfg: PEFTConfig, all_names: set[str]) -> None:
-    """As PEFT: an error only when `target_modules` matches no module of the model (a list
-    may name modules of other architectures too, e.g. `["q_proj", "c_attn"]`)."""
-    t = cfg.target_modules
-    if t is None or t == ALL_LINEAR or cfg.target_parameters:
-        return
-    if isinstance(t, str):
-        if not any(re.fullmatch(t, n) for n in all_names):
-            raise ValueError(f"{cfg.source}: target_modules regex {t!r} matches no model module")
-        return
-    if not any(matches_targets(t, n) for n in all_names):
-        leaves = sorted({n.rpartition(".")[2] for n in all_names if not n[-1:].isdigit()})
-        raise ValueError(
-            f"{cfg.source}: target_modules {list(t)} match no module of the model; "
-            f"its modules: {leaves}"
-        )
-
-
-def _check_base_table(key: str, value, mod: str, layers: Mapping[str, Any], source: str) -> None:
-    """PEFT's `save_embedding_layers` stores the base embedding / lm_head table, and PEFT
-    loads it into the model: an adapter trained with changed or new token rows needs its
-    own table. One table serves every adapter here, so a saved table must be the model's
-    (compared in the narrower of the two dtypes); else the adapter is refused."""
-    layer = layers.get(mod)
-    base = getattr(layer, "base_layer", None)
-    table_mod = getattr(base, "base_layer", base)  # a tied head over the embedding LoRA
-    table_var = getattr(table_mod, "embedding", None)
-    if table_var is None:
-        return  # not a table of a LoRA layer: nothing of it is served
-    model_table = np.asarray(table_var[...])[: table_mod.num_embeddings]  # [V, D]
-    saved = np.asarray(value)
-    narrow = min((saved.dtype, model_table.dtype), key=lambda d: np.dtype(d).itemsize)
-    same = saved.shape == model_table.shape and np.array_equal(
-        saved.astype(narrow), model_table.astype(narrow)
-    )
-    if not same:
-        rows = ""
-        if saved.shape == model_table.shape:
-            diff = np.flatnonzero((saved.astype(narrow) != model_table.astype(narrow)).any(1))
-            rows = f"; rows (token ids) {diff[:8].tolist()}{'...' if diff.size > 8 else ''} differ"
-        raise ValueError(
-            f"{source}: tensor {key!r} {list(saved.shape)} is the adapter's own copy of the "
-            f"base table of {mod!r}, and it is not the model's {list(model_table.shape)}{rows}: "
-            "the adapter was trained with changed token embeddings, which lora_jax cannot "
-            "serve beside other adapters (one base table serves them all)"
-        )
 
 
 def load_peft_adapter(
@@ -269,12 +162,12 @@ def adapter_from_tensors(
         >>> manager.add_adapter(adapter)  # doctest: +SKIP
         True
     """
-    given, cfg = cfg, cfg.for_model_type(_model_type(model))
-    index, layers, all_names = _module_index(model)
+    given, cfg = cfg, cfg.for_model_type(model_type_of(model))
+    index, layers, all_names = module_index(model)
     moe_owners, expert_members = expert_modules(model)
     all_names |= expert_members
     if name_map is None:  # with one, the config names the checkpoint's modules, not ours
-        _check_targets(cfg, all_names)
+        check_targets(cfg, all_names)
     if adapter_id is None:
         adapter_id = next(_ids)
     if (
@@ -295,9 +188,9 @@ def adapter_from_tensors(
             raw = key[: -len(".base_layer.weight")]
             raw = raw[len(PEFT_PREFIX) :] if raw.startswith(PEFT_PREFIX) else raw
             mod = name_map(raw) if name_map else raw
-            _check_base_table(key, value, mod, layers, source)
+            check_base_table(key, value, mod, layers, source)
             continue
-        mod, raw, kind = _parse_key(key, source, name_map)
+        mod, raw, kind = parse_key(key, source, name_map)
         if name_map is None:
             mod = moe_block_alias(mod, all_names)
         owner = strip_base_layer(mod)
@@ -379,7 +272,7 @@ def adapter_from_tensors(
             )
         layer_name, i, n = index[mod]
         # a tied lm_head's factors are the embedding's in PEFT: its rank too
-        tied = _tied_embedding(cfg, layers[layer_name], layers, checkpoint_names)
+        tied = tied_embedding(cfg, layers[layer_name], layers, checkpoint_names)
         r = cfg.rank_for(checkpoint_names[mod] if tied is None else tied)
         if a.shape[0] != r:
             tie = "" if tied is None else f" (the rank of {tied!r}, tied by ensure_weight_tying)"
@@ -387,7 +280,7 @@ def adapter_from_tensors(
                 f"{source}: tensor {ka!r} has rank {a.shape[0]} but {cfg.source} gives r={r} for "
                 f"module {mod!r}{tie}"
             )
-        _check_member_shape(layers[layer_name], i, n, a, b, ka, kb, source)
+        check_member_shape(layers[layer_name], i, n, a, b, ka, kb, source)
         scale = np.float32(cfg.scaling_for(checkpoint_names[mod]))
         slot = members.setdefault(layer_name, [[None] * n, [None] * n])
         slot[0][i] = a.astype(np.float32)
@@ -420,7 +313,7 @@ def adapter_from_tensors(
         default = ""
         if given.targets_by_model_type and cfg.target_modules is not None:
             default = (
-                f"; its null target_modules is PEFT's default for {_model_type(model)!r}, "
+                f"; its null target_modules is PEFT's default for {model_type_of(model)!r}, "
                 f"{list(cfg.target_modules)}"
             )
         warnings.warn(
@@ -434,22 +327,3 @@ def adapter_from_tensors(
         raise ValueError(f"{source}: no LoRA tensors for a module {cfg.source} targets")
     rank = max(m.rank for m in modules.values())
     return LoRAAdapter(id=int(adapter_id), name=name, rank=rank, modules=modules, source=source)
-
-
-def _check_member_shape(layer, i, n, a, b, ka, kb, source) -> None:
-    """Per-member in/out sizes for the linear LoRA layers (others check at prepare)."""
-    base = getattr(layer, "base_layer", None)
-    sizes = getattr(layer, "logical_slice_sizes", None)
-    if base is None or sizes is None or not hasattr(base, "in_features"):
-        return
-    if n == len(sizes):
-        out = sizes[i]
-    elif n == 1:
-        out = sum(sizes)
-    else:
-        return
-    if a.shape[1] != base.in_features or b.shape[0] != out:
-        raise ValueError(
-            f"{source}: tensors {ka!r} {list(a.shape)} / {kb!r} {list(b.shape)} do not fit "
-            f"module {layer.name!r}: expected [r, {base.in_features}] / [{out}, r]"
-        )
