@@ -485,6 +485,21 @@ def test_bad_config_raises_naming_the_file(tmp_path, model, case):
     assert "adapter_config.json" in str(e.value)
 
 
+def test_a_config_made_in_code_refuses_the_layer_filters_peft_refuses():
+    """Only `from_dict` refused them: a `PEFTConfig` made in code with a regex and
+    `layers_to_transform` served every layer (the filter silently dropped)."""
+    for kw, match in [
+        (dict(target_modules=r".*q_proj", layers_to_transform=(0,)), "layers_to_transform"),
+        (dict(target_modules="all-linear", layers_pattern=("layers",)), "layers_pattern"),
+        (dict(target_modules=("q_proj",), layers_pattern=("layers",)), "without layers_to"),
+    ]:
+        with pytest.raises(ValueError, match=f"{match}.*PEFT|PEFT refuses"):
+            PEFTConfig(r=4, lora_alpha=8, **kw)
+    listed = PEFTConfig(r=4, lora_alpha=8, target_modules=("q_proj",), layers_to_transform=(0,))
+    assert listed.targets("model.layers.0.self_attn.q_proj")
+    assert not listed.targets("model.layers.1.self_attn.q_proj")
+
+
 def test_max_lora_rank_bounds_only_the_ranks_served(tmp_path, model):
     """A served module's rank above `max_lora_rank` is refused, naming the module and the
     config; a rank (`r` or a `rank_pattern` value) that no served module has loads, as

@@ -262,7 +262,7 @@ def test_training_moves_only_its_slot_and_lowers_the_loss(targets):
 def test_train_only_slots_refuses_slots_outside_the_stacks():
     with pytest.raises(ValueError, match="at least one slot"):
         train_only_slots([])
-    for bad in (1, "1", [True], [1.7], [1, None]):  # was a raw TypeError, or slot 1
+    for bad in (1, "1", np.array(1), [True], [1.7], [1, None]):  # raw TypeError, or slot 1
         with pytest.raises(ValueError, match="train_only_slots: slots must be"):
             train_only_slots(bad)
     tx = train_only_slots([5])
@@ -468,6 +468,14 @@ def test_init_lora_slot_resets_the_layers_it_does_not_target():
     assert ranks["model.embed_tokens"] == [0]
     assert ranks["model.layers.0.self_attn.qkv_proj"] == [4, 0, 4]
     assert ranks["model.layers.0.mlp.down_proj"] == [0]
+
+
+def test_init_lora_slot_takes_peft_s_all_linear_shorthand():
+    """PEFT's "all-linear" (any case) trains what None trains; it was read as a regex and
+    refused ("match no LoRA layer")."""
+    every = init_lora_slot(_model(), 1, 4)
+    for shorthand in ("all-linear", "ALL-LINEAR"):
+        assert init_lora_slot(_model(), 1, 4, target_modules=shorthand) == every
 
 
 def test_init_lora_slot_refuses_bad_targets_and_slots_by_name():

@@ -251,6 +251,22 @@ class PEFTConfig:
         t = self.target_modules
         if isinstance(t, str) and t.lower() == ALL_LINEAR:
             object.__setattr__(self, "target_modules", ALL_LINEAR)
+        # PEFT's LoraConfig refuses these (`from_dict` names the raw fields first)
+        for what, value in (
+            ("layers_to_transform", self.layers_to_transform),
+            ("layers_pattern", self.layers_pattern),
+        ):
+            if isinstance(t, str) and value is not None:
+                raise ValueError(
+                    f"{self.source}: {what}={value!r} with target_modules={t!r}: PEFT refuses "
+                    f"{what} with a string target_modules (a regex or 'all-linear'); give "
+                    "target_modules as a list of module names, or drop the layer filter"
+                )
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError(
+                f"{self.source}: layers_pattern={self.layers_pattern!r} without "
+                "layers_to_transform: PEFT refuses it; give layers_to_transform too"
+            )
         for what, r in [
             ("r", self.r),
             *((f"rank_pattern[{k!r}]", v) for k, v in self.rank_pattern),

@@ -39,7 +39,7 @@ from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.layers.logits import ParallelLMHeadWithLoRA
 from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.serving.merge import merged_slot
-from lora_jax.serving.peft_config import matches_targets
+from lora_jax.serving.peft_config import ALL_LINEAR, matches_targets
 from lora_jax.serving.wrap import (
     _normalize_targets,
     layer_packed_modules,
@@ -85,7 +85,7 @@ def init_lora_slot(
     every projection's A `[E, rank, in]` kaiming-uniform and B zero, as PEFT's
     `target_parameters` do. Every other LoRA layer's slot is reset, so the slot is exactly
     the base model. ``target_modules`` as in PEFT (leaf names or a full-match regex of
-    checkpoint names); None: every linear LoRA layer (PEFT's "all-linear": the embedding,
+    checkpoint names); None or "all-linear": every linear LoRA layer (PEFT's: the embedding,
     lm_head and experts only when named). Everything is checked before the first write:
     on error no slot changes.
 
@@ -109,6 +109,8 @@ def init_lora_slot(
         raise ValueError(
             f"init_lora_slot: slot {slot} is merged into the base weights; unmerge_adapter first"
         )
+    if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
+        target_modules = None  # PEFT's shorthand: what None trains
     try:
         targets = _normalize_targets(target_modules)
     except ValueError as e:
@@ -149,10 +151,10 @@ def init_lora_slot(
         ]
         plans[name] = layer.prepare_lora(slot, a_list, b_list)
         covered += [m for m, keep in zip(members, chosen) if keep]
-    if not covered:  # e.g. only the w1 / w3 of experts, which train as one "experts"
+    if not covered:  # e.g. None on a model whose linear layers are all one module over
+        # several slices (skipped)
         raise ValueError(
-            f"init_lora_slot: target_modules {targets!r} cover no module that trains here "
-            "(experts are named whole, e.g. 'experts')"
+            f"init_lora_slot: target_modules {targets!r} cover no module that trains here"
         )
     for name, layer in everything.items():  # every layer checked before the first write
         if name in plans:
@@ -230,7 +232,11 @@ def train_only_slots(slots: Sequence[int]) -> optax.GradientTransformation:
         >>> tx = optax.chain(optax.adamw(1e-3), train_only_slots([1]))
         >>> opt = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)  # doctest: +SKIP
     """
-    if isinstance(slots, str) or not isinstance(slots, Sequence | np.ndarray):
+    if (
+        isinstance(slots, str)
+        or not isinstance(slots, Sequence | np.ndarray)
+        or np.ndim(slots) != 1
+    ):
         raise ValueError(f"train_only_slots: slots must be a list of ints, got {slots!r}")
     bad = [
         s for s in slots if isinstance(s, bool | np.bool_) or not isinstance(s, int | np.integer)
