@@ -119,8 +119,17 @@ def test_tied_embeddings_are_refused_when_the_slot_uses_them(targets):
     o_only = _tensors(config, 1, embed=False, head=False)
     slots = _load(model, config, cfg, {1: with_vocab, 2: o_only})
     before = _params(model)
-    with pytest.raises(ValueError, match=r"share one weight with .* hold an adapter in slot"):
-        merge_adapter(model, slots[1])
+
+    class Server(nnx.Module):  # a wrapper holding the model
+        def __init__(self, lm):
+            self.lm = lm
+
+    # the tie is seen from the backbone or a wrapper too: merged, the embedding's delta
+    # reached the tied lm_head's logits (184 off)
+    backbone = (model.model,) if "embed_tokens" in targets else ()  # holds the table's LoRA
+    for whole in (model, *backbone, Server(model)):
+        with pytest.raises(ValueError, match=r"share one weight with .* hold an adapter in"):
+            merge_adapter(whole, slots[1])
     jax.tree.map(np.testing.assert_array_equal, before, _params(model))
     assert merged_slot(model) is None
     ids, pos = _inputs(config)
@@ -130,6 +139,29 @@ def test_tied_embeddings_are_refused_when_the_slot_uses_them(targets):
     np.testing.assert_allclose(merged, lora, rtol=1e-4, atol=1e-4 * np.abs(lora).max())
     unmerge_adapter(model)
     jax.tree.map(np.testing.assert_array_equal, before, _params(model))
+
+
+def test_merging_under_jit_is_refused_by_name():
+    """Under a jax transform a merge gave a raw tracer error, or merged a traced copy and
+    returned as if done while the model kept its weights."""
+    model, config, cfg = _model(targets=("o_proj",))
+    slots = _load(model, config, cfg, {1: _tensors(config, 0, embed=False, head=False)})
+    before = _params(model)
+    graphdef, state = nnx.split(model)
+
+    def merge_in_trace(state):
+        merge_adapter(nnx.merge(graphdef, state), slots[1])
+        return 0
+
+    def unmerge_in_trace(state):
+        unmerge_adapter(nnx.merge(graphdef, state))
+        return 0
+
+    for fn, what in ((merge_in_trace, "merge_adapter"), (unmerge_in_trace, "unmerge_adapter")):
+        with pytest.raises(ValueError, match=f"{what}: layer .* is traced.*outside jit"):
+            jax.jit(fn)(state)
+    jax.tree.map(np.testing.assert_array_equal, before, _params(model))
+    assert merged_slot(model) is None
 
 
 def test_unwrap_refuses_a_merged_model_unless_asked_to_keep_it():

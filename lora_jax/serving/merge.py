@@ -270,6 +270,18 @@ def _tied_table(model: nnx.Module) -> int | None:
     return None if table is None else id(table)
 
 
+def _check_not_traced(all_layers: dict, what: str) -> None:
+    """Merging edits the base weights in place, on the host: under a jax transform it
+    would only change the trace (or fail on a traced rank table), so it is refused."""
+    for name, layer in all_layers.items():
+        for _, node in nnx.iter_graph(layer):
+            if isinstance(node, LoRASlotRanks) and isinstance(node.get_value(), jax.core.Tracer):
+                raise ValueError(
+                    f"{what}: layer {name!r} is traced; merging edits the weights on the "
+                    f"host, call {what} outside jit"
+                )
+
+
 def _slot_index(slot) -> int:
     """`slot` as a Python int: an int, a numpy integer (as `token_mapping` / `slot_of`
     values may come) or a concrete integer scalar array; never a bool or a traced value."""
@@ -305,6 +317,7 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
     all_layers = lora_layers(model)
     if not all_layers:
         raise ValueError("merge_adapter: the model has no LoRA layers")
+    _check_not_traced(all_layers, "merge_adapter")
     slot = _slot_index(slot)
     plans = {}
     for name, layer in all_layers.items():
@@ -333,6 +346,11 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
     # that another, unwrapped module also holds; the table of a tied lm_head)
     refs = reference_paths(model)
     outside = {tied} if (tied := _tied_table(model)) is not None else set()
+    # a tied embedding marked at wrapping: its lm_head may be outside the module given
+    # (merge_adapter(model.model), or a wrapper holding the model)
+    for name, plan in plans.items():
+        if getattr(all_layers[name], "tied_table", False):
+            outside.update(id(w) for w in plan[0])
     for key, names in groups.items():
         homes = [lp for n in names for lp in refs.get(id(all_layers[n]), [])]
         if any(not any(p[: len(h)] == h for h in homes) for p in refs.get(key, [])):
@@ -370,8 +388,10 @@ def unmerge_adapter(model: nnx.Module) -> bool:
         >>> unmerge_adapter(model)  # doctest: +SKIP
         True
     """
+    all_layers = lora_layers(model)
+    _check_not_traced(all_layers, "unmerge_adapter")
     done = False
-    for layer in lora_layers(model).values():
+    for layer in all_layers.values():
         original = getattr(layer, "merged_original", None)
         if original is None:
             continue

@@ -438,7 +438,20 @@ def wrap_model(
         swaps.append((parent, path[-1], value))
     for parent, key, value in swaps:
         _set_child(parent, key, value)
+    _mark_tied_embedding(model)
     return context
+
+
+def _mark_tied_embedding(model: nnx.Module) -> None:
+    """Marks the embedding LoRA layer of a tied model (`lm_head` None, or a tied head over
+    `model.model.embed_tokens`): its table is the lm_head too, which a merge given only a
+    part of the model (or a wrapper of it) could not see."""
+    head = getattr(model, "lm_head", True)
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if (head is None or isinstance(head, TiedLMHeadWithLoRA)) and isinstance(
+        emb, VocabParallelEmbeddingWithLoRA
+    ):
+        emb.tied_table = True
 
 
 def unwrap_model(model: nnx.Module, *, keep_merged: bool = False) -> int:
