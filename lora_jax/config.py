@@ -80,8 +80,12 @@ class LoRAConfig:
                 dt = jnp.dtype(self.lora_dtype)
             except TypeError as e:
                 raise ValueError(f"LoRAConfig.lora_dtype={self.lora_dtype!r} is not a dtype") from e
-            if not jnp.issubdtype(dt, jnp.floating):
-                raise ValueError(f"LoRAConfig.lora_dtype must be a float dtype, got {dt}")
+            allowed = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+            if dt not in allowed:  # what the kernels take (vLLM: auto / float16 / bfloat16)
+                raise ValueError(
+                    f"LoRAConfig.lora_dtype must be one of bfloat16, float16, float32 (or None: "
+                    f"the base weight's), got {dt}"
+                )
             object.__setattr__(self, "lora_dtype", dt)
         if self.lora_extra_vocab_size != 0:
             raise ValueError(

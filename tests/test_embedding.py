@@ -198,6 +198,28 @@ def test_bf16_close_to_dense():
     np.testing.assert_allclose(got, dense(table, adapters, ids, slots), rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float16])
+def test_an_f32_layer_over_a_narrow_table_adds_the_lora_in_f32(param_dtype):
+    """A bf16 / f16 table computed in f32 with f32 adapters: the LoRA was added in the
+    table's dtype, then cast (2e-3 off the oracle); it adds in f32, as the linears do."""
+    adapters = make_adapters(seed=5)
+    base = VocabParallelEmbedding(
+        V, D, param_dtype=param_dtype, dtype=jnp.float32, rngs=nnx.Rngs(0)
+    )
+    table = np.random.default_rng(1).normal(size=(V, D)).astype(np.float32)
+    base.load_table(table)
+    cfg = lj.LoRAConfig(max_loras=MAX_LORAS, max_lora_rank=MAX_RANK, lora_dtype=jnp.float32)
+    layer = lj.VocabParallelEmbeddingWithLoRA(base, cfg)
+    for s, (a, b) in adapters.items():
+        layer.set_lora(s, a, b)
+    ids, slots = token_case()
+    got = run(layer, ids, slots)
+    assert got.dtype == np.float32
+    narrow = np.asarray(jnp.asarray(table).astype(param_dtype).astype(jnp.float32))
+    want = dense(narrow, adapters, ids, slots)  # the table as stored, the LoRA in f32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_jit_one_compile_for_new_mappings_and_adapters():
     layer, table = make_layer(make_rules((1, 4, True)), adapters=make_adapters())
     graphdef, _ = nnx.split(layer)

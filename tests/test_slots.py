@@ -146,8 +146,9 @@ def test_config_checks():
         lj.LoRAConfig(max_lora_rank=7)
     with pytest.raises(ValueError, match="max_loras"):
         lj.LoRAConfig(max_loras=0)
-    with pytest.raises(ValueError, match="lora_dtype"):
-        lj.LoRAConfig(lora_dtype=jnp.int32)
+    for bad in (jnp.int32, jnp.float8_e4m3fn, np.float64):  # fp8 / f64: kernels take neither
+        with pytest.raises(ValueError, match="lora_dtype must be one of bfloat16"):
+            lj.LoRAConfig(lora_dtype=bad)
     assert lj.LoRAConfig(max_loras=3).max_cpu_loras == 3
     # vLLM's defaults and numpy ints are taken; floats and bools are not ints here
     assert lj.LoRAConfig(lora_dtype="auto").lora_dtype is None

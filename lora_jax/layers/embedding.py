@@ -284,6 +284,7 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, nnx.Module):
             own = (rel >= 0) & (rel < local_v)
             safe = jnp.where(own, rel, 0)
             y = jnp.where(own[:, None], jnp.take(table_l, safe, axis=0), 0)  # [T, D] partial
+            y = y.astype(base.dtype or base.param_dtype)  # the LoRA adds in the compute dtype
             slot = m.token_lora_indices
             code = a_l[jnp.maximum(slot, 0), :, safe]  # [T, R]: the A column of each id
             code = jnp.where((own & (slot >= 0))[:, None], code.astype(jnp.float32), 0.0)

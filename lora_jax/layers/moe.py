@@ -438,9 +438,10 @@ def _ragged_shrink(x, lora_a, m: LoRAMapping) -> jax.Array:
     xs = x[order]  # [P, H]; rows without a slot sort last and fall outside every group
     outs = []
     for a in lora_a:
+        dt = jnp.promote_types(xs.dtype, a.dtype)  # as the ops' shrink: f32 A stays f32
         hs = jax.lax.ragged_dot(
-            xs,
-            jnp.swapaxes(a, 1, 2).astype(xs.dtype),
+            xs.astype(dt),
+            jnp.swapaxes(a, 1, 2).astype(dt),
             m.slot_token_counts,
             preferred_element_type=jnp.float32,
         )  # [P, R]
@@ -453,9 +454,15 @@ def _ragged_expand(y, h, lora_b, m: LoRAMapping, offsets) -> jax.Array:
     order = m.sorted_token_ids
     keep = (m.token_lora_indices >= 0)[:, None]
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
-        hs = h[s][order].astype(b.dtype)  # [P, R]
+        # as the ops' expand: h rounds to B's bf16 / f16 only for a y that is not f32
+        low = b.dtype in (jnp.bfloat16, jnp.float16) and y.dtype != jnp.float32
+        cdt = b.dtype if low else jnp.float32
+        hs = h[s][order].astype(cdt)  # [P, R]
         d = jax.lax.ragged_dot(
-            hs, jnp.swapaxes(b, 1, 2), m.slot_token_counts, preferred_element_type=jnp.float32
+            hs,
+            jnp.swapaxes(b, 1, 2).astype(cdt),
+            m.slot_token_counts,
+            preferred_element_type=jnp.float32,
         )  # [P, n]
         d = jnp.zeros_like(d).at[order].set(d)
         cols = y[:, off : off + b.shape[1]]
