@@ -871,3 +871,157 @@ def test_host_cost_of_a_step_does_not_grow_with_the_cpu_cache(monkeypatch):
     assert len(compares) == 1
     mgr.set_active_adapters([copy, dataclasses.replace(adapters[1]), 2])
     assert len(compares) <= 4
+
+
+def _peft_dirs(tmp_path, names):
+    import json
+
+    from lora_jax.serving.peft import write_safetensors
+
+    dirs = {}
+    for seed, name in enumerate(names, 1):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
+        write_safetensors(
+            d / "adapter_model.safetensors", peft_tensors(["q_proj"], 4, n_layers=1, seed=seed)
+        )
+        dirs[name] = d
+    return dirs
+
+
+@pytest.mark.parametrize("lru", [False, True], ids=["plain", "lru"])
+def test_a_request_is_never_served_another_adapter_under_its_id(tmp_path, lru):
+    """`load_adapters` gave a removed adapter's id to the next one, and a `LoRARequest`
+    for the old one was then served the new one's weights (an adapter object was refused).
+    Default ids now never repeat; a request naming another adapter than the one under its
+    id (name, or directory by real path) is refused; another spelling of the directory,
+    no path, or an adapter made from tensors (no directory: its name decides) match."""
+    from lora_jax.serving.peft import load_peft_adapter
+
+    dirs = _peft_dirs(tmp_path, ["sql", "chat"])
+    model, mgr = _setup(max_loras=2, max_cpu_loras=3, lru=lru)
+    (sql,) = mgr.load_adapters({"sql": dirs["sql"]}, progress=False)
+    mgr.remove_adapter(sql.id)
+    (chat,) = mgr.load_adapters({"chat": dirs["chat"]}, progress=False)
+    assert chat.id != sql.id
+    # a client still asking for sql gets sql: reloaded from its path, under its own id
+    req = LoRARequest("sql", sql.id, str(dirs["sql"]))
+    mgr.set_active_adapters([req, chat.id])
+    idx = jnp.asarray(mgr.token_mapping([req] * 3))
+    ref_model, ref = _setup(max_loras=2, max_cpu_loras=2, lru=lru)
+    sql_ref = load_peft_adapter(dirs["sql"], ref_model, ref.lora_config, adapter_id=1)
+    ref.set_active_adapters([sql_ref])
+    want = _layer_outputs(ref_model, jnp.full(3, ref.slot_of(1), jnp.int32))
+    jax.tree.map(np.testing.assert_array_equal, _layer_outputs(model, idx), want)
+
+    # an explicit first_id may reuse a freed id: the requests for the old adapter are refused
+    mgr.remove_adapter(sql.id)
+    (again,) = mgr.load_adapters({"chat2": dirs["chat"]}, first_id=sql.id, progress=False)
+    tensors = _adapter(model, 5)  # no directory
+    mgr.add_adapter(tensors)
+    before = (sorted(mgr.list_adapters()), _slots(mgr))
+    arrays = _lora_arrays(model)
+    for bad, held in (
+        (req, "'chat2'"),  # another name
+        (LoRARequest("chat2", sql.id, str(dirs["sql"])), "'chat2'"),  # another directory
+        (LoRARequest("b5", 5, str(dirs["sql"])), "'a5'"),
+    ):
+        for call in (mgr.set_active_adapters, mgr.token_mapping):
+            with pytest.raises(ValueError, match=f"id {bad.lora_int_id} is already adapter {held}"):
+                call([bad])
+        assert (sorted(mgr.list_adapters()), _slots(mgr)) == before
+        jax.tree.map(np.testing.assert_array_equal, arrays, _lora_arrays(model))
+    with pytest.raises(ValueError, match=f"id {sql.id} is already adapter 'chat2'"):
+        mgr.set_active_adapters([sql.id, req])  # the bare id does not hide the request
+    with pytest.raises(ValueError, match=r"'chat2' \(.*\) and 'sql' \(.*\) are both requested"):
+        mgr.set_active_adapters([LoRARequest("chat2", sql.id, str(dirs["chat"])), req])
+    same = [
+        LoRARequest("chat2", sql.id, str(tmp_path / "sql" / ".." / "chat")),
+        LoRARequest("chat2", sql.id),
+        LoRARequest("a5", 5, "/not/where/it/came/from"),
+    ]
+    mgr.set_active_adapters(same)
+    assert mgr.token_mapping(same).tolist() == [mgr.slot_of(sql.id)] * 2 + [mgr.slot_of(5)]
+    assert mgr.get_adapter(sql.id) is again
+
+
+@pytest.mark.parametrize("pin", [False, True], ids=["merged", "pinned"])
+def test_a_cpu_cache_full_of_merged_or_pinned_adapters_says_so(pin):
+    """`add_adapter` and `remove_oldest_adapter` with the CPU cache full of a merged
+    adapter said "All items are pinned" (none was); they now name the merged or pinned
+    adapters and what frees them, and change nothing."""
+    from lora_jax.serving.merge import merge_adapter, unmerge_adapter
+
+    model, mgr = _setup(max_loras=1, max_cpu_loras=1)
+    a1, a2 = _adapter(model, 1), _adapter(model, 2)
+    mgr.set_active_adapters([a1])
+    if pin:
+        mgr.pin_adapter(1)
+    else:
+        merge_adapter(model, mgr.slot_of(1))
+    before, arrays = _state(mgr), _lora_arrays(model)
+    what = r"pinned adapter \[1\] or one in a merged slot \[\]" if pin else r"\[\] or .* \[1\]"
+    for name, call in (
+        ("add_adapter", lambda: mgr.add_adapter(a2)),
+        ("remove_oldest_adapter", mgr.remove_oldest_adapter),
+    ):
+        with pytest.raises(RuntimeError, match=f"^{name}: every CPU cache entry .*{what}.*"):
+            call()
+        assert _state(mgr) == before
+        jax.tree.map(np.testing.assert_array_equal, arrays, _lora_arrays(model))
+    with pytest.raises(RuntimeError, match="unmerge_adapter to free a merged one, remove_adapter"):
+        mgr.add_adapter(a2)
+    if pin:
+        mgr.remove_adapter(1)
+    else:
+        unmerge_adapter(model)
+    assert mgr.add_adapter(a2) and sorted(mgr.list_adapters()) == [2]
+
+
+@pytest.mark.parametrize("lru", [False, True], ids=["plain", "lru"])
+def test_a_reserved_slot_is_never_written(lru):
+    """A slot kept for training (`reserve_slot`) is never activated into, evicted or
+    written, and counts as taken in the errors; a slot holding an adapter cannot be
+    reserved; `release_slot` gives it back."""
+    from lora_jax.serving.training import init_lora_slot
+
+    model, mgr = _setup(max_loras=3, max_cpu_loras=4, lru=lru)
+    ad = _adapters(model, 4)
+    mgr.add_adapter(ad[1])
+    mgr.activate_adapter(1)
+    with pytest.raises(ValueError, match=r"slot 0 holds adapter 1; deactivate_adapter\(1\)"):
+        mgr.reserve_slot(0)
+    assert mgr.reserve_slot(1) and not mgr.reserve_slot(1) and mgr.reserved_slots == [1]
+    init_lora_slot(model, 1, 4, seed=3)  # as if trained: B != 0
+    for layer in lora_layers(model).values():
+        for v in layer.lora_b:
+            v.set_value(v[...].at[1].set(0.05))
+    trained = _slot_state(model, 1), [np.asarray(v[...][1]) for v in _lora_b(model)]
+    mgr.add_adapter(ad[2])
+    mgr.activate_adapter(2)
+    assert _slots(mgr) == [1, None, 2]
+    mgr.add_adapter(ad[3])
+    if lru:
+        mgr.activate_adapter(3)  # evicts 1, the least recently used, never slot 1
+        assert _slots(mgr) == [3, None, 2]
+        with pytest.raises(RuntimeError, match=r"not reserved for training \(reserved: \[1\]\)"):
+            mgr.set_active_adapters([2, 3, 4])
+    else:
+        with pytest.raises(ValueError, match=r"slots \[1\] are reserved for training"):
+            mgr.activate_adapter(3)
+        with pytest.raises(RuntimeError, match=r"2 device slots .*reserved: \[1\]"):
+            mgr.set_active_adapters([1, 2, 3])
+    with pytest.raises(ValueError, match="slot 1 is reserved for training"):
+        mgr.write_slot(1, ad[4])
+    now = _slot_state(model, 1), [np.asarray(v[...][1]) for v in _lora_b(model)]
+    jax.tree.map(np.testing.assert_array_equal, now, trained)
+    assert mgr.release_slot(1) and not mgr.release_slot(1) and mgr.reserved_slots == []
+    aid = 4 if lru else 3  # the plain manager has slot 1 free; the LRU evicted 1 for 3
+    mgr.add_adapter(ad[aid])
+    assert mgr.activate_adapter(aid) and _slots(mgr)[1] == aid
+
+
+def _lora_b(model):
+    return [v for la in lora_layers(model).values() for v in la.lora_b]

@@ -589,3 +589,56 @@ def test_slot_writes_leave_every_jit_compiled_for_the_model():
     model.model.layers[0].mlp.down_proj.reset_lora(2)
     count(state())
     assert count._cache_size() == before
+
+
+def test_a_slot_a_manager_serves_is_not_trained_and_a_reserved_one_is_not_taken():
+    """`init_lora_slot` on the slot of an adapter a manager serves replaced its weights
+    while the manager kept routing its requests there, and the manager's next activation
+    took the free slot being trained: the first is now refused (naming the adapter), and
+    a slot reserved with `reserve_slot` is never taken. A manager that nothing holds any
+    more (it is freed at once) refuses nothing."""
+    import weakref
+
+    from lora_jax.serving.manager import LRUCacheLoRAModelManager
+
+    model = _model()
+    ids, pos = _batch()
+
+    def logits(slot):
+        return np.asarray(_logits(model, ids, pos, jnp.full(32, slot, jnp.int32)))
+
+    init_lora_slot(model, 0, 4, seed=1)
+    for layer in _linear(model).values():  # as if trained: B != 0
+        for v in layer.lora_b:
+            v.set_value(v[...].at[0].set(0.02))
+    served = adapter_from_slot(model, 0, adapter_id=1, name="served")
+    others = [adapter_from_slot(model, 0, adapter_id=i, name=f"a{i}") for i in (2, 3)]
+    want = logits(0)
+    dropped = LRUCacheLoRAModelManager(model)
+    dropped.set_active_adapters([served])
+    gone = weakref.ref(dropped)
+    del dropped
+    assert gone() is None
+    init_lora_slot(model, 0, 4, seed=2)  # no live manager serves slot 0
+
+    mgr = LRUCacheLoRAModelManager(model)
+    mgr.set_active_adapters([served])
+    slot = mgr.slot_of(1)
+    np.testing.assert_array_equal(logits(slot), want)
+    before = _stacks(model)
+    msg = rf"slot {slot} holds adapter 1 of a LRUCacheLoRAModelManager .*deactivate_adapter\(1\)"
+    with pytest.raises(ValueError, match=msg):
+        init_lora_slot(model, slot, 4, seed=3)
+    jax.tree.map(np.testing.assert_array_equal, _stacks(model), before)
+
+    assert mgr.reserve_slot(1)
+    init_lora_slot(model, 1, 4, seed=3)
+    for layer in _linear(model).values():
+        for v in layer.lora_b:
+            v.set_value(v[...].at[1].set(0.03))
+    trained = logits(1)
+    for adapter in others:  # adapter 3 evicts adapter 1 rather than take slot 1
+        mgr.set_active_adapters([adapter])
+    assert mgr.lora_index_to_id[1] is None and sorted(mgr.list_adapters()) == [1, 2, 3]
+    np.testing.assert_array_equal(logits(1), trained)
+    np.testing.assert_array_equal(logits(mgr.slot_of(3)), want)

@@ -71,4 +71,5 @@ class LRUCache:
             if key not in self.pinned and not (self.keep is not None and self.keep(key)):
                 self.pop(key)
                 return
-        raise RuntimeError("All items are pinned, cannot remove oldest from the cache.")
+        kept = " or kept" if self.keep is not None else ""
+        raise RuntimeError(f"All items are pinned{kept}, cannot remove oldest from the cache.")

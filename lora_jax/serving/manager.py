@@ -17,12 +17,23 @@ step (`set_active_adapters`) loads and checks every requested adapter, and that 
 before it evicts, touches or writes anything. A slot that `merge_adapter` folded into the
 kernels is never written (nor chosen, free or as a victim) until `unmerge_adapter`. Slot
 choices are deterministic, so every process of a multi-host run makes the same ones.
+
+Ids: `load_adapters` numbers adapters past every id the manager has held, so an id that a
+removal or an eviction freed is never given to another adapter (a client still asking for
+the old one would get the new one's weights). A `LoRARequest` whose id is registered must
+name that adapter (`ValueError` otherwise), as an adapter object must.
+
+Training beside serving (`lora_jax.serving.training`): `reserve_slot(s)` keeps the
+manager out of slot s (never activated into, written or counted free) until
+`release_slot(s)`; `init_lora_slot` refuses a slot in which a live manager of the model
+holds an adapter.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -33,7 +44,7 @@ from lora_jax.config import LoRAConfig
 from lora_jax.layers import LoRAContext, find_lora_context
 from lora_jax.serving.lru import LRUCache
 from lora_jax.serving.merge import layer_merged_slot
-from lora_jax.serving.peft import LoRAAdapter, load_peft_adapter
+from lora_jax.serving.peft import WEIGHTS_NAME, LoRAAdapter, load_peft_adapter
 from lora_jax.serving.slot_writes import layer_variables, write_slot_updates
 from lora_jax.serving.wrap import layer_packed_modules, lora_layers
 
@@ -61,11 +72,30 @@ def _check_id(aid, what: str) -> None:
         raise ValueError(f"{what} must be an int >= 1 (0 / None mean no adapter), got {aid!r}")
 
 
+# Every live manager, for `init_lora_slot` to find a model's. Weak: a manager nothing
+# else holds drops out, and the registry keeps neither managers nor models alive.
+_MANAGERS: weakref.WeakSet[LoRAModelManager] = weakref.WeakSet()
+
+
+def managers_of(model: nnx.Module) -> list[LoRAModelManager]:
+    """The live managers that serve ``model``'s LoRA layers (any of them: a manager of the
+    whole model counts for its backbone too).
+
+    Example:
+        >>> [m.lora_index_to_id for m in managers_of(model)]  # doctest: +SKIP
+        [[1, None, 2]]
+    """
+    layers = {id(layer) for layer in lora_layers(model).values()}
+    return [m for m in list(_MANAGERS) if any(id(x) in layers for x in m.modules.values())]
+
+
 class LoRAModelManager:
     """Adapters of a wrapped model: a CPU registry (`max_cpu_loras`) and device slots.
 
     This plain manager never evicts: adding beyond `capacity` or activating with every
-    slot taken raises. Use `LRUCacheLoRAModelManager` for serving.
+    slot taken raises. Use `LRUCacheLoRAModelManager` for serving. A slot trained
+    meanwhile (`init_lora_slot`) is reserved first (`reserve_slot`), so that no
+    activation writes over it.
 
     Example:
         >>> wrap_model(model, cfg)  # doctest: +SKIP
@@ -74,6 +104,8 @@ class LoRAModelManager:
         (True, True)
         >>> mgr.token_mapping([adapter.id, None], tokens_per_request=[3, 2])  # doctest: +SKIP
         array([ 0,  0,  0, -1, -1], dtype=int32)
+        >>> mgr.reserve_slot(1)  # train in slot 1; the manager keeps out of it  # doctest: +SKIP
+        True
     """
 
     def __init__(self, model: nnx.Module, lora_config: LoRAConfig | None = None):
@@ -99,8 +131,11 @@ class LoRAModelManager:
                 )
         self.context: LoRAContext | None = find_lora_context(model)
         self.lora_index_to_id: list[int | None] = [None] * self.lora_slots
+        self._reserved: set[int] = set()  # slots kept for training (reserve_slot)
+        self._id_mark = 0  # the largest id ever registered: load_adapters numbers past it
         self._registered_adapters = self._make_registry()
         self._active_adapters = self._make_active()
+        _MANAGERS.add(self)
 
     # -- caches (overridden by the LRU manager) -------------------------------------------
     def _make_registry(self):
@@ -114,6 +149,7 @@ class LoRAModelManager:
         if len(self._registered_adapters) >= self.capacity:
             raise RuntimeError(f"No free adapter slots: the CPU cache holds {self.capacity}")
         self._registered_adapters[adapter.id] = adapter
+        self._id_mark = max(self._id_mark, int(adapter.id))
 
     # -- sizes ----------------------------------------------------------------------------
     @property
@@ -157,22 +193,28 @@ class LoRAModelManager:
     ) -> np.ndarray:
         """Slot per request (or per token with `tokens_per_request`), int32; `None`, 0 or
         negative ids mean "no adapter" (-1). Every other id must be active; a `LoRARequest`
-        or `LoRAAdapter` stands for its id, as in `set_active_adapters`.
+        or `LoRAAdapter` stands for its id, as in `set_active_adapters`, and must name the
+        adapter registered under it (`ValueError` otherwise).
 
         Example:
             >>> mgr.token_mapping([3, None, 3])  # doctest: +SKIP
             array([ 1, -1,  1], dtype=int32)
         """
-        slots, checked = [], set()  # adapter objects found the same as the registered one
+        slots, checked = [], set()  # requests found to name the registered adapter
         for i, req in enumerate(request_adapter_ids):
             aid = req
             if isinstance(req, LoRAAdapter | LoRARequest):  # by id, as set_active_adapters
                 aid = req.id if isinstance(req, LoRAAdapter) else req.lora_int_id
                 _check_id(aid, f"token_mapping: request {i}'s adapter id")
-                registered = isinstance(req, LoRAAdapter) and aid in self._registered_adapters
-                if registered and id(req) not in checked:  # weights compared once a call
-                    self._check_same(req, "token_mapping")
-                    checked.add(id(req))
+                # compared once a call: an adapter object by identity (its weights are
+                # compared), a request by value (its path is resolved)
+                key = id(req) if isinstance(req, LoRAAdapter) else req
+                if aid in self._registered_adapters and key not in checked:
+                    if isinstance(req, LoRAAdapter):
+                        self._check_same(req, "token_mapping")
+                    else:
+                        self._check_request(req, "token_mapping")
+                    checked.add(key)
             elif isinstance(req, bool | np.bool_) or not isinstance(req, int | np.integer | None):
                 # a scalar by value, anything else by type: its repr may be a whole array
                 scalar = isinstance(req, bool | np.bool_ | float | np.floating | str)
@@ -237,6 +279,21 @@ class LoRAModelManager:
             f"{what}: id {adapter.id} is already adapter {held.name!r} ({held.source}); "
             f"{adapter.name!r} ({adapter.source}) is another adapter and needs an id of its own "
             "(load_peft_adapter(adapter_id=...), or the manager's load_adapters)"
+        )
+
+    def _check_request(self, req: LoRARequest, what: str) -> None:
+        """A `LoRARequest` for a registered id must name the adapter held under it: the
+        same `lora_name` and, when the request gives a `lora_path` and the adapter was
+        loaded from a directory, the same directory (by real path: another spelling of it
+        matches). An adapter made from tensors has no directory: its name decides."""
+        held = _peek(self._registered_adapters, req.lora_int_id)
+        if not _names_another(req, held):
+            return
+        raise ValueError(
+            f"{what}: id {req.lora_int_id} is already adapter {held.name!r} ({held.source}); "
+            f"request {req.lora_name!r} ({req.lora_path or 'no path'}) names another adapter, "
+            "which needs an id of its own (a new lora_int_id; the manager's load_adapters "
+            "never reuses an id)"
         )
 
     def add_adapters(
@@ -309,16 +366,18 @@ class LoRAModelManager:
         activate: bool = False,
         progress: bool = True,
     ) -> list[LoRAAdapter]:
-        """Loads PEFT directories (ids `first_id`, `first_id + 1`, ...; by default from one
-        past the largest registered id) and adds them. An id already registered is a
-        `ValueError` before anything is added.
+        """Loads PEFT directories (ids `first_id`, `first_id + 1`, ...) and adds them. An
+        id already registered is a `ValueError` before anything is added. By default the
+        ids start past the largest id this manager has ever held, so an id freed by
+        `remove_adapter` or an eviction never names another adapter (its old requests
+        would get the new one's weights); an explicit `first_id` may reuse a freed id.
 
         Example:
             >>> mgr.load_adapters({"sql": "ad/sql", "chat": "ad/chat"})  # doctest: +SKIP
         """
         items = list(paths.items()) if isinstance(paths, Mapping) else [(None, p) for p in paths]
         if first_id is None:
-            first_id = max(_keys(self._registered_adapters), default=0) + 1
+            first_id = self._id_mark + 1
         taken = [
             i for i in range(first_id, first_id + len(items)) if i in self._registered_adapters
         ]
@@ -351,8 +410,8 @@ class LoRAModelManager:
             free = len(self._free_slots())
             if needed > free:
                 raise RuntimeError(
-                    f"{what}: {needed} adapters to activate but {free} device slots are free; "
-                    "nothing was added"
+                    f"{what}: {needed} adapters to activate but {free} device slots are free"
+                    f"{self._unusable_note()}; nothing was added"
                 )
 
     def activate_adapter(self, adapter_id: int) -> bool:
@@ -387,17 +446,77 @@ class LoRAModelManager:
         return {s for s in (layer_merged_slot(la) for la in self.modules.values()) if s is not None}
 
     def _free_slots(self) -> list[int]:
-        merged = self._merged_slots()
-        return [i for i, x in enumerate(self.lora_index_to_id) if x is None and i not in merged]
+        skip = self._merged_slots() | self._reserved
+        return [i for i, x in enumerate(self.lora_index_to_id) if x is None and i not in skip]
+
+    def _unusable_note(self) -> str:
+        """The slots no adapter may take now, for an error saying the slots are full."""
+        notes = []
+        merged = sorted(self._merged_slots())
+        if merged:
+            notes.append(f"slots {merged} are merged: unmerge_adapter to reuse them")
+        if self._reserved:
+            notes.append(
+                f"slots {sorted(self._reserved)} are reserved for training: release_slot "
+                "to reuse them"
+            )
+        return f" ({'; '.join(notes)})" if notes else ""
 
     def _choose_slot(self) -> tuple[int, int | None]:
         """(slot to write, active adapter to evict first or None)."""
         free = self._free_slots()
         if not free:
-            merged = sorted(self._merged_slots())
-            extra = f" (slots {merged} are merged: unmerge_adapter to reuse them)" if merged else ""
-            raise ValueError(f"No free lora slots{extra}")
+            raise ValueError(f"No free lora slots{self._unusable_note()}")
         return free[0], None
+
+    # -- slots kept for training ----------------------------------------------------------
+    @property
+    def reserved_slots(self) -> list[int]:
+        """Slots `reserve_slot` keeps for training, sorted."""
+        return sorted(self._reserved)
+
+    def reserve_slot(self, slot: int) -> bool:
+        """Keeps the manager out of ``slot`` (never activated into, written, or counted
+        free) until `release_slot`, so that an adapter can be trained there
+        (`init_lora_slot`, `train_only_slots`) while the other slots serve. A slot holding
+        an adapter is refused (`ValueError` naming it): deactivate it first. False when
+        ``slot`` is reserved already.
+
+        Example:
+            >>> slot = mgr.lora_index_to_id.index(None)  # doctest: +SKIP
+            >>> mgr.reserve_slot(slot)  # doctest: +SKIP
+            True
+            >>> init_lora_slot(model, slot, 8)  # then train, export, release  # doctest: +SKIP
+        """
+        slot = self._check_slot(slot, "reserve_slot")
+        if slot in self._reserved:
+            return False
+        held = self.lora_index_to_id[slot]
+        if held is not None:
+            free = [i for i in self._free_slots() if i != slot]
+            raise ValueError(
+                f"reserve_slot: slot {slot} holds adapter {held}; deactivate_adapter({held}) "
+                f"first, or reserve another slot (free: {free})"
+            )
+        self._check_not_merged(slot)
+        self._reserved.add(slot)
+        return True
+
+    def release_slot(self, slot: int) -> bool:
+        """Gives a reserved slot back to the manager, which may then write over it (its
+        weights stay until then); False when ``slot`` was not reserved."""
+        slot = self._check_slot(slot, "release_slot")
+        if slot not in self._reserved:
+            return False
+        self._reserved.discard(slot)
+        return True
+
+    def _check_slot(self, slot, what: str) -> int:
+        if isinstance(slot, bool | np.bool_) or not isinstance(slot, int | np.integer):
+            raise ValueError(f"{what}: slot must be an int, got {slot!r}")
+        if not 0 <= int(slot) < self.lora_slots:
+            raise ValueError(f"{what}: slot {slot!r} outside [0, {self.lora_slots})")
+        return int(slot)
 
     def _check_not_in_merged_slot(self, adapter_id: int) -> None:
         slot = self.slot_of(adapter_id)
@@ -445,14 +564,16 @@ class LoRAModelManager:
         reqs = self._distinct(requests)
         new, plans = self._validate_requests(reqs)
         staying = [a for a in self.lora_index_to_id if a is not None and a in reqs]
-        usable = self.lora_slots - len(self._merged_slots() - {self.slot_of(a) for a in staying})
+        merged = self._merged_slots() - {self.slot_of(a) for a in staying}
+        usable = self.lora_slots - len(merged) - len(self._reserved)
         for aid in list(_keys(self._registered_adapters)):
             if aid not in reqs:
                 self._check_not_in_merged_slot(aid)  # it would be removed
         if len(reqs) > usable:
             raise RuntimeError(
                 f"set_active_adapters: {len(reqs)} requested adapters do not fit the {usable} "
-                f"device slots that are not merged (merged: {sorted(self._merged_slots())})"
+                f"device slots that are neither merged nor reserved (merged: "
+                f"{sorted(self._merged_slots())}, reserved: {sorted(self._reserved)})"
             )
         for aid in list(_keys(self._registered_adapters)):
             if aid not in reqs:
@@ -471,6 +592,8 @@ class LoRAModelManager:
         for aid, req in reqs.items():
             if isinstance(req, LoRAAdapter) and aid in self._registered_adapters:
                 self._check_same(req, "set_active_adapters")
+            if isinstance(req, LoRARequest) and aid in self._registered_adapters:
+                self._check_request(req, "set_active_adapters")
             if aid in self._active_adapters:
                 continue
             if aid in self._registered_adapters:
@@ -496,18 +619,20 @@ class LoRAModelManager:
             >>> mgr.deactivate_adapter(mgr.lora_index_to_id[0])  # doctest: +SKIP
             >>> mgr.write_slot(0, None)  # zero the freed slot 0 everywhere  # doctest: +SKIP
         """
-        if isinstance(slot, bool | np.bool_) or not isinstance(slot, int | np.integer):
-            raise ValueError(f"write_slot: slot must be an int, got {slot!r}")
-        if not 0 <= int(slot) < self.lora_slots:
-            raise ValueError(f"write_slot: slot {slot!r} outside [0, {self.lora_slots})")
-        self._check_not_merged(int(slot))
-        held = self.lora_index_to_id[int(slot)]
+        slot = self._check_slot(slot, "write_slot")
+        self._check_not_merged(slot)
+        held = self.lora_index_to_id[slot]
         if held is not None:
             raise ValueError(
                 f"write_slot: slot {slot} holds active adapter {held}, whose requests it would "
                 "serve with other weights; deactivate_adapter first (or activate_adapter)"
             )
-        self._commit(int(slot), self._plan_slot(int(slot), adapter))
+        if slot in self._reserved:
+            raise ValueError(
+                f"write_slot: slot {slot} is reserved for training (reserve_slot); "
+                "release_slot first"
+            )
+        self._commit(slot, self._plan_slot(slot, adapter))
 
     def _plan_slot(self, slot: int, adapter: LoRAAdapter | None):
         """Validates `adapter` for every layer; returns (batched updates, per-layer writes)."""
@@ -598,15 +723,27 @@ class LoRAModelManager:
             else:
                 aid = req
             prev = reqs.setdefault(int(aid), req)
-            both = isinstance(prev, LoRAAdapter) and isinstance(req, LoRAAdapter)
+            if isinstance(prev, int | np.integer) and not isinstance(req, int | np.integer):
+                # the request or adapter stands for the id: it is checked against the
+                # registered adapter, and loads when none is
+                prev = reqs[int(aid)] = req
             pair = (id(prev), id(req))
-            if both and prev is not req and pair not in same and not _same_adapter(prev, req):
+            if prev is req or pair in same:
+                continue
+            if isinstance(prev, LoRAAdapter) and isinstance(req, LoRAAdapter):
+                another = not _same_adapter(prev, req)
+            elif isinstance(prev, LoRARequest) and not isinstance(req, int | np.integer):
+                another = _names_another(prev, req)
+            elif isinstance(req, LoRARequest) and not isinstance(prev, int | np.integer):
+                another = _names_another(req, prev)
+            else:  # a bare id names whichever adapter has it
+                another = False
+            if another:
                 raise ValueError(
-                    f"set_active_adapters: adapters {prev.name!r} and {req.name!r} are both "
+                    f"set_active_adapters: adapters {_label(prev)} and {_label(req)} are both "
                     f"requested under id {aid}; each adapter needs an id of its own"
                 )
-            if both:
-                same.add(pair)  # weights compared once per pair of objects in a call
+            same.add(pair)  # compared once per pair of objects in a call
         if len(reqs) > self.lora_slots:
             raise RuntimeError(
                 f"Number of requested adapters ({len(reqs)}) is greater than the number of "
@@ -633,7 +770,8 @@ class LoRAModelManager:
 
 class LRUCacheLoRAModelManager(LoRAModelManager):
     """`LoRAModelManager` whose CPU cache and device slots evict least recently used
-    (unpinned) adapters instead of raising.
+    (unpinned) adapters instead of raising. Neither a merged slot's adapter nor a slot
+    reserved for training (`reserve_slot`) is ever evicted or written.
 
     Example:
         >>> cfg = LoRAConfig(max_loras=2, max_cpu_loras=4)
@@ -643,23 +781,45 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
         [1, 2]
     """
 
+    # The caches call back through a weak reference: a manager nothing else holds is
+    # freed at once (no cycle), so it no longer keeps `init_lora_slot` out of its slots.
     def _make_registry(self):
+        me = weakref.ref(self)
         # an adapter in a merged slot is never the one evicted to make room
         return LRUCache(
             self.capacity,
-            lambda key, _: self.deactivate_adapter(key),
-            keep=lambda key: self.slot_of(key) in self._merged_slots(),
+            lambda key, _: me().deactivate_adapter(key),
+            keep=lambda key: me().slot_of(key) in me()._merged_slots(),
         )
 
     def _make_active(self):
-        return LRUCache(self.lora_slots, lambda key, _: self._free_slot(key))
+        me = weakref.ref(self)
+        return LRUCache(self.lora_slots, lambda key, _: me()._free_slot(key))
 
     def _register(self, adapter: LoRAAdapter, *, checked: bool = False) -> None:
-        if len(self._registered_adapters) >= self.capacity and not checked:
-            # Registering evicts the least recently used adapter: make sure this one can
-            # be written at all first, so that a bad adapter costs no other adapter.
-            self._plan_slot(0, adapter)
+        if len(self._registered_adapters) >= self.capacity:
+            self._check_cpu_room("add_adapter")
+            if not checked:
+                # Registering evicts the least recently used adapter: make sure this one
+                # can be written at all first, so that a bad adapter costs no other adapter.
+                self._plan_slot(0, adapter)
         self._registered_adapters.put(adapter.id, adapter)
+        self._id_mark = max(self._id_mark, int(adapter.id))
+
+    def _check_cpu_room(self, what: str) -> None:
+        """Raises when no CPU cache entry may be evicted: each holds a pinned adapter or
+        one in a merged slot (the cache's own error named only pinning)."""
+        reg = self._registered_adapters
+        if any(k not in reg.pinned and not reg.keep(k) for k in reg.cache):
+            return
+        pinned = sorted(reg.pinned)
+        merged = sorted(k for k in reg.cache if k not in reg.pinned)
+        raise RuntimeError(
+            f"{what}: every CPU cache entry (max_cpu_loras={self.capacity}) holds a pinned "
+            f"adapter {pinned} or one in a merged slot {merged}, and none may be evicted; "
+            "unmerge_adapter to free a merged one, remove_adapter to drop a pinned one; "
+            "nothing changed"
+        )
 
     def _touch_registered(self, adapter_id) -> None:
         self._registered_adapters.touch(adapter_id)
@@ -676,10 +836,9 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
             return free[0], None
         victims = self._victims()
         if not victims:
-            if self._merged_slots():
+            if self._merged_slots() or self._reserved:
                 raise RuntimeError(
-                    "No slot to evict: the others are pinned and slots "
-                    f"{sorted(self._merged_slots())} are merged (unmerge_adapter to reuse them)"
+                    f"No slot to evict: the others are pinned{self._unusable_note()}"
                 )
             raise RuntimeError("All items are pinned, cannot remove oldest from the cache.")
         return self.slot_of(victims[0]), victims[0]
@@ -700,7 +859,8 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
         if activate and any(i not in self._active_adapters for i in ids):
             if not self._free_slots() and not self._victims(keep=()):
                 raise RuntimeError(
-                    f"{what}: every device slot holds a pinned or merged adapter; nothing was added"
+                    f"{what}: every device slot holds a pinned or merged adapter or is "
+                    f"reserved{self._unusable_note()}; nothing was added"
                 )
 
     def _victims(self, keep=()) -> list[int]:
@@ -726,9 +886,10 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
 
     def remove_oldest_adapter(self) -> bool:
         """Drops the least recently used unpinned adapter; False when none is registered,
-        `RuntimeError` when all are pinned."""
+        `RuntimeError` when all are pinned or in merged slots."""
         if len(self._registered_adapters) == 0:
             return False
+        self._check_cpu_room("remove_oldest_adapter")
         self._registered_adapters.remove_oldest()
         return True
 
@@ -752,8 +913,10 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
         # one walk of the layers, not one per registered adapter (only an active
         # adapter sits in a slot)
         merged = {self.lora_index_to_id[s] for s in self._merged_slots()} - {None}
+        slots = self.lora_slots - len(self._reserved)
+        kept = f" not reserved for training (reserved: {self.reserved_slots})"
         for cache, room, what in (
-            (self._active_adapters, self.lora_slots, "device slots"),
+            (self._active_adapters, slots, "device slots" + (kept if self._reserved else "")),
             (self._registered_adapters, self.capacity, "CPU cache entries (max_cpu_loras)"),
         ):
             pinned = sorted(k for k in cache.pinned | merged if k not in reqs)
@@ -769,7 +932,8 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
             merged = sorted(self._merged_slots())
             raise RuntimeError(
                 f"set_active_adapters: {needed} adapters to activate but only {room} device "
-                f"slots are free or held by unpinned, unrequested adapters (merged: {merged})"
+                "slots are free or held by unpinned, unrequested adapters (merged: "
+                f"{merged}, reserved: {self.reserved_slots})"
             )
         # The requested adapters already here become the most recently used, so that
         # making room for the others evicts only adapters this step does not use.
@@ -797,6 +961,33 @@ def _same_adapter(a: LoRAAdapter, b: LoRAAdapter) -> bool:
                 if (x is None) != (y is None) or (x is not None and not np.array_equal(x, y)):
                     return False
     return True
+
+
+def _source_dir(adapter: LoRAAdapter) -> str | None:
+    """The directory `load_peft_adapter` read ``adapter`` from, else None (made from
+    tensors)."""
+    head, tail = os.path.split(adapter.source)
+    return head if head and tail == WEIGHTS_NAME else None
+
+
+def _names_another(req: LoRARequest, other: LoRAAdapter | LoRARequest) -> bool:
+    """Whether ``req`` names another adapter than ``other``: another name, or another
+    directory (by real path) where both give one."""
+    if isinstance(other, LoRARequest):
+        name, where = other.lora_name, other.lora_path or None
+    else:
+        name, where = other.name, _source_dir(other)
+    if req.lora_name != name:
+        return True
+    if not req.lora_path or where is None:
+        return False
+    return os.path.realpath(os.fspath(req.lora_path)) != os.path.realpath(os.fspath(where))
+
+
+def _label(req: LoRAAdapter | LoRARequest) -> str:
+    if isinstance(req, LoRAAdapter):
+        return repr(req.name)
+    return f"{req.lora_name!r} ({req.lora_path})" if req.lora_path else repr(req.lora_name)
 
 
 def _peek(cache, key):

@@ -15,9 +15,12 @@ slot of a wrapped model while the other slots keep serving:
    directory that PEFT, vLLM and `load_peft_adapter` load.
 
 The stacks hold B with the scaling folded in (`alpha / r` is 1 for a slot made here), so
-the exported adapter says `lora_alpha = r`. A manager serving the same model does not know
-of the slot: train in one it holds no adapter in (`manager.lora_index_to_id` shows None
-there) and activate nothing else meanwhile, or it may write another adapter over it.
+the exported adapter says `lora_alpha = r`. Beside a manager serving the same model, first
+`manager.reserve_slot(slot)` a slot it holds no adapter in: the manager then never
+activates an adapter into it (nor counts it free) until `manager.release_slot(slot)`.
+`init_lora_slot` refuses a slot in which a live manager of the model holds an adapter
+(whose requests would get the new weights); it cannot see an unreserved free slot being
+taken later, hence the reservation.
 An optax optimizer over `nnx.LoRAParam` keeps state for every slot (Adam: two copies of
 all the stacks): a large model trains best in a copy with few slots (`max_loras=1`),
 whose saved adapter the serving model then loads. On a GPU the forward pass runs the
@@ -38,6 +41,7 @@ from lora_jax.layers.base import BaseLayerWithLoRA
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.layers.logits import ParallelLMHeadWithLoRA
 from lora_jax.layers.moe import FusedMoEWithLoRA
+from lora_jax.serving.manager import managers_of
 from lora_jax.serving.merge import merged_slot
 from lora_jax.serving.peft_config import ALL_LINEAR, matches_targets
 from lora_jax.serving.wrap import (
@@ -93,7 +97,14 @@ def init_lora_slot(
     output slices saved as one) is refused when targeted and skipped otherwise: its
     slices train their A apart, and the result is no longer one PEFT module.
 
+    A slot in which a live adapter manager of the model holds an adapter is refused (its
+    requests would be served the new weights): deactivate that adapter, or train in
+    another slot. Reserve the slot first (`manager.reserve_slot(slot)`), so that the
+    manager activates nothing into it while it trains.
+
     Example:
+        >>> manager.reserve_slot(1)  # doctest: +SKIP
+        True
         >>> init_lora_slot(model, 1, 8, target_modules=["v_proj"])  # doctest: +SKIP
         ['model.layers.0.self_attn.v_proj', 'model.layers.1.self_attn.v_proj']
     """
@@ -109,6 +120,15 @@ def init_lora_slot(
         raise ValueError(
             f"init_lora_slot: slot {slot} is merged into the base weights; unmerge_adapter first"
         )
+    for manager in managers_of(model):
+        held = manager.lora_index_to_id[int(slot)]
+        if held is not None:
+            raise ValueError(
+                f"init_lora_slot: slot {slot} holds adapter {held} of a "
+                f"{type(manager).__name__} serving this model, whose requests would get the "
+                f"new weights; deactivate_adapter({held}) first, or train in another slot "
+                "(reserve it with manager.reserve_slot)"
+            )
     if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
         target_modules = None  # PEFT's shorthand: what None trains
     try:
