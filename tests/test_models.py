@@ -284,6 +284,17 @@ ROPE_CONFIGS = {
         ),
         None,
     ),
+    # llama3 without original_max_position_embeddings and no max_position_embeddings:
+    # transformers takes LlamaConfig's default (2048) for both (a TypeError here before)
+    "llama3-without-any-max-positions": (
+        dict(
+            rope_scaling={
+                k: v for k, v in LLAMA3.items() if k != "original_max_position_embeddings"
+            },
+            max_position_embeddings=None,
+        ),
+        None,
+    ),
     "legacy-default-over-linear": (
         dict(
             rope_parameters=dict(rope_type="linear", factor=2.0), rope_scaling=dict(type="default")
@@ -303,7 +314,7 @@ def test_rope_fields_read_as_transformers_reads_them(tmp_path, name):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     fields, error = ROPE_CONFIGS[name]
-    d = _hf_dict(**fields)
+    d = {k: v for k, v in _hf_dict(**fields).items() if v is not None}
     with open(tmp_path / "config.json", "w") as f:
         json.dump(d, f)
 

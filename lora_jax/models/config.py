@@ -27,6 +27,17 @@ HF_SHAPE_DEFAULTS = {
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128},
 }
 
+# transformers' default max_position_embeddings per model type (also llama3 rope's
+# original_max_position_embeddings when the scaling leaves it out)
+HF_MAX_POSITIONS = {
+    "llama": 2048,
+    "mistral": 131072,
+    "qwen2": 32768,
+    "qwen3": 32768,
+    "mixtral": 131072,
+    "qwen3_moe": 32768,
+}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeScaling:
@@ -254,7 +265,7 @@ class DecoderConfig:
             qk_norm=mt == "qwen3",
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             hidden_act=hf.get("hidden_act", "silu"),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            max_position_embeddings=int(_max_positions(hf)),
             sliding_window=None if window is None else int(window),
             layer_types=None if layer_types is None else tuple(layer_types),
         )
@@ -303,6 +314,10 @@ class DecoderConfig:
         return cls(**kw)
 
 
+def _max_positions(hf: Mapping[str, Any]):
+    return hf.get("max_position_embeddings", HF_MAX_POSITIONS.get(hf.get("model_type"), 4096))
+
+
 def _read_rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     # transformers 5.25 (`convert_rope_params_to_dict`): a non-empty legacy `rope_scaling`
     # replaces `rope_parameters` whole (even when they disagree); `rope_theta` is the
@@ -339,7 +354,7 @@ def _read_rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
         )
     kw: dict[str, Any] = dict(rope_type=rope_type, factor=float(src["factor"]))
     if rope_type == "llama3":
-        orig = src.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+        orig = src.get("original_max_position_embeddings", _max_positions(hf))
         kw.update(
             low_freq_factor=float(src["low_freq_factor"]),
             high_freq_factor=float(src["high_freq_factor"]),
