@@ -262,6 +262,8 @@ def test_training_moves_only_its_slot_and_lowers_the_loss(targets):
 def test_train_only_slots_refuses_slots_outside_the_stacks():
     with pytest.raises(ValueError, match="at least one slot"):
         train_only_slots([])
+    for good in (np.array([1]), jnp.array([1]), {1}, (1,)):
+        assert train_only_slots(good).update({"a": jnp.ones((3, 2))}, None)[0]["a"][1].all()
     for bad in (1, "1", np.array(1), [True], [1.7], [1, None]):  # raw TypeError, or slot 1
         with pytest.raises(ValueError, match="train_only_slots: slots must be"):
             train_only_slots(bad)

@@ -78,30 +78,6 @@ def _pattern_key(keys: Sequence[str], name: str) -> str | None:
     return None
 
 
-def _module_names(d: Mapping[str, Any], key: str, source: str) -> tuple[str, ...] | str | None:
-    """`target_modules` / `exclude_modules` of a config: None, one regex, or a list of
-    names (sorted, as PEFT keeps them in a set)."""
-    value = d.get(key)
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, list | tuple) and all(isinstance(t, str) for t in value):
-        return tuple(sorted(value))
-    raise ValueError(
-        f"{source}: {key}={value!r} must be a string (a regex matching whole module names), a "
-        "list of module names, or null"
-    )
-
-
-def _check_alpha(what: str, value, source: str) -> None:
-    ok = not isinstance(value, bool) and isinstance(value, int | float)
-    try:
-        ok = ok and math.isfinite(value)
-    except OverflowError:  # an int beyond float range
-        ok = False
-    if not ok:
-        raise ValueError(f"{source}: {what}={value!r} must be a finite number")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PEFTConfig:
     """The parts of a PEFT `LoraConfig` that decide how an adapter is served.
@@ -305,145 +281,15 @@ class PEFTConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str = CONFIG_NAME) -> PEFTConfig:
-        """Parses an `adapter_config.json` dict; refuses what lora_jax cannot serve."""
-        peft_type = str(d.get("peft_type", "LORA")).upper()
-        if peft_type != "LORA":
-            raise ValueError(f"{source}: peft_type={peft_type!r} is not supported; only LORA")
-        if d.get("use_dora"):
-            raise ValueError(f"{source}: use_dora=True: lora_jax does not yet support DoRA")
-        if d.get("modules_to_save"):
-            raise ValueError(
-                f"{source}: modules_to_save={d['modules_to_save']!r}: lora_jax only supports "
-                "modules_to_save being None"
-            )
-        if d.get("bias", "none") != "none":
-            raise ValueError(f"{source}: bias={d['bias']!r} is not supported; only 'none'")
-        if d.get("lora_bias"):
-            raise ValueError(f"{source}: lora_bias=True is not supported")
-        # Options that change what the adapter computes at inference: served as plain LoRA
-        # they would give other outputs than PEFT, so they are refused.
-        for key, what in (
-            (
-                "alora_invocation_tokens",
-                "activated LoRA (aLoRA: only from its invocation tokens on)",
-            ),
-            ("use_qalora", "QALoRA (pooled inputs to A)"),
-            ("layer_replication", "layer replication (a model with repeated layers)"),
-            ("arrow_config", "Arrow routing (per-token mixing of adapters)"),
-            ("use_bdlora", "block-diagonal LoRA (BD-LoRA: sharded A / B blocks)"),
-            ("kasa_config", "KaSA (a learned diagonal between A and B)"),
-            ("monteclora_config", "MonteCLoRA (sampled mixtures of A)"),
-        ):
-            if d.get(key):
-                raise ValueError(f"{source}: {key}={d[key]!r}: {what} is not supported")
-        if d.get("trainable_token_indices") not in (None, [], {}, ""):
-            raise ValueError(
-                f"{source}: trainable_token_indices={d['trainable_token_indices']!r} is not "
-                "supported"
-            )
-        layers = d.get("layers_to_transform")
-        if isinstance(layers, list | tuple):
-            layers = tuple(layers)
-        ok = layers is None or isinstance(layers, int) or isinstance(layers, tuple)
-        if not ok or any(
-            isinstance(i, bool) or not isinstance(i, int)
-            for i in (
-                layers if isinstance(layers, tuple) else [layers] if layers is not None else []
-            )
-        ):
-            raise ValueError(
-                f"{source}: layers_to_transform={d['layers_to_transform']!r} must be an int or a "
-                "list of ints"
-            )
-        pattern = d.get("layers_pattern")
-        if isinstance(pattern, str):
-            pattern = (pattern,) if pattern else None
-        elif isinstance(pattern, list | tuple):
-            if not all(isinstance(p, str) for p in pattern):
-                raise ValueError(f"{source}: layers_pattern={pattern!r} must be strings")
-            pattern = tuple(pattern) or None
-        elif pattern is not None:
-            raise ValueError(f"{source}: layers_pattern={pattern!r} must be a string or a list")
-        # PEFT's LoraConfig refuses these (its `__post_init__`); "all-linear" is a string too
-        raw_targets, raw_pattern = d.get("target_modules"), d.get("layers_pattern")
-        for key in ("layers_to_transform", "layers_pattern"):
-            value = d.get(key)
-            if isinstance(raw_targets, str) and value is not None:
-                raise ValueError(
-                    f"{source}: {key}={value!r} with target_modules={raw_targets!r}: PEFT "
-                    f"refuses {key} with a string target_modules (a regex or 'all-linear'); "
-                    "give target_modules as a list of module names, or drop the layer filter"
-                )
-        if raw_pattern and layers is None:
-            raise ValueError(
-                f"{source}: layers_pattern={raw_pattern!r} without layers_to_transform: PEFT "
-                "refuses it; give layers_to_transform too, or drop layers_pattern"
-            )
-        init = d.get("init_lora_weights", True)
-        if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
-            raise ValueError(
-                f"{source}: init_lora_weights={init!r} trains against a changed base model "
-                "(PEFT loads it onto W - scale * B0 @ A0), which lora_jax does not serve; "
-                "save the adapter as plain LoRA with PEFT's "
-                "path_initial_model_for_weight_conversion"
-            )
-        params = d.get("target_parameters") or ()
-        if not isinstance(params, list | tuple) or not all(isinstance(t, str) for t in params):
-            # a string would be split into its characters
-            raise ValueError(
-                f"{source}: target_parameters={params!r} must be a list of strings (or null)"
-            )
-        params = tuple(params)
-        # PEFT's rule: an entry names a parameter equal to it or ending in ".entry"
-        bad = [
-            t
-            for t in params
-            if not any(
-                p.endswith(t) and (len(p) == len(t) or p[-len(t) - 1] == ".") for p in EXPERT_PARAMS
-            )
-            and not t.endswith(tuple("." + p for p in EXPERT_PARAMS))
-            and not (t.endswith("." + WEIGHT_PARAM) and len(t) > len(WEIGHT_PARAM) + 1)
-        ]
-        if bad:
-            raise ValueError(
-                f"{source}: target_parameters {bad} are not supported; only fused MoE expert "
-                f"weights ending in {EXPERT_PARAMS} (or a suffix of them such as "
-                "'gate_up_proj') and 2-D linear weights '<module>.weight' (such as the MoE "
-                "router 'gate.weight')"
-            )
-        if "r" not in d or "lora_alpha" not in d:
-            raise ValueError(f"{source}: needs 'r' and 'lora_alpha'")
-        targets = _module_names(d, "target_modules", source)
-        excluded = _module_names(d, "exclude_modules", source)
-        if excluded is not None and not isinstance(excluded, str):
-            excluded = excluded or None
-        _check_alpha("lora_alpha", d["lora_alpha"], source)
-        patterns = {}
-        for key in ("rank_pattern", "alpha_pattern"):
-            value = d.get(key) or {}
-            if not isinstance(value, dict):
-                raise ValueError(
-                    f"{source}: {key}={value!r} must be an object mapping module name patterns "
-                    f"to {'ranks' if key == 'rank_pattern' else 'alphas'}"
-                )
-            patterns[key] = tuple((str(k), v) for k, v in value.items())
-        for k, v in patterns["alpha_pattern"]:
-            _check_alpha(f"alpha_pattern[{k!r}]", v, source)
-        return cls(
-            r=d["r"],
-            lora_alpha=float(d["lora_alpha"]),
-            use_rslora=bool(d.get("use_rslora", False)),
-            target_modules=targets,
-            rank_pattern=patterns["rank_pattern"],
-            alpha_pattern=tuple((k, float(v)) for k, v in patterns["alpha_pattern"]),
-            source=source,
-            target_parameters=params,
-            exclude_modules=excluded,
-            layers_to_transform=layers,
-            layers_pattern=pattern,
-            ensure_weight_tying=bool(d.get("ensure_weight_tying", False)),
-            targets_by_model_type=targets is None,
-        )
+        """Parses an `adapter_config.json` dict; refuses what lora_jax cannot serve.
+
+        Example:
+            >>> PEFTConfig.from_dict({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}).r
+            8
+        """
+        from lora_jax.serving.peft_config_json import config_fields
+
+        return cls(**config_fields(d, source))
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> PEFTConfig:

@@ -30,7 +30,7 @@ backward's cost was not measured on the GPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -252,12 +252,12 @@ def train_only_slots(slots: Sequence[int]) -> optax.GradientTransformation:
         >>> tx = optax.chain(optax.adamw(1e-3), train_only_slots([1]))
         >>> opt = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)  # doctest: +SKIP
     """
-    if (
-        isinstance(slots, str)
-        or not isinstance(slots, Sequence | np.ndarray)
-        or np.ndim(slots) != 1
-    ):
-        raise ValueError(f"train_only_slots: slots must be a list of ints, got {slots!r}")
+    given = slots
+    if isinstance(slots, jax.Array | np.ndarray):
+        slots = slots.tolist() if slots.ndim == 1 else None
+    if isinstance(slots, str | bytes) or not isinstance(slots, Iterable):
+        raise ValueError(f"train_only_slots: slots must be a list of ints, got {given!r}")
+    slots = list(slots)
     bad = [
         s for s in slots if isinstance(s, bool | np.bool_) or not isinstance(s, int | np.integer)
     ]
