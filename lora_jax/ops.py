@@ -229,6 +229,32 @@ def _offset(o) -> int:
     return int(o)
 
 
+def _expand_offsets(y, lora_b, h_slices: int, offsets) -> tuple[int, ...]:
+    """Each slice's column offset in y, checked: ints, one a slice, inside y, no overlap
+    (default: the slices side by side from column 0)."""
+    if offsets is None:
+        offsets, acc = [], 0
+        for b in lora_b:
+            offsets.append(acc)
+            acc += b.shape[1]
+    offsets = tuple(_offset(o) for o in offsets)
+    if len(offsets) != len(lora_b) or h_slices != len(lora_b):
+        raise ValueError(
+            f"lora_expand: {len(lora_b)} B slices, {len(offsets)} offsets and h with "
+            f"{h_slices} slices must agree"
+        )
+    for s, (b, off) in enumerate(zip(lora_b, offsets)):
+        if off < 0 or off + b.shape[1] > y.shape[-1]:
+            raise ValueError(
+                f"lora_expand: slice {s} [{off}, {off + b.shape[1]}) exceeds y width {y.shape[-1]}"
+            )
+    spans = sorted((off, off + b.shape[1], s) for s, (b, off) in enumerate(zip(lora_b, offsets)))
+    for (_, end, s), (start, _, t) in zip(spans, spans[1:]):
+        if start < end:  # the kernels add each slice into y without atomics
+            raise ValueError(f"lora_expand: slices {s} and {t} overlap at columns {start}..{end}")
+    return offsets
+
+
 def _static_scale(scale):
     """``scale`` as a Python float when it is known at trace time (a number, a numpy or
     concrete jax scalar), else None (a traced value: the kernels take it as a static
@@ -380,26 +406,7 @@ def lora_expand(
     """
     lora_b = tuple(lora_b)
     _check_expand(y, h, lora_b, mapping, slot_ranks)
-    if offsets is None:
-        offsets, acc = [], 0
-        for b in lora_b:
-            offsets.append(acc)
-            acc += b.shape[1]
-    offsets = tuple(_offset(o) for o in offsets)
-    if len(offsets) != len(lora_b) or h.shape[0] != len(lora_b):
-        raise ValueError(
-            f"lora_expand: {len(lora_b)} B slices, {len(offsets)} offsets and h with "
-            f"{h.shape[0]} slices must agree"
-        )
-    for s, (b, off) in enumerate(zip(lora_b, offsets)):
-        if off < 0 or off + b.shape[1] > y.shape[-1]:
-            raise ValueError(
-                f"lora_expand: slice {s} [{off}, {off + b.shape[1]}) exceeds y width {y.shape[-1]}"
-            )
-    spans = sorted((off, off + b.shape[1], s) for s, (b, off) in enumerate(zip(lora_b, offsets)))
-    for (_, end, s), (start, _, t) in zip(spans, spans[1:]):
-        if start < end:  # the kernels add each slice into y without atomics
-            raise ValueError(f"lora_expand: slices {s} and {t} overlap at columns {start}..{end}")
+    offsets = _expand_offsets(y, lora_b, h.shape[0], offsets)
     hinted = _hinted(mapping, h.shape[-1])
     if resolve_backend(backend, y.shape[0], hinted) in ("pallas", "pallas_fused"):
 
@@ -492,10 +499,11 @@ def add_lora_linear(
     if fused and _static_scale(scale) is not None:  # a traced scale: shrink, then expand
         _check_shrink(x, lora_a, mapping, slot_ranks)
         _check_stacks("lora_b", lora_b, mapping)
+        _check_float("add_lora_linear", "y [T, N]", y, 2)
+        if y.shape[0] != x.shape[0]:
+            raise ValueError(f"add_lora_linear: y has {y.shape[0]} tokens, x {x.shape[0]}")
         scale = _static_scale(scale)
-        if offsets is None:  # slices side by side from column 0
-            offsets = [sum(b.shape[1] for b in lora_b[:s]) for s in range(len(lora_b))]
-        offsets = tuple(int(o) for o in offsets)
+        offsets = _expand_offsets(y, lora_b, len(lora_a), offsets)  # as the unfused ops check
 
         def kernel(y, x, lora_a, lora_b, mapping, slot_ranks):
             return _kernels().lora_shrink_expand(

@@ -499,6 +499,12 @@ def test_every_backend_checks_the_same_inputs_and_takes_a_traced_scale(monkeypat
         ops.lora_shrink(x.astype(jnp.int32), [a], m, backend=backend)
     with pytest.raises(ValueError, match="offsets must be ints"):
         ops.lora_expand(y, jnp.zeros((1, T, R)), [b], m, offsets=[0.0], backend=backend)
+    wide = jnp.zeros((T, 24), jnp.float32)
+    for bad in (2.7, True, jnp.float32(2.0)):  # the fused op took 2.7 as column 2, True as 1
+        with pytest.raises(ValueError, match="offsets must be ints"):
+            ops.add_lora_linear(wide, x, [a], [b], m, 0.5, offsets=[bad], backend=backend)
+    with pytest.raises(ValueError, match="exceeds y width"):
+        ops.add_lora_linear(wide, x, [a], [b], m, 0.5, offsets=[9], backend=backend)
     hj = jnp.ones((1, T, R))
     np.testing.assert_array_equal(  # concrete jax ints are offsets as any int
         ops.lora_expand(y, hj, [b], m, offsets=[jnp.int32(0)], backend=backend),
