@@ -533,6 +533,31 @@ def test_export_refuses_bad_dtypes_and_name_maps(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_exported_task_type_is_a_causal_lm_only_for_the_decoders(tmp_path):
+    """A plain Flax model's adapter said CAUSAL_LM, which makes HF peft build a
+    PeftModelForCausalLM that a custom torch model cannot take; PEFT leaves it None."""
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.proj = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+
+    net = Net()
+    wrap_model(net, lj.LoRAConfig(max_loras=2, max_lora_rank=8))
+    init_lora_slot(net, 1, 4)
+    decoder = _trained()
+    for model, kw, want in [
+        (net, {}, None),
+        (decoder, {}, "CAUSAL_LM"),
+        (net, {"task_type": "FEATURE_EXTRACTION"}, "FEATURE_EXTRACTION"),
+        (decoder, {"task_type": None}, None),
+    ]:
+        out = save_peft_adapter(model, 1, tmp_path / "t", **kw)
+        assert json.loads((tmp_path / "t" / "adapter_config.json").read_text())["task_type"] == want
+        assert out == str(tmp_path / "t")
+    with pytest.raises(ValueError, match="task_type must be"):
+        save_peft_adapter(net, 1, tmp_path / "u", task_type=1)
+
+
 def test_exported_targets_name_exactly_the_modules_when_others_share_their_leaf(tmp_path):
     """Only layer 0's o_proj wrapped: the leaf list ["o_proj"] made PEFT put empty LoRA on
     layer 1's o_proj too; a regex of exactly the exported modules does not."""

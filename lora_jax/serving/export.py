@@ -39,7 +39,7 @@ from lora_jax.serving.peft import (
     write_safetensors,
 )
 from lora_jax.serving.peft_experts import expert_tensors
-from lora_jax.serving.peft_keys import module_index
+from lora_jax.serving.peft_keys import model_type_of, module_index
 from lora_jax.serving.training import WHOLE_LAYERS, trainable_layers
 from lora_jax.serving.wrap import layer_packed_modules, lora_layers, packed_names
 
@@ -228,12 +228,15 @@ def save_peft_adapter(
     name_map: Callable[[str], str] | None = None,
     base_model_name_or_path: str | None = None,
     dtype=np.float32,
+    task_type: str | None = "auto",
 ) -> str:
     """Writes ``slot`` as a PEFT LoRA adapter directory; returns its path.
 
     ``name_map`` maps the model's module names to the checkpoint's (the inverse of the
     loader's ``name_map``); ``dtype`` is the tensors' dtype (f32, or `ml_dtypes.bfloat16`
-    / `np.float16` to halve the file).
+    / `np.float16` to halve the file). ``task_type`` is PEFT's: "auto" writes
+    "CAUSAL_LM" for a `lora_jax.models` decoder and None (a plain `PeftModel`, what PEFT
+    makes of a custom torch model) for any other model.
 
     Example:
         >>> save_peft_adapter(model, 1, "adapters/tuned")  # doctest: +SKIP
@@ -245,6 +248,10 @@ def save_peft_adapter(
         raise ValueError(f"export: dtype {dtype!r} is not a dtype") from e
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"export: dtype must be a float dtype (f32, bf16, f16), got {dtype}")
+    if task_type == "auto":
+        task_type = "CAUSAL_LM" if model_type_of(model) is not None else None
+    elif task_type is not None and not isinstance(task_type, str):
+        raise ValueError(f"export: task_type must be a string, None or 'auto', got {task_type!r}")
     pairs = _checkpoint_modules(model, adapter_from_slot(model, slot))
     if name_map is not None:
         pairs = _mapped(pairs, name_map)
@@ -271,7 +278,7 @@ def save_peft_adapter(
     params = sorted(p.name for p in pairs if p.param is not None)
     config = {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": task_type,
         "base_model_name_or_path": base_model_name_or_path,
         "r": r,
         "lora_alpha": r,  # B holds the scaling
