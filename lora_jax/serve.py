@@ -34,6 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lora_jax.config import SUPPORTED_MAX_LORA_RANKS
+
 DEFAULT_PROMPTS = ("SELECT name FROM", "Hello, how are", "Roses are red,", "The capital of")
 # The embedded default model (Llama layout, byte vocabulary).
 DEFAULT_MODEL = dict(
@@ -250,7 +252,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--max-lora-rank",
         type=int,
         default=None,
-        help="default: the smallest supported rank that fits every adapter",
+        help=f"one of {', '.join(map(str, SUPPORTED_MAX_LORA_RANKS))}; default: the smallest "
+        "that fits every adapter",
     )
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:

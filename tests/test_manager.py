@@ -359,7 +359,7 @@ def test_token_mapping():
     with pytest.raises(ValueError, match="unknown"):
         mgr.token_mapping([9])
     mgr.add_adapter(_adapter(model, 8))
-    with pytest.raises(ValueError, match="not active"):
+    with pytest.raises(ValueError, match="not active.*activate it first"):
         mgr.token_mapping([8])
 
 

@@ -194,3 +194,14 @@ def test_cli_serves_an_moe_checkpoint(tmp_path):
     got = serve.run(["--model", str(tmp_path), "--prompt", "Hi", "--max-new-tokens", "4"])
     want = generate(load_hf_moe_model(str(tmp_path)), [list(b"Hi")], max_new_tokens=4)
     assert [r.tokens for r in got] == [tuple(want.tokens[0])]
+
+
+def test_help_lists_the_ranks_max_lora_rank_takes(capsys):
+    """--max-lora-rank's help named no allowed rank; the error did."""
+    from lora_jax.config import SUPPORTED_MAX_LORA_RANKS
+    from lora_jax.serve import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ", ".join(map(str, SUPPORTED_MAX_LORA_RANKS)) in text

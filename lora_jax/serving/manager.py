@@ -231,9 +231,14 @@ class LoRAModelManager:
                 state = (
                     "registered but not active" if aid in self._registered_adapters else "unknown"
                 )
+                hint = (
+                    "; activate it first (activate_adapter / set_active_adapters)"
+                    if aid in self._registered_adapters
+                    else ""
+                )
                 raise ValueError(
                     f"token_mapping: request {i} uses adapter {aid!r}, which is {state}; "
-                    f"active: {[x for x in self.lora_index_to_id if x is not None]}"
+                    f"active: {[x for x in self.lora_index_to_id if x is not None]}{hint}"
                 )
             slots.append(slot)
         out = np.asarray(slots, np.int32)
