@@ -637,3 +637,39 @@ def test_rank64_long_prompt_defaults_are_the_measured_candidates(monkeypatch):
     finally:
         monkeypatch.delenv("LORA_JAX_TRITON_SMEM_BUDGET")
         pallas_triton.opt_in_smem_budget.cache_clear()
+
+
+def test_train_step_programs_match_the_nnx_gradient():
+    """train_step.py's split-state grad equals `nnx.value_and_grad` on the model itself,
+    and its Adam step moves slot 0 only."""
+    import jax
+    import jax.numpy as jnp
+    import train_step
+    from flax import nnx
+
+    import lora_jax as lj
+    from lora_jax.models import DecoderConfig, DecoderForCausalLM
+    from lora_jax.serving.training import init_lora_slot
+    from lora_jax.serving.wrap import wrap_model
+
+    model = DecoderForCausalLM(DecoderConfig.tiny(num_hidden_layers=1), rngs=nnx.Rngs(0))
+    wrap_model(model, lj.LoRAConfig(max_loras=2, max_lora_rank=8))
+    init_lora_slot(model, 0, 8, seed=1)
+    lora = nnx.state(model, nnx.LoRAParam)
+    keys = iter(jax.random.split(jax.random.key(2), len(jax.tree.leaves(lora))))
+    nnx.update(model, jax.tree.map(lambda v: v + jax.random.normal(next(keys), v.shape), lora))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 8)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), ids.shape)
+    lj.set_lora_mapping(model, jnp.asarray([0] * 8 + [-1] * 8, jnp.int32))
+
+    progs = train_step.programs(model, ids, pos)
+    loss, grads = progs["grad"][0](*progs["grad"][1])
+    want_loss, want = nnx.value_and_grad(
+        train_step.loss_of, argnums=nnx.DiffState(0, nnx.LoRAParam)
+    )(model, ids, pos)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    assert train_step.max_rel_err(grads, nnx.state(want, nnx.LoRAParam)) < 1e-5
+    assert any(float(jnp.abs(g[0]).max()) > 0 for g in jax.tree.leaves(grads))
+    new, _, _ = progs["step"][0](*progs["step"][1])
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(progs["step"][1][0])):
+        np.testing.assert_array_equal(a[1:], b[1:])

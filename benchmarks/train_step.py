@@ -1,0 +1,200 @@
+"""What training a LoRA slot costs: forward, and forward + backward, on each ops backend.
+
+A Llama-3-8B-shaped decoder (`--layers` layers, random bf16 weights, nothing downloaded)
+with LoRA on all 7 projections, `--max-loras` slots, one of them trained: every token of
+the batch maps to slot 0 (a training batch), `--batch` x `--seq` tokens. The loss is the
+mean square of the last hidden state (no lm_head: the layers' LoRA is what is measured).
+Variants, each one jitted program:
+
+* base/fwd       the unwrapped model's forward (no LoRA at all)
+* {be}/fwd       the wrapped model's forward, ops on backend ``be``
+* {be}/grad      `jax.value_and_grad` of the loss w.r.t. the `nnx.LoRAParam` stacks: the
+                 forward on ``be``, the backward always XLA's VJP (the kernels' backward
+                 pass is the XLA backend's)
+* {be}/step      the grad plus an Adam update of slot 0 (`train_only_slots`)
+
+with ``be`` in {xla, pallas} (pallas only where the kernels run, i.e. on a GPU). A call
+takes milliseconds, so the ~50-80 us host dispatch of one jitted call is ~1 % of it: the
+figure is the median wall time of ``--reps`` calls after one warm-up (compile) call. The
+pallas grad is checked against the xla grad (max relative error of the slot's stacks).
+
+    python benchmarks/train_step.py --out train.json          # on the GPU machine
+    python benchmarks/train_step.py --small                   # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import lora_jax as lj
+from lora_jax.models import DecoderConfig, DecoderForCausalLM
+from lora_jax.serving.training import init_lora_slot, train_only_slots
+from lora_jax.serving.wrap import unwrap_model, wrap_model
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def timeit(fn, *args, reps: int) -> tuple[float, float]:
+    """(median seconds of ``reps`` calls, seconds of the first call: compile + run)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), first
+
+
+def loss_of(model, ids, pos):
+    """The square of the last hidden state along a fixed direction (after the final
+    RMSNorm, a plain mean square would be constant, its gradient zero)."""
+    hidden, _ = model.model(ids, pos, None, flat=False)
+    u = jnp.cos(jnp.arange(hidden.shape[-1], dtype=jnp.float32))
+    return jnp.mean(jnp.square(hidden.astype(jnp.float32) @ u)) / hidden.shape[-1]
+
+
+def programs(model, ids, pos):
+    """The jitted fwd / grad / step programs of ``model`` (wrapped, its token mapping set
+    beforehand: the mapping's arrays are part of the state the programs take) and their
+    arguments."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def fwd(state, ids, pos):
+        return loss_of(nnx.merge(graphdef, state), ids, pos)
+
+    graphdef2, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+    def loss2(lora, rest, ids, pos):
+        return loss_of(nnx.merge(graphdef2, lora, rest), ids, pos)
+
+    grad = jax.jit(jax.value_and_grad(loss2))
+    tx = optax.chain(optax.adam(1e-3), train_only_slots([0]))
+    opt_state = tx.init(lora)
+
+    @jax.jit
+    def step(lora, opt_state, rest, ids, pos):
+        loss, g = jax.value_and_grad(loss2)(lora, rest, ids, pos)
+        updates, opt_state = tx.update(g, opt_state, lora)
+        return optax.apply_updates(lora, updates), opt_state, loss
+
+    return {
+        "fwd": (fwd, (state, ids, pos)),
+        "grad": (grad, (lora, rest, ids, pos)),
+        "step": (step, (lora, opt_state, rest, ids, pos)),
+    }
+
+
+def max_rel_err(a, b) -> float:
+    """Max over the LoRA stacks of |a - b|.max() / |b|.max() (slot 0, where the grads live)."""
+    errs = []
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x = np.asarray(x[0], np.float32)
+        y = np.asarray(y[0], np.float32)
+        scale = float(np.abs(y).max())
+        if scale > 0:
+            errs.append(float(np.abs(x - y).max()) / scale)
+    return max(errs) if errs else 0.0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--ranks", default="16,64")
+    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--small", action="store_true", help="tiny f32 model for a CPU smoke test")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    if args.small:
+        cfg, dtype = DecoderConfig.tiny(num_hidden_layers=2), jnp.float32
+        args.batch, args.seq, args.reps, args.max_loras = 2, 32, 1, 4
+    else:
+        cfg, dtype = DecoderConfig.llama3_8b(num_hidden_layers=args.layers), jnp.bfloat16
+    backends = ["xla"] + (["pallas"] if jax.default_backend() == "gpu" else [])
+    print(f"devices: {jax.devices()}; tokens {args.batch} x {args.seq}", flush=True)
+    ids = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, cfg.vocab_size)
+    pos = jnp.broadcast_to(jnp.arange(args.seq, dtype=jnp.int32), ids.shape)
+    idx = jnp.zeros((args.batch * args.seq,), jnp.int32)  # every token trains slot 0
+    rows = []
+
+    model = DecoderForCausalLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    base_fwd = jax.jit(lambda m, ids, pos: loss_of(m, ids, pos))
+    t, first = timeit(base_fwd, model, ids, pos, reps=args.reps)
+    rows.append(dict(rank=0, backend="base", what="fwd", ms=t * 1e3, first_s=first))
+    print(f"base/fwd: {t * 1e3:.3f} ms", flush=True)
+
+    for rank in [int(r) for r in args.ranks.split(",") if r]:
+        unwrap_model(model)
+        wrap_model(
+            model,
+            lj.LoRAConfig(max_loras=args.max_loras, max_lora_rank=rank),
+            target_modules=TARGETS,
+        )
+        init_lora_slot(model, 0, rank, seed=rank)
+        # B zero would make the A grads zero: give slot 0 a trained-looking B.
+        lora = nnx.state(model, nnx.LoRAParam)
+        leaves, treedef = jax.tree.flatten(lora)
+        keys = jax.random.split(jax.random.key(rank), len(leaves))
+        leaves = [
+            v.at[0].set((0.02 * jax.random.normal(k, v.shape[1:])).astype(v.dtype))
+            if not bool(jnp.any(v[0] != 0))
+            else v
+            for k, v in zip(keys, leaves)
+        ]
+        lora = jax.tree.unflatten(treedef, leaves)
+        nnx.update(model, lora)
+        lj.set_lora_mapping(model, idx)
+        grads = {}
+        for be in backends:
+            lj.ops.set_default_backend(be)
+            try:
+                progs = programs(model, ids, pos)
+                for what, (fn, fargs) in progs.items():
+                    t, first = timeit(fn, *fargs, reps=args.reps)
+                    row = dict(rank=rank, backend=be, what=what, ms=t * 1e3, first_s=first)
+                    if what == "grad":
+                        grads[be] = fn(*fargs)[1]
+                    rows.append(row)
+                    print(
+                        f"r{rank} {be}/{what}: {t * 1e3:.3f} ms (first {first:.1f} s)", flush=True
+                    )
+            finally:
+                lj.ops.set_default_backend(None)
+        if "pallas" in grads:
+            err = max_rel_err(grads["pallas"], grads["xla"])
+            rows.append(dict(rank=rank, backend="pallas", what="grad_err_vs_xla", err=err))
+            print(f"r{rank} pallas grad vs xla grad: max rel err {err:.2e}", flush=True)
+
+    report(rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(args=vars(args), device=str(jax.devices()[0]), rows=rows), f, indent=1)
+
+
+def report(rows):
+    base = next(r["ms"] for r in rows if r["backend"] == "base")
+    print(f"\n{'rank':>4} {'backend':>7} {'what':>5} {'ms':>9} {'x base fwd':>10}")
+    for r in rows:
+        if "ms" in r:
+            print(
+                f"{r['rank']:>4} {r['backend']:>7} {r['what']:>5} {r['ms']:>9.3f} "
+                f"{r['ms'] / base:>10.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
