@@ -8,9 +8,11 @@ slot of a wrapped model while the other slots keep serving:
    linear layers, the lm_head and MoE experts get A kaiming-uniform (`U(±1/sqrt(in))`)
    and B zero, the token embedding A zero and B standard normal, so the model starts
    out as the base model for that slot's tokens;
-2. `nnx.Optimizer(model, optax.chain(opt, train_only_slots([slot])), wrt=nnx.LoRAParam)`
-   updates that slot only: the other slots' adapters, even under weight decay, and every
-   rank column past the slot's rank stay as they were;
+2. `nnx.Optimizer(model, optax.chain(tie_kv_replicas(model), opt, train_only_slots([slot])),
+   wrt=nnx.LoRAParam)` updates that slot only: the other slots' adapters, even under
+   weight decay, and every rank column past the slot's rank stay as they were;
+   `tie_kv_replicas` (the identity unless tp > kv heads) trains the B rows that the
+   stacks hold once per kv-head replica as the one parameter the adapter has;
 3. `lora_jax.serving.export.save_peft_adapter` writes the slot as a PEFT adapter
    directory that PEFT, vLLM and `load_peft_adapter` load.
 
@@ -36,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from lora_jax.layers.base import BaseLayerWithLoRA
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
@@ -284,3 +287,97 @@ def train_only_slots(slots: Sequence[int]) -> optax.GradientTransformation:
         return jax.tree.map(mask, updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def tie_kv_replicas(model) -> optax.GradientTransformation:
+    """An optax transformation that trains the replicas of a kv head's B as one parameter.
+
+    With more tensor shards than kv heads, a QKV layer's B stacks hold each kv head's
+    rows once per replica (`num_kv_head_replicas`), and each replica gets its own gradient;
+    the adapter (PEFT's, the tp=1 model's) has one B per kv head, whose gradient is the sum
+    of its replicas'. This puts that sum in every replica. Put it first in the chain,
+    before the optimizer: replicas that start equal (as `init_lora_slot` and `set_lora`
+    write them) then stay equal under elementwise optimizers (SGD, Adam, weight decay),
+    and training follows the unsharded model's. (Transforms that read across entries, such
+    as `clip_by_global_norm`, still count a tied row once per replica.) On a model without
+    kv replicas it changes nothing.
+
+    Example:
+        >>> tied = tie_kv_replicas(model)  # doctest: +SKIP
+        >>> tx = optax.chain(tied, optax.adamw(1e-3), train_only_slots([1]))  # doctest: +SKIP
+        >>> opt = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)  # doctest: +SKIP
+    """
+    if not lora_layers(model):
+        raise ValueError("tie_kv_replicas: the model has no LoRA layers (wrap_model it first)")
+    ties = _kv_replica_ties(model)
+
+    def update(updates, state, params=None):
+        del params
+        if not ties:
+            return updates, state
+        seen = set()
+
+        def tie(path, u):
+            key = tuple(_path_key(k) for k in path)
+            found = ties.get(key)
+            if found is None:
+                return u
+            name, rows, shape, rules, axes = found
+            if u.shape != shape:
+                raise ValueError(
+                    f"tie_kv_replicas: the update at {'.'.join(map(str, key))} has shape "
+                    f"{u.shape}, but {name}'s B there is {shape}: build it with the model "
+                    "the optimizer trains"
+                )
+            seen.add(key)
+            return _tie_rows(u, rows, rules, axes)
+
+        out = jax.tree_util.tree_map_with_path(tie, updates)
+        missing = sorted(".".join(map(str, k)) for k in ties.keys() - seen)
+        if missing:
+            raise ValueError(
+                f"tie_kv_replicas: the updates hold no B stack at {missing}: it takes the "
+                "gradients of the model it was built with, over wrt=nnx.LoRAParam"
+            )
+        return out, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def _kv_replica_ties(model) -> dict[tuple, tuple]:
+    """Per B stack holding kv replicas, by its state path: (layer name, the logical row of
+    each physical row, the stack's shape, the layer's rules, B's logical axes)."""
+    paths = {
+        id(node): tuple(path)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.LoRAParam)
+    }
+    ties = {}
+    for name, layer in lora_layers(model).items():
+        if not is_linear(layer) or getattr(layer.base_layer, "num_kv_head_replicas", 1) < 2:
+            continue
+        axes = layer.lora_axes()[1]
+        for s, var in enumerate(layer.lora_b):
+            n = layer.logical_slice_sizes[s]
+            # the layer's own logical → physical layout, applied to row numbers
+            rows = np.asarray(layer._physical_b(s, np.arange(n)[:, None]))[:, 0]  # [out_s]
+            if len(rows) > n:
+                ties[paths[id(var)]] = (name, rows, var.shape, layer.base_layer.rules, axes)
+    return ties
+
+
+def _path_key(entry):
+    for attr in ("key", "idx", "name"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return entry
+
+
+def _tie_rows(u: jax.Array, rows: np.ndarray, rules, axes) -> jax.Array:
+    """Every physical row of B's update `[L, out_s, R]` set to the sum over the rows that
+    hold the same logical row."""
+    # replicas of a head sit on different tensor shards: sum on one replicated copy
+    full = rules.constrain(u, *(None,) * u.ndim)
+    n = int(rows.max()) + 1
+    summed = jnp.zeros((u.shape[0], n, *u.shape[2:]), u.dtype).at[:, rows].add(full)
+    return rules.constrain(summed[:, rows], *axes)
