@@ -11,7 +11,9 @@ PEFT (`PeftModel.from_pretrained`), vLLM and `load_peft_adapter` load the result
 trained with `lora_jax.serving.training` leaves the library this way.
 
 Fused MoE experts are written as PEFT writes LoRA on transformers 5's fused expert
-weights (`target_parameters` `<experts>.gate_up_proj` / `<experts>.down_proj`).
+weights (`target_parameters` `<experts>.gate_up_proj` / `<experts>.down_proj`), or with
+`expert_layout="per_expert"` as it writes them on transformers 4, one module per expert
+(`lora_jax.serving.export_experts`).
 A slot with LoRA in a layer of another kind (a user-registered class) is refused by name
 rather than written without it.
 """
@@ -30,6 +32,16 @@ import numpy as np
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.linear import unpack_shards
+from lora_jax.serving.export_experts import (
+    check_expert_layout,
+    expert_members,
+    expert_pattern_keys,
+    moe_blocks,
+    per_expert_every,
+    per_expert_pairs,
+    target_alternatives,
+    transformers4_name,
+)
 from lora_jax.serving.peft import (
     CONFIG_NAME,
     PEFT_PREFIX,
@@ -84,7 +96,8 @@ def _logical_b(layer, s: int, b: np.ndarray, name: str) -> np.ndarray:
             if not np.array_equal(heads, np.broadcast_to(heads[:, :1], heads.shape)):
                 raise ValueError(
                     f"export: {name}: the replicas of a kv head's B differ (trained apart), "
-                    "so the slot is not one adapter of the logical model"
+                    "so the slot is not one adapter of the logical model; train with "
+                    "lora_jax.serving.training.tie_kv_replicas(model) first in the optax chain"
                 )
             part = heads[:, 0].reshape(-1, part.shape[-1])
         out.append(part)
@@ -154,14 +167,18 @@ class _Pair(NamedTuple):
         return self.module if self.param is None else f"{self.module}.{self.param}"
 
 
-def _checkpoint_modules(model, adapter: LoRAAdapter) -> list[_Pair]:
+def _checkpoint_modules(model, adapter: LoRAAdapter, expert_layout: str) -> list[_Pair]:
     layers = trainable_layers(model)
+    members_of_expert = expert_members(model_type_of(model))
     out = []
     for lname, m in adapter.modules.items():
         layer = layers[lname]
         members = packed_names(lname, layer_packed_modules(lname, layer))
         if isinstance(layer, VocabParallelEmbeddingWithLoRA):  # A [r, V], B [D, r]
             out.append(_Pair(members[0], m.lora_a[0], m.lora_b[0], EMBEDDING_KEYS))
+        elif isinstance(layer, FusedMoEWithLoRA) and expert_layout == "per_expert":
+            for sub, (a, b) in per_expert_pairs(layer, m, members_of_expert).items():
+                out.append(_Pair(f"{lname}.{sub}", a, b, LINEAR_KEYS))
         elif isinstance(layer, FusedMoEWithLoRA):  # PEFT's ParamWrapper on fused experts
             tensors = expert_tensors(layer, m)
             for param, (a, b) in tensors.items():
@@ -189,16 +206,19 @@ def _checkpoint_modules(model, adapter: LoRAAdapter) -> list[_Pair]:
     return out
 
 
-def _targets(model, mods: list[str], name_map) -> list[str] | str:
+def _targets(model, mods: list[str], name_map, expert_layout: str) -> list[str] | str:
     """PEFT's `target_modules`: leaf names when the adapter covers every module of the
     model with those leaves, else a regex of exactly its modules (PEFT would put an empty
     LoRA on the others, and warn of missing keys)."""
+    every = None
     if name_map is None:
-        _, _, every = module_index(model)  # every module and packed member name
+        index, layers, every = module_index(model)  # every module and packed member name
+        if expert_layout == "per_expert":  # the transformers 4 model's modules
+            every = per_expert_every(model, every, index, layers, model_type_of(model))
         leaves = sorted({m.rpartition(".")[2] for m in mods})
         if {m for m in every if m.rpartition(".")[2] in leaves} == set(mods):
             return leaves
-    return "(" + "|".join(re.escape(m) for m in sorted(mods)) + ")"
+    return "(" + "|".join(target_alternatives(mods, every)) + ")"
 
 
 def _mapped(pairs: list[_Pair], name_map) -> list[_Pair]:
@@ -229,6 +249,7 @@ def save_peft_adapter(
     base_model_name_or_path: str | None = None,
     dtype=np.float32,
     task_type: str | None = "auto",
+    expert_layout: str = "fused",
 ) -> str:
     """Writes ``slot`` as a PEFT LoRA adapter directory; returns its path.
 
@@ -236,7 +257,11 @@ def save_peft_adapter(
     loader's ``name_map``); ``dtype`` is the tensors' dtype (f32, or `ml_dtypes.bfloat16`
     / `np.float16` to halve the file). ``task_type`` is PEFT's: "auto" writes
     "CAUSAL_LM" for a `lora_jax.models` decoder and None (a plain `PeftModel`, what PEFT
-    makes of a custom torch model) for any other model.
+    makes of a custom torch model) for any other model. ``expert_layout`` is how MoE
+    experts are written: "fused" (`target_parameters` on transformers 5's fused weights)
+    or "per_expert" (transformers 4: one LoRA per expert and projection, in
+    `target_modules`, e.g. Mixtral `block_sparse_moe.experts.{j}.w1`; see
+    `lora_jax.serving.export_experts`; a ``name_map`` is given `<experts>.{j}.<member>`).
 
     Example:
         >>> save_peft_adapter(model, 1, "adapters/tuned")  # doctest: +SKIP
@@ -252,9 +277,13 @@ def save_peft_adapter(
         task_type = "CAUSAL_LM" if model_type_of(model) is not None else None
     elif task_type is not None and not isinstance(task_type, str):
         raise ValueError(f"export: task_type must be a string, None or 'auto', got {task_type!r}")
-    pairs = _checkpoint_modules(model, adapter_from_slot(model, slot))
+    check_expert_layout(expert_layout)
+    pairs = _checkpoint_modules(model, adapter_from_slot(model, slot), expert_layout)
     if name_map is not None:
         pairs = _mapped(pairs, name_map)
+    elif expert_layout == "per_expert":
+        rename = transformers4_name(model_type_of(model), moe_blocks(model))
+        pairs = [p._replace(module=rename(p.module)) for p in pairs]
     tensors = {}
     for pair in pairs:
         for suffix, value in zip(pair.keys, (pair.a, pair.b)):  # A [r, in], B [out, r]
@@ -269,11 +298,11 @@ def save_peft_adapter(
     r = max(pair.rank for pair in pairs)
     # PEFT on transformers 5 wraps a module that is no nn.Linear (an MoE router) through
     # its weight and looks its rank up as `<module>.weight`: a key matches either way
-    pattern = {
-        re.escape(p.name) + (r"(\.weight)?" if p.param is None else ""): p.rank
-        for p in pairs
-        if p.rank != r
-    }
+    grouped = expert_pattern_keys({p.name: p.rank for p in pairs if p.param is None})
+    pattern = {}
+    for p in (p for p in pairs if p.rank != r):
+        own = re.escape(p.name) + (r"(\.weight)?" if p.param is None else "")
+        pattern[grouped.get(p.name, own)] = p.rank
     modules = [p.name for p in pairs if p.param is None]
     params = sorted(p.name for p in pairs if p.param is not None)
     config = {
@@ -284,7 +313,7 @@ def save_peft_adapter(
         "lora_alpha": r,  # B holds the scaling
         "rank_pattern": pattern,
         "alpha_pattern": dict(pattern),
-        "target_modules": _targets(model, modules, name_map) if modules else None,
+        "target_modules": _targets(model, modules, name_map, expert_layout) if modules else None,
         "target_parameters": params or None,
         "lora_dropout": 0.0,
         "bias": "none",
