@@ -1664,21 +1664,24 @@ sys.exit(pytest.main(['tests/kernels/test_shrink_rect.py', '-m', 'gpu', '-q', '-
   s50a)  # session 50: s49a's debts on xdist workers (wheels carried in .whl/, the device
     # has no network): every GPU kernel test and the library tests s49a names
     python3 -m pip install -q --no-index --no-deps .whl/*.whl 2>&1 | tail -1
-    NX=(); python3 -c "import xdist" 2>/dev/null && NX=(-n 6)
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    # 3 workers of 30 % of the GPU's memory each (at 6 workers growing on demand the
+    # kernel tests' 4-16 GiB cells ran out of memory on an H100)
+    NX=(); python3 -c "import xdist" 2>/dev/null && NX=(-n 3)
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
     LIB=(tests/test_training.py tests/test_mapping_ops.py tests/test_layers.py
       tests/test_logits.py tests/test_embedding.py tests/test_moe.py tests/test_manager.py
       tests/test_wrap.py tests/test_flax_general.py tests/test_generate.py)
-    JAX_DEFAULT_MATMUL_PRECISION=highest step ktests50 250 \
-      python3 -P -m pytest tests/kernels -m gpu -q -p no:cacheprovider "${NX[@]}"
-    step libtests50 150 python3 -P -m pytest "${LIB[@]}" -q -p no:cacheprovider "${NX[@]}" ;;
+    JAX_DEFAULT_MATMUL_PRECISION=highest step ktests50 270 \
+      python3 -P -m pytest tests/kernels -m gpu -q -p no:cacheprovider --tb=line "${NX[@]}"
+    step libtests50 250 python3 -P -m pytest "${LIB[@]}" -q -p no:cacheprovider --tb=line \
+      "${NX[@]}" ;;
   s50b)  # session 50: a LoRA slot's training step (forward, grad, Adam step) on each ops
     # backend, 4 Llama-3-8B-shaped layers, 4096 tokens; then the rest of the suite on the
     # GPU backend (after s50a, which installs xdist)
     step train50 130 python3 -P benchmarks/train_step.py --layers 4 --batch 8 --seq 512 \
       --ranks 16,64 --reps 5 --out "$OUT/train50/train.json"
-    NX=(); python3 -c "import xdist" 2>/dev/null && NX=(-n 6)
-    export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    NX=(); python3 -c "import xdist" 2>/dev/null && NX=(-n 3)
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
     LIBX=(); for f in tests/test_training.py tests/test_mapping_ops.py tests/test_layers.py \
       tests/test_logits.py tests/test_embedding.py tests/test_moe.py tests/test_manager.py \
       tests/test_wrap.py tests/test_flax_general.py tests/test_generate.py; do

@@ -119,7 +119,11 @@ def test_attention_and_einsum_models_wrap_serve_merge_and_unwrap():
         E,
         E,
     )
-    np.testing.assert_array_equal(np.asarray(_step(model, x, jnp.full(15, -1, jnp.int32))), y_base)
+    # exact on a CPU; a GPU's XLA fuses the base matmuls otherwise beside the LoRA ops
+    exact = dict(rtol=0, atol=0 if jax.default_backend() == "cpu" else 1e-6)
+    np.testing.assert_allclose(
+        np.asarray(_step(model, x, jnp.full(15, -1, jnp.int32))), y_base, **exact
+    )
     adapters = {0: _adapter(model, 1), 1: _adapter(model, 2, rank=8)}
     for slot, ad in adapters.items():
         for name, (a, b) in ad.items():
@@ -128,7 +132,7 @@ def test_attention_and_einsum_models_wrap_serve_merge_and_unwrap():
     got = np.asarray(_step(model, x, jnp.asarray(np.repeat(seq_slots, 5))))
     want = _oracle(model, adapters, np.asarray(x), seq_slots)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    np.testing.assert_array_equal(got[1], y_base[1])  # the -1 sequence: the base exactly
+    np.testing.assert_allclose(got[1], y_base[1], **exact)  # the -1 sequence: the base
     kernels = {n: np.asarray(la.base_layer.kernel[...]) for n, la in layers.items()}
     assert merge_adapter(model, 1) == len(EQUATIONS)
     merged = np.asarray(nnx.jit(lambda m, x: m(x))(model, x))
