@@ -2,6 +2,7 @@
 
 import os
 import pkgutil
+import re
 import tempfile
 
 # Without a CUDA plugin the tests run on the CPU, where compiling is most of their time:
@@ -37,3 +38,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not on_gpu:
             item.add_marker(skip_gpu)
+
+
+_FEW_DEVICES = re.compile(r"Number of devices (\d+) must be >= the product of mesh_shape (\(.*?\))")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A mesh test on a machine with fewer devices than its mesh (one GPU, where the CPU
+    runs simulate 8) skips with the reason instead of failing in `jax.make_mesh`."""
+    outcome = yield
+    err = outcome.excinfo[1] if outcome.excinfo else None
+    found = _FEW_DEVICES.search(str(err)) if isinstance(err, ValueError) else None
+    if found and jax.device_count() < 8 and hasattr(outcome, "force_exception"):
+        outcome.force_exception(
+            pytest.skip.Exception(
+                f"mesh {found.group(2)} needs more devices than the {found.group(1)} "
+                f"of this {jax.default_backend()} run",
+                _use_item_location=True,
+            )
+        )
