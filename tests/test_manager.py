@@ -947,6 +947,46 @@ def test_a_request_is_never_served_another_adapter_under_its_id(tmp_path, lru):
     assert mgr.get_adapter(sql.id) is again
 
 
+@pytest.mark.parametrize("lru", [False, True], ids=["plain", "lru"])
+def test_a_request_without_a_name_is_refused(tmp_path, lru):
+    """A `LoRARequest` named "" or None loaded (the loader named the adapter after its
+    directory) and served its first step, then was refused on every later step: its name
+    was not the adapter's. vLLM's lora_name is a str; one that is empty or not a str is
+    refused where the request is made; a named one serves step after step."""
+    for bad in ("", None, 7, b"sql"):
+        with pytest.raises(ValueError, match=rf"lora_name must be a non-empty str.*{bad!r}$"):
+            LoRARequest(bad, 1, "/adapters/sql")
+    dirs = _peft_dirs(tmp_path, ["sql"])
+    model, mgr = _setup(lru=lru)
+    req = LoRARequest("sql", 1, str(dirs["sql"]))
+    for _ in range(2):
+        mgr.set_active_adapters([req])
+        assert mgr.token_mapping([req]).tolist() == [mgr.slot_of(1)]
+    assert mgr.get_adapter(1).name == req.lora_name
+
+
+def test_load_adapters_refuses_one_path_and_a_bad_first_id(tmp_path):
+    """One path (a str was loaded character by character, a Path was a bare TypeError)
+    and a first_id that is not an int >= 1 ('1' and 1.5 were bare TypeErrors, True was
+    taken as 1) are refused before anything is loaded; the path in a list loads."""
+    from lora_jax.serving.peft import load_peft_adapter
+
+    dirs = _peft_dirs(tmp_path, ["sql"])
+    model, mgr = _setup(lru=False)
+    arrays = _lora_arrays(model)
+    for path in (str(dirs["sql"]), dirs["sql"]):
+        with pytest.raises(ValueError, match=r"paths must be a list .* mapping .* single path"):
+            mgr.load_adapters(path, progress=False)
+    for bad in ("1", 1.5, True, 0):
+        with pytest.raises(ValueError, match=rf"first_id must be an int >= 1 .*got {bad!r}$"):
+            mgr.load_adapters([dirs["sql"]], first_id=bad, progress=False)
+    assert mgr.list_adapters() == {} and mgr._id_mark == 0
+    jax.tree.map(np.testing.assert_array_equal, arrays, _lora_arrays(model))
+    (sql,) = mgr.load_adapters([dirs["sql"]], progress=False)
+    ref = load_peft_adapter(dirs["sql"], model, mgr.lora_config, adapter_id=1)
+    assert (sql.id, sql.name) == (ref.id, ref.name) and list(mgr.list_adapters()) == [1]
+
+
 @pytest.mark.parametrize("pin", [False, True], ids=["merged", "pinned"])
 def test_a_cpu_cache_full_of_merged_or_pinned_adapters_says_so(pin):
     """`add_adapter` and `remove_oldest_adapter` with the CPU cache full of a merged

@@ -485,6 +485,43 @@ def test_bad_config_raises_naming_the_file(tmp_path, model, case):
     assert "adapter_config.json" in str(e.value)
 
 
+def test_an_unreadable_config_raises_naming_the_file(tmp_path):
+    """A config of deeply nested JSON raised a bare RecursionError (not a ValueError) and
+    one that is not UTF-8 a bare UnicodeDecodeError, neither naming the file; both are a
+    `ValueError` naming it, and a manager asked to load one changes nothing."""
+    m = ToyLM(n_layers=2)
+    wrap_model(m, CFG, packed_modules_mapping=PACKED)
+    mgr = LRUCacheLoRAModelManager(m, CFG)
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ALL}
+    mgr.load_adapters({"good": _dir(tmp_path, config, peft_tensors(ALL, 8), "good")}, activate=True)
+    before = sorted(mgr.list_adapters()), list(mgr.lora_index_to_id)
+    arrays = [
+        np.asarray(v[...]) for la in lora_layers(m).values() for v in (*la.lora_a, *la.lora_b)
+    ]
+    cases = {
+        "deep": b'{"r": 8, "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "latin1": '{"r": 8, "lora_alpha": 16, "base_model_name_or_path": "caf\u00e9"}'.encode(
+            "latin-1"
+        ),
+    }
+    for name, raw in cases.items():
+        with pytest.raises((RecursionError, UnicodeDecodeError)):  # the reference: json's own
+            json.loads(raw.decode("utf-8"))
+        d = _dir(tmp_path, {}, peft_tensors(ALL, 8), name)
+        (d / "adapter_config.json").write_bytes(raw)
+        match = f"{name}/adapter_config.json: cannot read the adapter config"
+        with pytest.raises(ValueError, match=match):
+            load_peft_adapter(d, m, CFG)
+        with pytest.raises(ValueError, match=match):
+            mgr.load_adapters({name: d}, activate=True)
+        assert (sorted(mgr.list_adapters()), list(mgr.lora_index_to_id)) == before
+        now = [
+            np.asarray(v[...]) for la in lora_layers(m).values() for v in (*la.lora_a, *la.lora_b)
+        ]
+        for x, y in zip(arrays, now, strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
 def test_a_config_made_in_code_refuses_the_layer_filters_peft_refuses():
     """Only `from_dict` refused them: a `PEFTConfig` made in code with a regex and
     `layers_to_transform` served every layer (the filter silently dropped)."""
@@ -658,6 +695,10 @@ HOSTILE_HEADERS = {
         '{"__metadata__":{"k":1},"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}',
         4,
     ),
+    "ndim_65": (
+        '{"w":{"dtype":"U8","shape":[' + ",".join(["1"] * 65) + '],"data_offsets":[0,1]}}',
+        1,
+    ),
 }
 
 
@@ -665,12 +706,44 @@ HOSTILE_HEADERS = {
 def test_hostile_safetensors_headers_are_refused_naming_the_file(tmp_path, case):
     """Headers the reference reader refuses (ill-typed entries, overflowing shapes, deep
     JSON, duplicate keys, spans that overlap, leave gaps or trailing bytes — which would
-    let a small file expand into any amount of memory) give a `ValueError` naming the
-    file, never another exception."""
+    let a small file expand into any amount of memory — and more dimensions than numpy
+    allows) give a `ValueError` naming the file, never another exception."""
     header, size = HOSTILE_HEADERS[case]
     f = _st_file(tmp_path / f"{case}.safetensors", header, bytes(range(size)))
     with pytest.raises(ValueError, match=f"{case}.safetensors"):
         read_safetensors(f)
+
+
+def test_duplicate_safetensors_keys_are_found_in_one_pass(tmp_path):
+    """The duplicate-key check counted each key over the whole list, quadratic: a 2 MB
+    header with one duplicate took ~40 s, the 100 MB one allowed would take days. It is
+    one pass now, counted here by key comparisons rather than by time."""
+    from safetensors.numpy import load_file
+
+    from lora_jax.serving.safetensors_io import _no_duplicates
+
+    class Key(str):
+        compared = 0
+
+        def __eq__(self, other):
+            Key.compared += 1
+            return str.__eq__(self, other)
+
+        __hash__ = str.__hash__
+
+    n = 2_000
+    pairs = [(Key(f"t{i}"), None) for i in range(n)] + [(Key("t7"), None)]
+    with pytest.raises(ValueError, match=r"duplicate keys \['t7'\]"):
+        _no_duplicates(pairs)
+    assert Key.compared < n  # the duplicate found by hash, not by comparing every pair
+
+    entry = '"t{}":{{"dtype":"U8","shape":[0],"data_offsets":[0,0]}}'
+    keys = ",".join(entry.format(i) for i in range(20_000))
+    ok = _st_file(tmp_path / "keys.safetensors", "{" + keys + "}", b"")
+    assert sorted(read_safetensors(ok)) == sorted(load_file(ok))
+    dup = _st_file(tmp_path / "dup.safetensors", "{" + keys + "," + entry.format(7) + "}", b"")
+    with pytest.raises(ValueError, match=r"dup.safetensors: .*duplicate keys \['t7'\]"):
+        read_safetensors(dup)
 
 
 def test_safetensors_round_trip_every_dtype_and_a_scalar(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 
-from lora_jax.serving.manager_request import LoRARequest
+from lora_jax.serving.manager_request import LoRARequest, _check_id
 from lora_jax.serving.peft import LoRAAdapter, load_peft_adapter
 
 
@@ -55,9 +55,17 @@ class _LoadingMixin:
         Example:
             >>> mgr.load_adapters({"sql": "ad/sql", "chat": "ad/chat"})  # doctest: +SKIP
         """
-        items = list(paths.items()) if isinstance(paths, Mapping) else [(None, p) for p in paths]
+        # one path is iterable too (a str per character): refuse it rather than guess
+        if isinstance(paths, str | bytes | os.PathLike):
+            raise ValueError(
+                f"load_adapters: paths must be a list of adapter directories or a mapping "
+                f"{{name: directory}}, got the single path {paths!r}; pass [{paths!r}]"
+            )
         if first_id is None:
             first_id = self._id_mark + 1
+        else:
+            _check_id(first_id, "load_adapters: first_id", "None: after the largest id held")
+        items = list(paths.items()) if isinstance(paths, Mapping) else [(None, p) for p in paths]
         taken = [
             i for i in range(first_id, first_id + len(items)) if i in self._registered_adapters
         ]

@@ -27,13 +27,20 @@ class LoRARequest:
     lora_path: str = ""
 
     def __post_init__(self):
+        # The loader names an unnamed adapter after its directory, so an empty name would
+        # match the adapter it loads on the first step only and be refused on every later one.
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(
+                f"LoRARequest: lora_name must be a non-empty str (the adapter's name), "
+                f"got {self.lora_name!r}"
+            )
         _check_id(self.lora_int_id, f"LoRARequest {self.lora_name!r}: lora_int_id")
 
 
-def _check_id(aid, what: str) -> None:
+def _check_id(aid, what: str, note: str = "0 / None mean no adapter") -> None:
     """An adapter id is an int >= 1 (vLLM: 0 and below mean "no adapter")."""
     if isinstance(aid, bool) or not isinstance(aid, int | np.integer) or aid < 1:
-        raise ValueError(f"{what} must be an int >= 1 (0 / None mean no adapter), got {aid!r}")
+        raise ValueError(f"{what} must be an int >= 1 ({note}), got {aid!r}")
 
 
 def _same_adapter(a: LoRAAdapter, b: LoRAAdapter) -> bool:

@@ -298,9 +298,10 @@ class PEFTConfig:
         if not os.path.isfile(file):
             raise ValueError(f"{path}: no {CONFIG_NAME} (not a PEFT adapter directory)")
         try:
-            with open(file) as f:
+            with open(file, encoding="utf-8") as f:  # JSON is UTF-8, whatever the locale
                 d = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+        # ValueError covers bad JSON and bytes that are not UTF-8; deep nesting recurses
+        except (OSError, ValueError, RecursionError) as e:
             raise ValueError(f"{file}: cannot read the adapter config: {e}") from e
         if not isinstance(d, dict):
             raise ValueError(f"{file}: expected a JSON object")

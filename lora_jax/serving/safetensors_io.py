@@ -34,6 +34,8 @@ _ST_DTYPES: dict[str, Any] = {
 }
 # As the reference reader: a larger header is refused before it is parsed.
 MAX_HEADER_BYTES = 100_000_000
+# numpy's limit (NPY_MAXDIMS): a larger shape cannot be made into an array.
+MAX_NDIM = 64
 
 
 def _st_dtype(name, file: str, key: str):
@@ -58,11 +60,14 @@ def _is_int(v) -> bool:
 
 
 def _no_duplicates(pairs):
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        raise ValueError(f"duplicate keys {dup[:4]}")
-    return dict(pairs)
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        # one pass: a count per key is quadratic, and a header may hold millions of keys
+        seen, dup = set(), set()
+        for k, _ in pairs:
+            (dup if k in seen else seen).add(k)
+        raise ValueError(f"duplicate keys {sorted(dup)[:4]}")
+    return out
 
 
 def _parse_header(raw: bytes, file: str) -> tuple[dict, int]:
@@ -93,8 +98,8 @@ def read_safetensors(file: str | os.PathLike) -> dict[str, np.ndarray]:
     As the format (and the reference reader) requires: a header of at most
     `MAX_HEADER_BYTES` with no duplicate keys, each entry's dtype, shape and offsets well
     typed, its byte span its dtype × shape, and the spans tiling the data exactly (no
-    overlap, gap or trailing bytes). Anything else raises `ValueError` naming the file
-    (and tensor).
+    overlap, gap or trailing bytes); as numpy requires, at most `MAX_NDIM` dimensions.
+    Anything else raises `ValueError` naming the file (and tensor).
 
     Example:
         >>> tensors = read_safetensors("adapter/adapter_model.safetensors")  # doctest: +SKIP
@@ -117,6 +122,11 @@ def read_safetensors(file: str | os.PathLike) -> dict[str, np.ndarray]:
         shape, offsets = info["shape"], info["data_offsets"]
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             raise ValueError(f"{file}: tensor {key!r} has a corrupt shape {shape!r:.200}")
+        if len(shape) > MAX_NDIM:
+            raise ValueError(
+                f"{file}: tensor {key!r} has {len(shape)} dimensions; at most {MAX_NDIM} "
+                "are supported"
+            )
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
