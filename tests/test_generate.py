@@ -450,8 +450,9 @@ def test_sampled_generation_is_seeded_and_top_p_tiny_is_greedy(base_model):
     assert s1.tokens == s1b.tokens
     assert s1.tokens != s2.tokens
     assert s1.tokens != greedy
-    tiny = generate(base_model, PROMPTS, max_new_tokens=NEW, sampling=params(3, 1e-6), **B8)
-    assert tiny.tokens == greedy
+    for p in (1e-6, 1e-40):  # 1e-40: below f32's smallest normal (the nucleus was empty)
+        tiny = generate(base_model, PROMPTS, max_new_tokens=NEW, sampling=params(3, p), **B8)
+        assert tiny.tokens == greedy, p
 
 
 def test_every_int_seed_is_its_own_stream(base_model):
@@ -547,6 +548,35 @@ def test_top_p_filter_matches_numpy():
             assert set(np.flatnonzero(np.isfinite(g)).tolist()) == kept, p
 
 
+def test_top_p_keeps_the_most_likely_token_however_small():
+    """A top_p below f32's smallest normal (~1.2e-38) rounds or is flushed to 0: no token was
+    `< top_p` and the empty nucleus sampled token 0 for every row. The nucleus is the
+    smallest prefix of the sorted probabilities with mass >= top_p, never fewer than one
+    token (HF's min_tokens_to_keep=1, vLLM's `top_p_mask[:, -1] = False`)."""
+    logits = jax.random.normal(jax.random.key(1), (8, 40)) * 2
+    rows = np.asarray(logits, np.float64)
+
+    def nucleus(row, p):  # numpy oracle
+        order = np.argsort(-row)
+        probs = np.exp(row[order] - row.max())
+        probs /= probs.sum()
+        n = max(1, int(np.searchsorted(np.cumsum(probs), p)) + 1)  # mass >= p, at least one
+        return set(order[: min(n, row.size)].tolist()), np.cumsum(probs)
+
+    for p in (1e-40, 1e-50, 0.5, 0.99):
+        got = np.asarray(top_p_filter(logits, jnp.float32(p)))
+        for row, g in zip(rows, got):
+            kept, mass = nucleus(row, p)
+            if p > 1e-30 and np.any(np.abs(mass - p) < 1e-5):
+                continue  # f32 rounding may legitimately go either way at the edge
+            assert set(np.flatnonzero(np.isfinite(g)).tolist()) == kept, p
+    keys = row_keys(jax.random.key(0), jnp.arange(8), 0)
+    argmax = rows.argmax(-1).tolist()
+    for p in (1e-40, 1e-50, 0.0):
+        got = sample_tokens(logits, keys, 1.0, jnp.float32(p), mode="top_p").tolist()
+        assert got == argmax, p
+
+
 def test_sampling_follows_the_softmax():
     logits = jnp.log(jnp.array([0.6, 0.3, 0.1, 0.0]))[None].repeat(4000, 0)
     keys = row_keys(jax.random.key(0), jnp.arange(4000), 0)
@@ -597,6 +627,22 @@ def test_bad_lora_slot_and_sampling_params(lora_model):
     for bad in (float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="finite number"):
             SamplingParams(temperature=bad)
+
+
+def test_sampling_params_are_checked_as_the_floats_they_become():
+    """An int past float's range raised a bare OverflowError that named no parameter, and a
+    top_p that rounds to 0.0 was taken (stored as 0.0, which top_p=0.0 is refused as)."""
+    from fractions import Fraction
+
+    for bad in (10**400, -(10**400)):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            SamplingParams(temperature=bad)
+        with pytest.raises(ValueError, match="top_p must be a number in"):
+            SamplingParams(temperature=1.0, top_p=bad)
+    with pytest.raises(ValueError, match="top_p must be a number in"):
+        SamplingParams(temperature=1.0, top_p=Fraction(1, 10**400))
+    ok = SamplingParams(temperature=Fraction(1, 2), top_p=Fraction(9, 10), seed=10**400)
+    assert (ok.temperature, ok.top_p, ok.seed) == (0.5, 0.9, 10**400)
 
 
 def test_float_cache_dtypes_and_sampling_dicts_are_taken(base_model):

@@ -122,6 +122,24 @@ def test_base_processor_matches_dense_and_tied_head():
         lj.LogitsProcessor(V, soft_cap=0.0)
 
 
+def test_non_finite_soft_cap_or_scale_is_refused():
+    """An infinite soft cap (tanh(l / inf) * inf), a NaN / inf scale, or one past float32's
+    range gave all-NaN (or all-inf) logits, and greedy decoding picked token 0 with no error.
+    Any finite scale stays allowed, as in vLLM (0 and negative ones included)."""
+    _, head, w = make_layer(lj.ShardingRules())
+    x = np.random.default_rng(0).normal(size=(3, D)).astype(np.float32)
+    for cap in (float("inf"), -float("inf"), float("nan"), 1e39, np.float64("inf"), 1e-45):
+        with pytest.raises(ValueError, match="soft_cap must be > 0 and finite"):
+            lj.LogitsProcessor(V, soft_cap=cap)
+    for scale in (float("nan"), float("inf"), -float("inf"), 1e39, np.float32("nan"), None):
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            lj.LogitsProcessor(V, scale=scale)
+    for kw in (dict(soft_cap=1e30), dict(scale=0.0), dict(scale=-1.5), dict(soft_cap=3.0)):
+        got = np.asarray(lj.LogitsProcessor(V, **kw)(head, jnp.asarray(x)))
+        ref = dense(w, {}, x, [-1] * 3, **({"soft_cap": None, "scale": 1.0} | kw))
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("mesh_cfg", MESHES, ids=str)
 def test_per_sequence_lora_matches_dense(mesh_cfg):
     adapters = make_adapters()

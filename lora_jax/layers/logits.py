@@ -64,6 +64,14 @@ def sharded_to_full_mapping(lm_head) -> np.ndarray | None:
     return None if get is None else get()
 
 
+def _f32_finite(v) -> bool:
+    """Whether `v` is a number that stays finite as a float32 (the logits' dtype)."""
+    try:
+        return abs(float(v)) <= float(np.finfo(np.float32).max)  # False for NaN
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
 class LogitsProcessor(nnx.Module):
     """Hidden states → logits over the vocabulary: gather, cut padding, soft cap, scale.
 
@@ -81,8 +89,19 @@ class LogitsProcessor(nnx.Module):
         logits_as_input: bool = False,
         soft_cap: float | None = None,
     ):
-        if soft_cap is not None and not soft_cap > 0:
-            raise ValueError(f"LogitsProcessor: soft_cap must be > 0 or None, got {soft_cap!r}")
+        # An infinite (or f32-overflowing) cap or scale gave all-NaN / all-inf logits, which
+        # greedy decoding turned into token 0 without an error. vLLM allows any finite scale.
+        # a cap under f32's smallest normal is flushed to 0 on the device: every logit 0
+        tiny = float(np.finfo(np.float32).tiny)
+        if soft_cap is not None and not (_f32_finite(soft_cap) and float(soft_cap) >= tiny):
+            raise ValueError(
+                "LogitsProcessor: soft_cap must be > 0 and finite (a float32 normal number, "
+                f"1.2e-38 to 3.4e38), or None, got {soft_cap!r}"
+            )
+        if not _f32_finite(scale):
+            raise ValueError(
+                f"LogitsProcessor: scale must be a finite number (in float32), got {scale!r}"
+            )
         self.vocab_size = int(vocab_size)
         self.org_vocab_size = int(org_vocab_size or vocab_size)
         self.scale = float(scale)

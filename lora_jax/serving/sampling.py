@@ -45,16 +45,18 @@ class SamplingParams:
 
     def __post_init__(self):
         t, p, seed = self.temperature, self.top_p, self.seed
-        real = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool | np.bool_)  # noqa: E731
-        if not real(t) or not 0 <= t < float("inf"):
+        # Checked as the float that is stored: an int past float's range (10**400) raised a
+        # bare OverflowError, and a Fraction that rounds to 0.0 passed the top_p check.
+        tf, pf = _as_float(t), _as_float(p)
+        if tf is None or not 0 <= tf < float("inf"):
             raise ValueError(f"SamplingParams.temperature must be a finite number >= 0, got {t!r}")
-        if not real(p) or not 0 < p <= 1:
+        if pf is None or not 0 < pf <= 1:
             raise ValueError(f"SamplingParams.top_p must be a number in (0, 1], got {p!r}")
         if not isinstance(seed, numbers.Integral) or isinstance(seed, bool | np.bool_):
             raise ValueError(f"SamplingParams.seed must be an int, got {seed!r}")
         # numpy scalars (from config code) stored as plain Python numbers
-        object.__setattr__(self, "temperature", float(t))
-        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "temperature", tf)
+        object.__setattr__(self, "top_p", pf)
         object.__setattr__(self, "seed", int(seed))
 
     @property
@@ -63,6 +65,16 @@ class SamplingParams:
         if self.temperature < SAMPLING_EPS:
             return "greedy"
         return "top_p" if self.top_p < 1 else "sample"
+
+
+def _as_float(v) -> float | None:
+    """`v` as a float, or None when it is not a real number (bools are not) or overflows."""
+    if not isinstance(v, numbers.Real) or isinstance(v, bool | np.bool_):
+        return None
+    try:
+        return float(v)
+    except OverflowError:
+        return None
 
 
 def seed_key(seed: int) -> jax.Array:
@@ -107,6 +119,9 @@ def top_p_filter(logits: jax.Array, top_p: jax.Array) -> jax.Array:
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep = (mass_before < top_p) | (top_p >= 1.0)  # f32 cumsum may reach 1 early
+    # The most likely token stays even when top_p is below f32's smallest normal (XLA
+    # flushes it to 0 and nothing is `< 0`): an empty nucleus sampled token 0.
+    keep = keep.at[:, 0].set(True)
     # The smallest kept logit of each row is its threshold.
     threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(logits >= threshold, logits, -jnp.inf)
