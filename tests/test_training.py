@@ -736,6 +736,35 @@ def test_kv_head_replicas_train_as_one_parameter(tmp_path, opt):
         save_peft_adapter(untied, 1, tmp_path / "untied")
 
 
+def test_tie_kv_replicas_takes_split_state_gradients():
+    """Flax's functional loop (`nnx.split` state, `jax.grad` over it: Variables, whose
+    leaves' paths end in `.value`) gets the same tied update as `nnx.Optimizer`'s pure
+    arrays; the tie's paths missed them and it refused the model's own gradients."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices")
+    rules = lj.ShardingRules(jax.make_mesh((1, 4), ("dp", "tp")))
+    model = _model(rules)
+    init_lora_slot(model, 1, 4, seed=3)
+    ids, pos = _batch()
+    lj.set_lora_mapping(model, jnp.full(32, 1, jnp.int32))  # in the state split below
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+
+    def loss(lora):
+        logits = nnx.merge(graphdef, lora, rest)(ids, pos)[0]
+        return jnp.mean(jnp.square(logits))
+
+    tx = optax.chain(tie_kv_replicas(model), optax.sgd(0.1), train_only_slots([1]))
+    grads = jax.jit(jax.grad(loss))(lora)
+    got, _ = tx.update(grads, tx.init(lora), lora)
+    pure = nnx.as_pure(grads)
+    want, _ = tx.update(pure, tx.init(pure), nnx.as_pure(lora))
+    jax.tree.map(np.testing.assert_array_equal, nnx.as_pure(got), want)
+    b = np.asarray(nnx.as_pure(got)["model"]["layers"][0]["self_attn"]["qkv_proj"]["lora_b"][1])
+    heads = b[1].reshape(2, 2, 16, MAX_RANK)  # k's B, slot 1: each kv head's two copies
+    assert np.abs(heads).max() > 0
+    np.testing.assert_array_equal(heads[:, 0], heads[:, 1])
+
+
 def test_tie_kv_replicas_refuses_updates_of_another_model():
     """The tie finds its B stacks by the model's state paths: updates that lack one, or
     hold it in another shape, are refused by name rather than left untied."""

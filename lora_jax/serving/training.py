@@ -319,6 +319,8 @@ def tie_kv_replicas(model) -> optax.GradientTransformation:
 
         def tie(path, u):
             key = tuple(_path_key(k) for k in path)
+            if key and key[-1] == "value" and key not in ties:  # `nnx.split` state: Variables
+                key = key[:-1]
             found = ties.get(key)
             if found is None:
                 return u
