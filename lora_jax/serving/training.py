@@ -26,8 +26,12 @@ taken later, hence the reservation.
 An optax optimizer over `nnx.LoRAParam` keeps state for every slot (Adam: two copies of
 all the stacks): a large model trains best in a copy with few slots (`max_loras=1`),
 whose saved adapter the serving model then loads. On a GPU the forward pass runs the
-kernels and the backward pass XLA's gather einsums (the kernels have no autodiff); the
-backward's cost was not measured on the GPU.
+kernels and the backward pass XLA's gather einsums (the kernels have no autodiff):
+`benchmarks/train_step.py` (an H100, 4 Llama-3-8B layers, 4096 tokens, rank 16) measured
+the kernels' forward at 1.11 x the base forward, forward + backward at 2.96 x.
+A functional loop (`nnx.split`, plain `jax.grad`) sets the token mapping before the split:
+Flax refuses to change a Variable (the mapping) inside `jax.grad`; `nnx.grad` /
+`nnx.value_and_grad`, as above, take `lj.lora_mapping` inside.
 """
 
 from __future__ import annotations
