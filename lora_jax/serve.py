@@ -106,18 +106,29 @@ class ByteTokenizer:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
-def _tokenizer(model_dir: str | None, vocab_size: int):
-    if model_dir is not None and any(
-        os.path.exists(os.path.join(model_dir, f)) for f in TOKENIZER_FILES
-    ):
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
-            raise ValueError(
-                f"{model_dir} has its own tokenizer, which needs transformers "
-                "(pip install transformers); without it the prompts would be fed as bytes"
-            ) from None
+def _hf_tokenizer(model_dir: str | None):
+    """The model directory's own tokenizer (transformers), or None where it has none."""
+    files = [] if model_dir is None else [os.path.join(model_dir, f) for f in TOKENIZER_FILES]
+    files = [f for f in files if os.path.exists(f)]
+    if not files:
+        return None
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ValueError(
+            f"{model_dir} has its own tokenizer, which needs transformers "
+            "(pip install transformers); without it the prompts would be fed as bytes"
+        ) from None
+    try:
         return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as e:  # transformers' own errors: KeyError, JSONDecodeError, OSError ...
+        raise ValueError(
+            f"{' / '.join(files)}: transformers cannot load the tokenizer of {model_dir} "
+            f"({type(e).__name__}: {e})"
+        ) from e
+
+
+def _byte_tokenizer(model_dir: str | None, vocab_size: int) -> ByteTokenizer:
     if vocab_size < 256:
         raise ValueError(
             f"{model_dir}: no tokenizer files and vocab_size {vocab_size} < 256, so the "
@@ -279,18 +290,55 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _max_rank(adapter_dirs: dict[str, str]) -> int:
-    from lora_jax.config import SUPPORTED_MAX_LORA_RANKS
+def _max_rank(adapter_dirs: dict[str, str], model_type: str | None, fused_experts: bool) -> int:
+    """The smallest supported max_lora_rank that fits every adapter: the largest rank its
+    config gives (r, rank_pattern), and with `fused_experts` the rank r1 + r3 that the
+    loader gives per-expert gate + up LoRAs fused into one w13 LoRA."""
     from lora_jax.serving.peft import PEFTConfig
 
-    need = 1
-    for d in adapter_dirs.values():
+    need, needed_by = 1, None
+    for name, d in adapter_dirs.items():
         cfg = PEFTConfig.from_dir(d)
-        need = max(need, cfg.r, *(r for _, r in cfg.rank_pattern))
+        r = max([cfg.r, *(r for _, r in cfg.rank_pattern)])
+        if fused_experts:
+            r = max(r, _fused_w13_rank(d, cfg.for_model_type(model_type)))
+        if r > need:
+            need, needed_by = r, name
     fits = [r for r in SUPPORTED_MAX_LORA_RANKS if r >= need]
     if not fits:
-        raise ValueError(f"adapter rank {need} exceeds the largest supported max_lora_rank")
+        raise ValueError(
+            f"--adapter {needed_by}={adapter_dirs[needed_by]}: needs max_lora_rank >= {need}, "
+            f"more than the largest supported, {SUPPORTED_MAX_LORA_RANKS[-1]}"
+        )
     return fits[0]
+
+
+def _fused_w13_rank(adapter_dir: str, cfg) -> int:
+    """The largest r1 + r3 over the adapter's per-expert (`experts.{j}.w1` / `w3`, or
+    `gate_proj` / `up_proj`) modules, each member's rank its largest expert's, as
+    `per_expert_lora` stacks them for `FusedMoE3DWithLoRA`; 0 without such modules."""
+    from safetensors import safe_open
+
+    from lora_jax.serving.peft import WEIGHTS_NAME
+    from lora_jax.serving.peft_experts import EXPERT_MEMBERS, PER_EXPERT
+    from lora_jax.serving.peft_keys import KEY_KINDS, parse_key
+
+    try:  # the header only: the names
+        with safe_open(os.path.join(adapter_dir, WEIGHTS_NAME), framework="numpy") as f:
+            keys = list(f.keys())
+    except Exception:  # missing or unreadable: the loader names the problem
+        return 0
+    ranks: dict[str, dict[str, int]] = {}  # experts module → w1 / w3 → largest rank
+    for key in keys:
+        if not key.endswith(tuple(KEY_KINDS)):
+            continue
+        _, raw, _ = parse_key(key, adapter_dir, None)
+        m = PER_EXPERT.fullmatch(raw)
+        proj = None if m is None else EXPERT_MEMBERS[m["member"]]
+        if proj in ("w1", "w3") and cfg.targets(raw):
+            by_proj = ranks.setdefault(m["owner"], {})
+            by_proj[proj] = max(by_proj.get(proj, 0), cfg.rank_for(raw))
+    return max((sum(by.values()) for by in ranks.values()), default=0)
 
 
 def _cpu_devices_for(tp: int) -> None:
@@ -334,6 +382,8 @@ def run(argv: Sequence[str] | None = None) -> list[RequestResult]:
 
 
 def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestResult]:
+    import jax
+
     from lora_jax.config import LoRAConfig
     from lora_jax.models import load_hf_model
     from lora_jax.models.config import SUPPORTED_MODEL_TYPES
@@ -352,10 +402,17 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
             f"{config.get('model_type')!r} is not supported; allowed: {served}"
         )
     moe = config.get("model_type") in MOE_MODEL_TYPES
+    own_dir = None if args.model is None else model_dir
+    # before the weights, which can take minutes: a bad tokenizer or adapter fails at once
+    tokenizer = _hf_tokenizer(own_dir)
+    eos_ids = _eos_ids(own_dir)
+    rank = args.max_lora_rank
+    if rank is None:  # the default wrap fuses an MoE's gate and up (FusedMoE3DWithLoRA)
+        rank = _max_rank(adapter_dirs, config.get("model_type"), fused_experts=moe)
     model = (load_hf_moe_model if moe else load_hf_model)(model_dir, rules=rules)
-    tokenizer = _tokenizer(None if args.model is None else model_dir, model.config.vocab_size)
+    if tokenizer is None:
+        tokenizer = _byte_tokenizer(own_dir, model.config.vocab_size)
     n = max(1, len(adapter_dirs))
-    rank = args.max_lora_rank if args.max_lora_rank is not None else _max_rank(adapter_dirs)
     cfg = LoRAConfig(max_loras=n, max_cpu_loras=n, max_lora_rank=rank)
     wrap_model(model, cfg)
     manager = LRUCacheLoRAModelManager(model, cfg)
@@ -367,14 +424,26 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
     texts = [prompts[i % len(prompts)] for i in range(len(requests))]
     token_prompts = [tokenizer.encode(t) for t in texts]
     slots = manager.token_mapping([by_name.get(r) for r in requests])
-    out = generate(
-        model,
-        token_prompts,
-        slots,
-        max_new_tokens=args.max_new_tokens,
-        sampling=_sampling(args),
-        eos_token_id=_eos_ids(None if args.model is None else model_dir),
-    )
+    try:
+        out = generate(
+            model,
+            token_prompts,
+            slots,
+            max_new_tokens=args.max_new_tokens,
+            sampling=_sampling(args),
+            eos_token_id=eos_ids,
+        )
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        longest = max(len(p) for p in token_prompts)
+        gib = _cache_bytes(model, len(token_prompts), longest + args.max_new_tokens) / 2**30
+        raise ValueError(
+            f"--max-new-tokens {args.max_new_tokens}: {len(token_prompts)} requests of up to "
+            f"{longest} prompt + {args.max_new_tokens} new tokens need a KV cache of at least "
+            f"{gib:.3g} GiB, more than the device could allocate ({str(e).splitlines()[0]}); "
+            "lower --max-new-tokens"
+        ) from e
     results = []
     for name, text, toks in zip(requests, texts, _token_lists(out)):
         toks = tuple(int(t) for t in toks)
@@ -382,30 +451,42 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
     return results
 
 
+def _cache_bytes(model, batch: int, length: int) -> int:
+    """Bytes of `generate`'s KV cache for `batch` rows of `length` positions, before its
+    padding to buckets."""
+    from lora_jax.models.kv_cache import physical_kv_heads
+
+    c = model.config
+    itemsize = np.dtype(getattr(model, "dtype", None) or np.float32).itemsize
+    per_position = 2 * c.num_hidden_layers * physical_kv_heads(c, model.rules) * c.head_dim
+    return batch * length * per_position * itemsize
+
+
 def _eos_ids(model_dir: str | None) -> list[int] | None:
-    """The model's end-of-sequence ids, as HF `generate` takes them: `eos_token_id` of
-    `generation_config.json`, else of `config.json` (an id or a list); None if neither."""
+    """The model's end-of-sequence ids, as HF `generate` takes them: where the directory
+    has a `generation_config.json`, its `eos_token_id` alone (none there: no eos, even if
+    `config.json` names one); else `config.json`'s (an id or a list); None if unset."""
     from lora_jax.models.loading import _read_json
 
     if model_dir is None:
         return None
-    for name in ("generation_config.json", "config.json"):
-        path = os.path.join(model_dir, name)
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):  # transformers then builds one from config.json
+        path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
-            continue
-        data = _read_json(path)
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-        eos = data.get("eos_token_id")
-        if eos is None:
-            continue
-        ids = eos if isinstance(eos, list) else [eos]
-        if not ids or any(isinstance(e, bool) or not isinstance(e, int) for e in ids):
-            raise ValueError(
-                f"{path}: eos_token_id must be an int token id or a list of them, got {eos!r}"
-            )
-        return ids
-    return None
+            return None
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    eos = data.get("eos_token_id")
+    if eos is None:
+        return None
+    ids = eos if isinstance(eos, list) else [eos]
+    if not ids or any(isinstance(e, bool) or not isinstance(e, int) for e in ids):
+        raise ValueError(
+            f"{path}: eos_token_id must be an int token id or a list of them, got {eos!r}"
+        )
+    return ids
 
 
 def _sampling(args):

@@ -768,3 +768,69 @@ def test_a_bf16_decoder_generates_batches_on_the_cpu():
     for i, p in enumerate(prompts):
         alone = generate(model, [p], [-1], max_new_tokens=4).tokens
         assert list(both[i]) == list(alone[0])
+
+
+def test_a_checkpoint_file_named_relative_to_the_working_directory(exported, monkeypatch):
+    """`config.json` (or a weights file) named from inside the checkpoint: its directory is
+    the working directory (os.path.dirname gave "", which named no checkpoint)."""
+    from lora_jax.models.loading import read_config_json
+
+    model, _, path = exported
+    monkeypatch.chdir(path)
+    for name in ("config.json", "model.safetensors"):
+        directory, config = read_config_json(name)
+        assert os.path.samefile(directory, path)
+        with open(os.path.join(path, "config.json")) as f:
+            assert config == json.load(f)
+    ids, pos = _ids(1, 4, model.config.vocab_size), _positions(1, 4)
+    np.testing.assert_allclose(
+        np.asarray(_fwd(load_hf_model("config.json"), ids, pos)),
+        np.asarray(_fwd(model, ids, pos)),
+        atol=2e-5,
+        rtol=2e-5,
+    )
+
+
+def test_checkpoint_index_reads_each_shard_s_names_once(tmp_path, monkeypatch):
+    """The index check took a shard's name list per tensor (quadratic: 5 s for an
+    18,912-tensor index); each shard's names are read once, and a tensor its shard lacks
+    is still named."""
+    import collections
+
+    import safetensors
+    from safetensors.numpy import save_file
+
+    from lora_jax.models.loading import SafetensorsCheckpoint
+
+    tensors, weight_map = {}, {}
+    for s in range(3):
+        fname = f"model-{s + 1:05d}-of-00003.safetensors"
+        shard = {f"t.{s}.{i}": np.full((2,), s * 100 + i, np.float32) for i in range(40)}
+        save_file(shard, str(tmp_path / fname))
+        tensors.update(shard)
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    calls = collections.Counter()
+    real = safetensors.safe_open
+
+    class Counted:  # safe_open's handle, counting keys()
+        def __init__(self, path, **kw):
+            self._path, self._handle = path, real(path, **kw)
+
+        def keys(self):
+            calls[os.path.basename(self._path)] += 1
+            return self._handle.keys()
+
+        def __getattr__(self, name):
+            return getattr(self._handle, name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Counted)
+    ckpt = SafetensorsCheckpoint(str(tmp_path))
+    assert sorted(calls) == sorted(set(weight_map.values()))
+    assert max(calls.values()) == 1
+    for name, want in tensors.items():
+        np.testing.assert_array_equal(ckpt.get(name, (2,)), want)
+    index.write_text(json.dumps({"weight_map": {**weight_map, "t.extra": weight_map["t.0.0"]}}))
+    with pytest.raises(ValueError, match=r"'t\.extra' to 'model-00001-of-00003\.safetensors'"):
+        SafetensorsCheckpoint(str(tmp_path))

@@ -1,6 +1,7 @@
 """The main job (`lora_jax.serve`): the embedded default end to end, its CLI, and --tp."""
 
 import json
+import os
 
 import pytest
 
@@ -205,3 +206,191 @@ def test_help_lists_the_ranks_max_lora_rank_takes(capsys):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert ", ".join(map(str, SUPPORTED_MAX_LORA_RANKS)) in text
+
+
+def _write_mixtral(directory, seed=0) -> str:
+    """A tiny random Mixtral checkpoint in transformers 5's layout (fused experts), numpy."""
+    import numpy as np
+
+    from lora_jax.serving.peft import write_safetensors
+
+    D, n, E, V, hd = 32, 16, 4, 256, 16
+    config = dict(
+        model_type="mixtral", vocab_size=V, hidden_size=D, intermediate_size=n,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=hd,
+        num_local_experts=E, num_experts_per_tok=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: (rng.normal(size=shape) / shape[-1] ** 0.5).astype(np.float32)  # noqa: E731
+    p = "model.layers.0."
+    tensors = {
+        "model.embed_tokens.weight": w(V, D) * D**0.5,
+        "model.norm.weight": np.ones(D, np.float32),
+        "lm_head.weight": w(V, D),
+        p + "input_layernorm.weight": np.ones(D, np.float32),
+        p + "post_attention_layernorm.weight": np.ones(D, np.float32),
+        p + "self_attn.q_proj.weight": w(2 * hd, D),
+        p + "self_attn.k_proj.weight": w(hd, D),
+        p + "self_attn.v_proj.weight": w(hd, D),
+        p + "self_attn.o_proj.weight": w(D, 2 * hd),
+        p + "mlp.gate.weight": w(E, D),
+        p + "mlp.experts.gate_up_proj": w(E, 2 * n, D),
+        p + "mlp.experts.down_proj": w(E, D, n),
+    }
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    write_safetensors(os.path.join(directory, "model.safetensors"), tensors)
+    return str(directory)
+
+
+def test_auto_max_lora_rank_fits_per_expert_gate_and_up_fused_into_w13(tmp_path, capsys):
+    """A transformers-4 per-expert adapter (r=8 on w1/w2/w3, expert 0's w3 at 16 by
+    rank_pattern) on Mixtral: the CLI's default wrap fuses gate and up into one w13 LoRA of
+    rank 8 + 16, so the automatic --max-lora-rank is 32, not the config's largest rank (16,
+    which the loader refuses); it serves what an explicit --max-lora-rank 32 serves."""
+    import numpy as np
+
+    from lora_jax.serving.peft import write_safetensors
+
+    base = _write_mixtral(tmp_path / "mixtral")
+    D, n, E = 32, 16, 4
+    pattern = {"experts.0.w3": 16}
+    rng = np.random.default_rng(1)
+    tensors = {}
+    for j in range(E):
+        for name, (n_in, n_out) in (("w1", (D, n)), ("w3", (D, n)), ("w2", (n, D))):
+            r = 16 if (j, name) == (0, "w3") else 8
+            key = f"base_model.model.model.layers.0.block_sparse_moe.experts.{j}.{name}"
+            tensors[f"{key}.lora_A.weight"] = (rng.normal(size=(r, n_in)) * 0.3).astype("f4")
+            tensors[f"{key}.lora_B.weight"] = (rng.normal(size=(n_out, r)) * 0.3).astype("f4")
+    adapter = tmp_path / "per_expert"
+    adapter.mkdir()
+    write_safetensors(adapter / "adapter_model.safetensors", tensors)
+    config = dict(peft_type="LORA", r=8, lora_alpha=16, target_modules=["w1", "w2", "w3"])
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "rank_pattern": pattern}))
+    argv = ["--model", base, "--adapter", f"pe={adapter}", "--prompt", "Hi", "--max-new-tokens"]
+    argv += ["6"]
+    auto = serve.run(argv)
+    assert [r.tokens for r in auto] == [
+        r.tokens for r in serve.run([*argv, "--max-lora-rank", "32"])
+    ]
+    assert auto[0].tokens != auto[1].tokens  # the adapter is served
+    assert serve.main([*argv, "--max-lora-rank", "16"]) == 2
+    assert "fuse into one w13 LoRA of rank 24" in capsys.readouterr().err
+
+
+def test_an_adapter_past_the_largest_rank_is_named(tmp_path, capsys):
+    """The error names the adapter and the largest rank allowed."""
+    from lora_jax.config import SUPPORTED_MAX_LORA_RANKS
+
+    model_dir, adapters = serve.write_default(str(tmp_path))
+    config = tmp_path / "sql" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "r": 600}))
+    argv = ["--model", model_dir, "--max-new-tokens", "2"]
+    argv += [f"--adapter={name}={d}" for name, d in adapters.items()]
+    assert serve.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--adapter sql={adapters['sql']}: needs max_lora_rank >= 600" in err
+    assert f"the largest supported, {SUPPORTED_MAX_LORA_RANKS[-1]}" in err
+
+
+def test_model_named_as_a_file_in_the_working_directory(tmp_path, monkeypatch):
+    """`--model config.json` (or `model.safetensors`) from inside the checkpoint serves
+    that checkpoint (the directory of a bare file name was "": "no such checkpoint")."""
+    model_dir, _ = serve.write_default(str(tmp_path))
+    argv = ["--prompt", "Hello", "--max-new-tokens", "3"]
+    want = [r.tokens for r in serve.run(["--model", model_dir, *argv])]
+    monkeypatch.chdir(model_dir)
+    for name in ("config.json", "model.safetensors"):
+        assert [r.tokens for r in serve.run(["--model", name, *argv])] == want
+
+
+def test_a_tokenizer_is_checked_before_the_weights_load(tmp_path, capsys, monkeypatch):
+    """The model's tokenizer is built before its weights load: with both unusable, the
+    tokenizer's error comes first (not after a long load)."""
+    import sys
+
+    model_dir, _ = serve.write_default(str(tmp_path))
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not installed
+    assert serve.main(["--model", model_dir, "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "needs transformers" in err and "model.safetensors" not in err
+
+
+@pytest.mark.parametrize("damage", ["not a tokenizer", "truncated"])
+def test_a_damaged_tokenizer_is_named(tmp_path, capsys, damage):
+    """A tokenizer.json transformers cannot load: a CLI error naming the file (a raw
+    KeyError traceback, or a JSON error naming no file, before)."""
+    pytest.importorskip("transformers")
+    model_dir, _ = serve.write_default(str(tmp_path))
+    text = '{"not": "a tokenizer"}' if damage == "not a tokenizer" else '{"version": "1.0", "tr'
+    (tmp_path / "model" / "tokenizer.json").write_text(text)
+    assert serve.main(["--model", model_dir, "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{model_dir}/tokenizer.json: transformers cannot load the tokenizer" in err
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("generation_config", ["no eos", "null eos", "own eos", "no file"])
+def test_eos_ids_are_the_ones_hf_generate_stops_at(tmp_path, generation_config):
+    """config.json names an eos id that greedy decoding reaches: HF generate stops at it
+    only without a generation_config.json; with one, that file's eos_token_id alone
+    counts (none there: no eos). The CLI stops where HF generate stops."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # away from HF's near-zero init: clear argmax margins
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else torch.randn_like(p) * 0.3)
+    hf.save_pretrained(tmp_path)
+    prompt = list(b"short")
+
+    def hf_tokens():
+        m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+        with torch.no_grad():
+            out = m.eval().generate(
+                input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                max_new_tokens=6, do_sample=False,
+            )  # fmt: skip
+        return tuple(out[0, len(prompt) :].tolist())
+
+    free = hf_tokens()
+    config_path, gen_path = tmp_path / "config.json", tmp_path / "generation_config.json"
+    config_path.write_text(
+        json.dumps({**json.loads(config_path.read_text()), "eos_token_id": free[2]})
+    )
+    gen = json.loads(gen_path.read_text())
+    assert "eos_token_id" not in gen
+    if generation_config == "no file":
+        gen_path.unlink()
+    elif generation_config != "no eos":
+        gen["eos_token_id"] = None if generation_config == "null eos" else free[1]
+        gen_path.write_text(json.dumps(gen))
+    want = hf_tokens()
+    assert (want == free) == (generation_config in ("no eos", "null eos"))
+    got = serve.run(["--model", str(tmp_path), "--prompt", "short", "--max-new-tokens", "6"])
+    assert [r.tokens for r in got] == [want]
+
+
+def test_a_kv_cache_too_big_for_the_device_is_a_cli_error(capsys):
+    """A --max-new-tokens whose KV cache no device holds: a CLI error naming the flag and
+    the cache size (a raw RESOURCE_EXHAUSTED traceback, before)."""
+    assert serve.main(["--max-new-tokens", str(10**12), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"--max-new-tokens {10**12}: 4 requests of up to 2 prompt + {10**12} new tokens" in err
+    c = serve.DEFAULT_MODEL  # f32 k and v per layer, kv head and position
+    per_position = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 4
+    gib = 4 * (2 + 10**12) * per_position / 2**30
+    assert f"need a KV cache of at least {gib:.3g} GiB" in err and "RESOURCE_EXHAUSTED" in err

@@ -85,10 +85,15 @@ class SafetensorsCheckpoint:
             except Exception as e:  # safetensors' own error type: a bad header or size
                 raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
         if self.weight_map is None:
-            self.weight_map = {k: SINGLE_FILE for k in self._handles[SINGLE_FILE].keys()}
-        for name, fname in self.weight_map.items():
-            if name not in self._handles[fname].keys():
-                raise ValueError(f"{INDEX_FILE} maps tensor {name!r} to {fname!r}, which lacks it")
+            self.weight_map = dict.fromkeys(self._handles[SINGLE_FILE].keys(), SINGLE_FILE)
+        else:
+            # keys() builds a fresh list per call: one set per shard keeps the check linear
+            held = {f: set(h.keys()) for f, h in self._handles.items()}
+            for name, fname in self.weight_map.items():
+                if name not in held[fname]:
+                    raise ValueError(
+                        f"{INDEX_FILE} maps tensor {name!r} to {fname!r}, which lacks it"
+                    )
         self.used: set[str] = set()
 
     def names(self) -> Iterable[str]:
@@ -132,9 +137,10 @@ def read_config_json(path_or_dir: str) -> tuple[str, dict]:
     if not os.path.exists(path_or_dir):
         raise ValueError(f"{path_or_dir}: no such checkpoint directory or file")
     directory = path_or_dir if os.path.isdir(path_or_dir) else os.path.dirname(path_or_dir)
-    cfg_path = os.path.join(directory or ".", "config.json")
+    directory = directory or "."  # "config.json" in the working directory: dirname is ""
+    cfg_path = os.path.join(directory, "config.json")
     if not os.path.exists(cfg_path):
-        raise ValueError(f"{directory or '.'}: no config.json")
+        raise ValueError(f"{directory}: no config.json")
     config = _read_json(cfg_path)
     if not isinstance(config, dict):
         raise ValueError(f"{cfg_path}: expected a JSON object")
