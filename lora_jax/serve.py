@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -35,33 +34,23 @@ from collections.abc import Sequence
 import numpy as np
 
 from lora_jax.config import SUPPORTED_MAX_LORA_RANKS
+from lora_jax.serve_default import (  # noqa: F401  (the CLI's names, as before)
+    ALL_MODULES,
+    DEFAULT_ADAPTERS,
+    DEFAULT_MODEL,
+    write_default,
+    write_default_adapter,
+    write_default_model,
+)
+from lora_jax.serve_text import (  # noqa: F401
+    TOKENIZER_FILES,
+    ByteTokenizer,
+    byte_tokenizer,
+    eos_ids,
+    hf_tokenizer,
+)
 
 DEFAULT_PROMPTS = ("SELECT name FROM", "Hello, how are", "Roses are red,", "The capital of")
-# The embedded default model (Llama layout, byte vocabulary).
-DEFAULT_MODEL = dict(
-    model_type="llama",
-    architectures=["LlamaForCausalLM"],
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    torch_dtype="float32",
-)
-ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-DEFAULT_ADAPTERS = {
-    "sql": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
-    "chat": dict(
-        r=4, lora_alpha=8, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"]
-    ),
-    "poet": dict(r=16, lora_alpha=32, target_modules=ALL_MODULES, rank_pattern={"down_proj": 4}),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,155 +61,6 @@ class RequestResult:
     prompt: str
     tokens: tuple[int, ...]  # generated token ids
     text: str  # decoded generated text
-
-
-# -- tokenizers -------------------------------------------------------------------------------
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255 (for the embedded default and byte-vocab models).
-
-    Example:
-        >>> ByteTokenizer().encode("hi")
-        [104, 105]
-    """
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Bytes for ids below 256; a larger id (a model with a bigger vocabulary) shows
-        as `<id>`."""
-        out, run = [], bytearray()
-        for i in (int(t) for t in ids):
-            if 0 <= i < 256:
-                run.append(i)
-                continue
-            out.append(run.decode("utf-8", errors="replace"))
-            out.append(f"<{i}>")
-            run = bytearray()
-        out.append(run.decode("utf-8", errors="replace"))
-        return "".join(out)
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-
-
-def _hf_tokenizer(model_dir: str | None):
-    """The model directory's own tokenizer (transformers), or None where it has none."""
-    files = [] if model_dir is None else [os.path.join(model_dir, f) for f in TOKENIZER_FILES]
-    files = [f for f in files if os.path.exists(f)]
-    if not files:
-        return None
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise ValueError(
-            f"{model_dir} has its own tokenizer, which needs transformers "
-            "(pip install transformers); without it the prompts would be fed as bytes"
-        ) from None
-    try:
-        return AutoTokenizer.from_pretrained(model_dir)
-    except Exception as e:  # transformers' own errors: KeyError, JSONDecodeError, OSError ...
-        raise ValueError(
-            f"{' / '.join(files)}: transformers cannot load the tokenizer of {model_dir} "
-            f"({type(e).__name__}: {e})"
-        ) from e
-
-
-def _byte_tokenizer(model_dir: str | None, vocab_size: int) -> ByteTokenizer:
-    if vocab_size < 256:
-        raise ValueError(
-            f"{model_dir}: no tokenizer files and vocab_size {vocab_size} < 256, so the "
-            "byte tokenizer cannot be used"
-        )
-    if model_dir is not None:
-        print(
-            f"lora-jax-serve: {model_dir} has no {' / '.join(TOKENIZER_FILES)}: prompts are "
-            "encoded as UTF-8 bytes (token ids 0-255)",
-            file=sys.stderr,
-        )
-    return ByteTokenizer()
-
-
-# -- the embedded default ---------------------------------------------------------------------
-def _hf_module_shapes(c: dict) -> dict[str, tuple[int, int]]:
-    D, hd = c["hidden_size"], c["head_dim"]
-    q, kv, ff = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd, c["intermediate_size"]
-    return {
-        "q_proj": (D, q),
-        "k_proj": (D, kv),
-        "v_proj": (D, kv),
-        "o_proj": (q, D),
-        "gate_proj": (D, ff),
-        "up_proj": (D, ff),
-        "down_proj": (ff, D),
-    }
-
-
-def _parent(module: str) -> str:
-    return "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-
-
-def write_default_model(directory: str, seed: int = 0) -> str:
-    """Writes a tiny random Llama checkpoint (`config.json` + `model.safetensors`)."""
-    from lora_jax.serving.peft import write_safetensors
-
-    c = DEFAULT_MODEL
-    rng = np.random.default_rng(seed)
-    normal = lambda *shape, std=1.0: (rng.normal(size=shape) * std).astype(np.float32)  # noqa: E731
-    D, V = c["hidden_size"], c["vocab_size"]
-    w = {"model.embed_tokens.weight": normal(V, D), "model.norm.weight": 1 + normal(D, std=0.1)}
-    w["lm_head.weight"] = normal(V, D, std=D**-0.5)
-    for i in range(c["num_hidden_layers"]):
-        pre = f"model.layers.{i}"
-        w[f"{pre}.input_layernorm.weight"] = 1 + normal(D, std=0.1)
-        w[f"{pre}.post_attention_layernorm.weight"] = 1 + normal(D, std=0.1)
-        for m, (n_in, n_out) in _hf_module_shapes(c).items():
-            w[f"{pre}.{_parent(m)}.{m}.weight"] = normal(n_out, n_in, std=n_in**-0.5)
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(c, f, indent=1)
-    write_safetensors(os.path.join(directory, "model.safetensors"), w)
-    return directory
-
-
-def write_default_adapter(directory: str, spec: dict, seed: int) -> str:
-    """Writes a random PEFT LoRA adapter for the default model (A and B non-zero)."""
-    from lora_jax.serving.peft import PEFTConfig, write_safetensors
-
-    c = DEFAULT_MODEL
-    rng = np.random.default_rng(seed)
-    peft_cfg = PEFTConfig.from_dict(spec)
-    tensors = {}
-    for i in range(c["num_hidden_layers"]):
-        for m in spec["target_modules"]:
-            name = f"model.layers.{i}.{_parent(m)}.{m}"
-            n_in, n_out = _hf_module_shapes(c)[m]
-            r = peft_cfg.rank_for(name)
-            key = f"base_model.model.{name}"
-            tensors[f"{key}.lora_A.weight"] = (rng.normal(size=(r, n_in)) / n_in**0.5).astype(
-                np.float32
-            )
-            tensors[f"{key}.lora_B.weight"] = (rng.normal(size=(n_out, r)) * 2 / r).astype(
-                np.float32
-            )
-    os.makedirs(directory, exist_ok=True)
-    config = {"peft_type": "LORA", "bias": "none", "lora_dropout": 0.0, **spec}
-    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    write_safetensors(os.path.join(directory, "adapter_model.safetensors"), tensors)
-    return directory
-
-
-def write_default(directory: str, seed: int = 0) -> tuple[str, dict[str, str]]:
-    """The embedded default: `(model dir, {adapter name: adapter dir})`."""
-    model_dir = write_default_model(os.path.join(directory, "model"), seed)
-    adapters = {
-        name: write_default_adapter(os.path.join(directory, name), spec, seed + 1 + i)
-        for i, (name, spec) in enumerate(DEFAULT_ADAPTERS.items())
-    }
-    return model_dir, adapters
 
 
 # -- the job ----------------------------------------------------------------------------------
@@ -404,14 +244,14 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
     moe = config.get("model_type") in MOE_MODEL_TYPES
     own_dir = None if args.model is None else model_dir
     # before the weights, which can take minutes: a bad tokenizer or adapter fails at once
-    tokenizer = _hf_tokenizer(own_dir)
-    eos_ids = _eos_ids(own_dir)
+    tokenizer = hf_tokenizer(own_dir)
+    eos = eos_ids(own_dir)
     rank = args.max_lora_rank
     if rank is None:  # the default wrap fuses an MoE's gate and up (FusedMoE3DWithLoRA)
         rank = _max_rank(adapter_dirs, config.get("model_type"), fused_experts=moe)
     model = (load_hf_moe_model if moe else load_hf_model)(model_dir, rules=rules)
     if tokenizer is None:
-        tokenizer = _byte_tokenizer(own_dir, model.config.vocab_size)
+        tokenizer = byte_tokenizer(own_dir, model.config.vocab_size)
     n = max(1, len(adapter_dirs))
     cfg = LoRAConfig(max_loras=n, max_cpu_loras=n, max_lora_rank=rank)
     wrap_model(model, cfg)
@@ -431,7 +271,7 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
             slots,
             max_new_tokens=args.max_new_tokens,
             sampling=_sampling(args),
-            eos_token_id=eos_ids,
+            eos_token_id=eos,
         )
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
@@ -460,33 +300,6 @@ def _cache_bytes(model, batch: int, length: int) -> int:
     itemsize = np.dtype(getattr(model, "dtype", None) or np.float32).itemsize
     per_position = 2 * c.num_hidden_layers * physical_kv_heads(c, model.rules) * c.head_dim
     return batch * length * per_position * itemsize
-
-
-def _eos_ids(model_dir: str | None) -> list[int] | None:
-    """The model's end-of-sequence ids, as HF `generate` takes them: where the directory
-    has a `generation_config.json`, its `eos_token_id` alone (none there: no eos, even if
-    `config.json` names one); else `config.json`'s (an id or a list); None if unset."""
-    from lora_jax.models.loading import _read_json
-
-    if model_dir is None:
-        return None
-    path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.isfile(path):  # transformers then builds one from config.json
-        path = os.path.join(model_dir, "config.json")
-        if not os.path.isfile(path):
-            return None
-    data = _read_json(path)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    eos = data.get("eos_token_id")
-    if eos is None:
-        return None
-    ids = eos if isinstance(eos, list) else [eos]
-    if not ids or any(isinstance(e, bool) or not isinstance(e, int) for e in ids):
-        raise ValueError(
-            f"{path}: eos_token_id must be an int token id or a list of them, got {eos!r}"
-        )
-    return ids
 
 
 def _sampling(args):
