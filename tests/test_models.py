@@ -241,6 +241,30 @@ def test_from_hf_rejects_bad_configs(bad, match):
         DecoderConfig.from_hf(_hf_dict(**bad))
 
 
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(vocab_size=True), "vocab_size must be an int >= 1"),  # was a 1-token vocab
+        (dict(num_hidden_layers=True), "num_hidden_layers must be an int >= 1"),
+        (dict(rope_theta=0.0), "rope_theta must be a finite number > 0"),
+        (dict(rope_theta=-1e4), "rope_theta must be a finite number > 0"),
+        (dict(rope_theta=float("inf")), "rope_theta must be a finite number > 0"),
+        (dict(rope_theta=True), "rope_theta must be a finite number > 0"),
+        (dict(rope_theta="1e4"), "rope_theta must be a finite number > 0"),
+        (dict(rms_norm_eps=-1.0), "rms_norm_eps must be a finite number >= 0"),
+        (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number >= 0"),
+    ],
+)
+def test_decoder_config_refuses_bools_and_non_finite_rope_and_norm(bad, match):
+    with pytest.raises(ValueError, match=match):
+        DecoderConfig.tiny(**bad)
+
+
+def test_decoder_config_takes_int_theta_and_zero_eps():
+    cfg = DecoderConfig.tiny(rope_theta=10000, rms_norm_eps=0.0)
+    assert np.isfinite(rope_inv_freq(cfg.head_dim, cfg.rope_theta)).all()
+
+
 LLAMA3 = dict(
     rope_type="llama3",
     factor=8.0,

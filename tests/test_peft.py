@@ -14,6 +14,7 @@ import lora_jax as lj
 from lora_jax.serving.manager import LRUCacheLoRAModelManager
 from lora_jax.serving.peft import (
     PEFTConfig,
+    adapter_from_tensors,
     load_peft_adapter,
     read_safetensors,
     write_safetensors,
@@ -535,6 +536,55 @@ def test_a_config_made_in_code_refuses_the_layer_filters_peft_refuses():
     listed = PEFTConfig(r=4, lora_alpha=8, target_modules=("q_proj",), layers_to_transform=(0,))
     assert listed.targets("model.layers.0.self_attn.q_proj")
     assert not listed.targets("model.layers.1.self_attn.q_proj")
+
+
+def test_a_config_made_in_code_takes_peft_s_dict_patterns(model):
+    """PEFT's `rank_pattern` / `alpha_pattern` are dicts: made in code they failed with
+    "too many values to unpack"; they serve as the pairs form and as the same file."""
+    kw = dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj"],
+        rank_pattern={"q_proj": 4},
+        alpha_pattern={"v_proj": 2},
+    )
+    tensors = peft_tensors(["q_proj", "v_proj"], 8, seed=3, ranks={"q_proj": 4, "v_proj": 8})
+    tensors = {k: np.asarray(v, np.float32) for k, v in tensors.items()}
+    pairs = {k: tuple(v.items()) for k, v in kw.items() if k.endswith("_pattern")}
+    want = adapter_from_tensors(tensors, PEFTConfig.from_dict(kw), model, CFG, adapter_id=1)
+    for cfg in (PEFTConfig(**kw), PEFTConfig(**{**kw, **pairs})):
+        got = adapter_from_tensors(tensors, cfg, model, CFG, adapter_id=1)
+        _same_modules(got, want)
+    assert PEFTConfig(**kw) == PEFTConfig(**{**kw, **pairs})
+    hash(PEFTConfig(**kw))
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(lora_alpha="16"), "lora_alpha='16' must be a finite number"),
+        (dict(lora_alpha=None), "lora_alpha=None must be a finite number"),
+        (dict(lora_alpha=True), "lora_alpha=True must be a finite number"),  # was alpha 1
+        (dict(lora_alpha=float("nan")), "lora_alpha=nan must be a finite number"),
+        (dict(alpha_pattern={"q_proj": "8"}), r"alpha_pattern\['q_proj'\]='8' must be a finite"),
+        (dict(use_rslora="false"), "use_rslora='false' must be a bool"),  # was rsLoRA on
+        (dict(ensure_weight_tying=1), "ensure_weight_tying=1 must be a bool"),
+        (dict(target_modules=5), "target_modules=5 must be a string"),
+        (dict(target_modules=["q_proj", 5]), "target_modules=.* must be a string"),
+        (dict(exclude_modules=5), "exclude_modules=5 must be a string"),
+        (dict(layers_to_transform="0"), "layers_to_transform='0' must be an int or a list"),
+        (dict(layers_to_transform=(0, True)), "layers_to_transform=.* must be an int or a list"),
+        (dict(rank_pattern=(("q_proj", 4, 1),)), "rank_pattern=.* must be a dict"),
+        (dict(rank_pattern={3: 4}), "rank_pattern=.* must be a dict"),
+        (dict(alpha_pattern=5), "alpha_pattern=5 must be a dict"),
+    ],
+)
+def test_a_config_made_in_code_checks_its_fields_as_from_dict(bad, match):
+    """Only `r` and the ranks were checked in code: the rest failed later as raw
+    TypeErrors, or served another scaling silently."""
+    kw = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], **bad}
+    with pytest.raises(ValueError, match=match):
+        PEFTConfig(**kw)
 
 
 def test_max_lora_rank_bounds_only_the_ranks_served(tmp_path, model):

@@ -351,6 +351,28 @@ def test_export_refuses_what_it_cannot_write(tmp_path):
         adapter_from_slot(model, 3)
 
 
+def test_adapter_from_slot_takes_only_an_int_id_of_at_least_one():
+    model = _trained()
+    for aid in (1.9, True, "7", 0, -3):  # 1.9 was cut to 1, "7" / True read as ids
+        with pytest.raises(ValueError, match=r"adapter_from_slot: adapter_id must be an int >= 1"):
+            adapter_from_slot(model, 1, adapter_id=aid)
+    for aid in (7, np.int64(7)):
+        assert adapter_from_slot(model, 1, adapter_id=aid).id == 7
+
+
+def test_init_lora_slot_takes_only_a_non_negative_int_seed():
+    model = _model()
+    before = _stacks(model)
+    for seed in (1.5, "1", -1, True):  # True was taken as seed 1
+        with pytest.raises(ValueError, match=r"init_lora_slot: seed must be an int >= 0"):
+            init_lora_slot(model, 1, 4, seed=seed)
+    jax.tree.map(np.testing.assert_array_equal, _stacks(model), before)
+    init_lora_slot(model, 1, 4, seed=np.int64(1))
+    by_np = _stacks(model)
+    init_lora_slot(model, 1, 4, seed=1)
+    jax.tree.map(np.testing.assert_array_equal, _stacks(model), by_np)
+
+
 def _moe_model(rules=None, separate=False):
     from lora_jax.models import PACKED_MODULES_MAPPING
     from lora_jax.models.moe_decoder import MoEConfig, MoEDecoderForCausalLM

@@ -119,6 +119,34 @@ def test_without_packed_mapping_layers_are_single_modules():
     assert lora_layers(model)["model.layers.0.self_attn.qkv_proj"].packed_modules == ("qkv_proj",)
 
 
+@pytest.mark.parametrize(
+    "packed",
+    [
+        {"qkv_proj": "q_proj"},  # a str was read one character per member
+        ["qkv_proj"],
+        {"qkv_proj": ["q_proj", 3]},
+        {"qkv_proj": []},
+        {"qkv_proj": ["q_proj", ""]},
+    ],
+)
+def test_a_packed_mapping_that_is_not_names_to_name_lists_is_refused(packed):
+    model = ToyLM()
+    with pytest.raises(ValueError, match="wrap_model: packed_modules_mapping"):
+        wrap_model(model, CFG, packed_modules_mapping=packed)
+    assert lora_layers(model) == {}
+    assert lj.find_lora_context(model) is None
+
+
+def test_a_packed_mapping_of_tuples_wraps_as_one_of_lists():
+    want, got = ToyLM(), ToyLM()
+    wrap_model(want, CFG, packed_modules_mapping=PACKED)
+    wrap_model(got, CFG, packed_modules_mapping={k: tuple(v) for k, v in PACKED.items()})
+    assert _kinds(got) == _kinds(want)
+    assert {n: m.packed_modules for n, m in lora_layers(got).items()} == {
+        n: m.packed_modules for n, m in lora_layers(want).items()
+    }
+
+
 def test_fully_sharded_picks_sharded_classes():
     rules = lj.ShardingRules(_mesh(2))
     model = ToyLM(rules=rules)

@@ -12,6 +12,8 @@ a file with both is read as transformers 5.25 reads it: `rope_scaling` wins.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -144,8 +146,18 @@ class DecoderConfig:
             "head_dim",
         ):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"DecoderConfig.{name} must be an int >= 1, got {v!r}")
+        # theta <= 0 or eps < 0 make NaN / inf logits, with no error where they are used
+        if not _finite(self.rope_theta) or self.rope_theta <= 0:
+            raise ValueError(
+                f"DecoderConfig.rope_theta must be a finite number > 0, got {self.rope_theta!r}"
+            )
+        if not _finite(self.rms_norm_eps) or self.rms_norm_eps < 0:
+            raise ValueError(
+                "DecoderConfig.rms_norm_eps must be a finite number >= 0, "
+                f"got {self.rms_norm_eps!r}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"DecoderConfig: num_attention_heads={self.num_attention_heads} is not a multiple "
@@ -312,6 +324,11 @@ class DecoderConfig:
         )
         kw.update(overrides)
         return cls(**kw)
+
+
+def _finite(v) -> bool:
+    """A real finite number (a bool is not one)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _max_positions(hf: Mapping[str, Any]):

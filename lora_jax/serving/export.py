@@ -42,6 +42,7 @@ from lora_jax.serving.export_experts import (
     target_alternatives,
     transformers4_name,
 )
+from lora_jax.serving.manager_request import _check_id
 from lora_jax.serving.peft import (
     CONFIG_NAME,
     PEFT_PREFIX,
@@ -115,6 +116,7 @@ def adapter_from_slot(
     Example:
         >>> adapter = adapter_from_slot(model, 1, adapter_id=7, name="tuned")  # doctest: +SKIP
     """
+    _check_id(adapter_id, "adapter_from_slot: adapter_id", "the manager key")
     _check_slot(model, slot)
     modules = {}
     for lname, layer in trainable_layers(model).items():
@@ -144,7 +146,7 @@ def adapter_from_slot(
     if not modules:
         raise ValueError(f"export: slot {slot} holds no adapter")
     rank = max(m.rank for m in modules.values())
-    return LoRAAdapter(id=int(adapter_id), name=name, rank=rank, modules=modules)
+    return LoRAAdapter(id=adapter_id, name=name, rank=rank, modules=modules)
 
 
 class _Pair(NamedTuple):

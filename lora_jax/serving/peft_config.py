@@ -224,6 +224,35 @@ class PEFTConfig:
         return dataclasses.replace(self, target_modules=default, targets_by_model_type=False)
 
     def __post_init__(self):
+        # a config made in code gets the checks `from_dict` gives a file's fields
+        from lora_jax.serving.peft_config_json import _check_alpha, _layer_indices, _module_names
+
+        for what in ("target_modules", "exclude_modules"):
+            names = _module_names({what: getattr(self, what)}, what, self.source)
+            object.__setattr__(self, what, names)
+        object.__setattr__(
+            self, "layers_to_transform", _layer_indices(self.layers_to_transform, self.source)
+        )
+        for what in ("use_rslora", "ensure_weight_tying"):
+            v = getattr(self, what)
+            if not isinstance(v, bool | np.bool_):  # a str such as "false" would read as True
+                raise ValueError(f"{self.source}: {what}={v!r} must be a bool")
+        for what in ("rank_pattern", "alpha_pattern"):
+            pairs = getattr(self, what)
+            # PEFT's own form is a dict; kept as pairs in its order (the first match wins)
+            pairs = tuple(pairs.items()) if isinstance(pairs, Mapping) else pairs
+            if not isinstance(pairs, list | tuple) or not all(
+                isinstance(p, list | tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs
+            ):
+                raise ValueError(
+                    f"{self.source}: {what}={pairs!r} must be a dict (or (pattern, value) "
+                    "pairs) of module name patterns to "
+                    f"{'ranks' if what == 'rank_pattern' else 'alphas'}"
+                )
+            object.__setattr__(self, what, tuple((k, v) for k, v in pairs))
+        _check_alpha("lora_alpha", self.lora_alpha, self.source)
+        for k, v in self.alpha_pattern:
+            _check_alpha(f"alpha_pattern[{k!r}]", v, self.source)
         t = self.target_modules
         if isinstance(t, str) and t.lower() == ALL_LINEAR:
             object.__setattr__(self, "target_modules", ALL_LINEAR)

@@ -51,18 +51,7 @@ def config_fields(d: Mapping[str, Any], source: str) -> dict[str, Any]:
         raise ValueError(
             f"{source}: trainable_token_indices={d['trainable_token_indices']!r} is not supported"
         )
-    layers = d.get("layers_to_transform")
-    if isinstance(layers, list | tuple):
-        layers = tuple(layers)
-    ok = layers is None or isinstance(layers, int) or isinstance(layers, tuple)
-    if not ok or any(
-        isinstance(i, bool) or not isinstance(i, int)
-        for i in (layers if isinstance(layers, tuple) else [layers] if layers is not None else [])
-    ):
-        raise ValueError(
-            f"{source}: layers_to_transform={d['layers_to_transform']!r} must be an int or a "
-            "list of ints"
-        )
+    layers = _layer_indices(d.get("layers_to_transform"), source)
     pattern = d.get("layers_pattern")
     if isinstance(pattern, str):
         pattern = (pattern,) if pattern else None
@@ -152,6 +141,20 @@ def config_fields(d: Mapping[str, Any], source: str) -> dict[str, Any]:
         ensure_weight_tying=bool(d.get("ensure_weight_tying", False)),
         targets_by_model_type=targets is None,
     )
+
+
+def _layer_indices(value, source: str) -> tuple[int, ...] | int | None:
+    """`layers_to_transform`: None, one layer index, or a list of them (as a tuple)."""
+    layers = tuple(value) if isinstance(value, list | tuple) else value
+    ok = layers is None or isinstance(layers, int) or isinstance(layers, tuple)
+    if not ok or any(
+        isinstance(i, bool) or not isinstance(i, int)
+        for i in (layers if isinstance(layers, tuple) else [layers] if layers is not None else [])
+    ):
+        raise ValueError(
+            f"{source}: layers_to_transform={value!r} must be an int or a list of ints"
+        )
+    return layers
 
 
 def _module_names(d: Mapping[str, Any], key: str, source: str) -> tuple[str, ...] | str | None:

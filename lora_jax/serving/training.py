@@ -117,6 +117,8 @@ def init_lora_slot(
     """
     if isinstance(rank, bool) or not isinstance(rank, int | np.integer) or rank < 1:
         raise ValueError(f"init_lora_slot: rank must be a positive int, got {rank!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise ValueError(f"init_lora_slot: seed must be an int >= 0, got {seed!r}")
     everything = lora_layers(model)
     if not everything:
         raise ValueError("init_lora_slot: the model has no LoRA layers (wrap_model it first)")

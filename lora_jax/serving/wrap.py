@@ -106,6 +106,29 @@ def default_packed_modules_mapping() -> dict[str, list[str]]:
     return {k: list(v) for k, v in PACKED_MODULES_MAPPING.items()}
 
 
+def _check_packed_mapping(mapping) -> dict[str, list[str]]:
+    """A copy of ``mapping`` as ``{packed name: [member names]}``; a str value would be read
+    one character per member, so only lists / tuples of names are taken."""
+    if not isinstance(mapping, Mapping):
+        raise ValueError(
+            "wrap_model: packed_modules_mapping must be a mapping of packed module name → "
+            f"list of checkpoint names, got {type(mapping).__name__} {mapping!r}"
+        )
+    for k, v in mapping.items():
+        if (
+            not isinstance(k, str)
+            or not k
+            or not isinstance(v, list | tuple)
+            or not v
+            or not all(isinstance(m, str) and m for m in v)
+        ):
+            raise ValueError(
+                f"wrap_model: packed_modules_mapping[{k!r}] must map a non-empty str to a "
+                f"non-empty list / tuple of non-empty str names, got {v!r}"
+            )
+    return {k: list(v) for k, v in mapping.items()}
+
+
 def is_lora_layer(node: Any) -> bool:
     """True for the LoRA wrappers `wrap_model` creates (any registered class)."""
     return isinstance(node, (BaseLayerWithLoRA, *LORA_LAYER_CLASSES))
@@ -354,7 +377,7 @@ def wrap_model(
     mapping = (
         default_packed_modules_mapping()
         if packed_modules_mapping is None
-        else dict(packed_modules_mapping)
+        else _check_packed_mapping(packed_modules_mapping)
     )
     targets = _normalize_targets(target_modules)
     # the walk below skips the root: nothing holds it, so nothing could take its wrapper
