@@ -12,7 +12,12 @@ from serving_toy import ToyLM, peft_tensors
 
 import lora_jax as lj
 from lora_jax.serving import slot_writes
-from lora_jax.serving.manager import LoRAModelManager, LoRARequest, LRUCacheLoRAModelManager
+from lora_jax.serving.manager import (
+    LoRAModelManager,
+    LoRARequest,
+    LRUCacheLoRAModelManager,
+    managers_of,
+)
 from lora_jax.serving.peft import LoRAAdapter, ModuleLoRA, PEFTConfig, adapter_from_tensors
 from lora_jax.serving.wrap import lora_layers, wrap_model
 
@@ -1065,3 +1070,86 @@ def test_a_reserved_slot_is_never_written(lru):
 
 def _lora_b(model):
     return [v for la in lora_layers(model).values() for v in la.lora_b]
+
+
+@pytest.mark.parametrize("lru", [True, False], ids=["lru", "plain"])
+def test_a_second_manager_of_a_model_retires_the_first(lru):
+    """Two managers of one model would both write slot 0 (each counts it free), and the
+    first one's requests would get the second one's adapter: a new manager (of the model
+    or of its backbone; a notebook cell run again) retires the older one, whose calls
+    then refuse, changing nothing."""
+    model, mgr = _setup(lru=lru)
+    cfg = mgr.lora_config
+    ad = _adapters(model, 3)
+    mgr.set_active_adapters([ad[1]])
+    for target in (model.model, model):
+        other = (LRUCacheLoRAModelManager if lru else LoRAModelManager)(target, cfg)
+        assert managers_of(model) == [other]
+        want = _lora_arrays(model)
+        for name, args in (
+            ("token_mapping", ([1],)),
+            ("set_active_adapters", ([ad[2]],)),
+            ("activate_adapter", (1,)),
+            ("write_slot", (1, ad[2])),
+        ):
+            with pytest.raises(ValueError, match="a newer manager of this model"):
+                getattr(mgr, name)(*args)
+        jax.tree.map(np.testing.assert_array_equal, _lora_arrays(model), want)
+        mgr = other
+    mgr.set_active_adapters([ad[2]])  # the newest serves, from a clean slot table
+    assert _slots(mgr) == [2, None]
+    np.testing.assert_array_equal(mgr.token_mapping([2]), [0])
+
+
+@pytest.mark.parametrize("lru", [True, False], ids=["lru", "plain"])
+def test_a_manager_refuses_its_model_once_unwrapped(lru):
+    """After `unwrap_model` (and `wrap_model` again) the manager's layers are gone from
+    the model: writing slots or mapping requests through it would serve the base model,
+    so every such call refuses; another model's wrap changes nothing for it."""
+    from lora_jax.serving.wrap import unwrap_model
+
+    model, mgr = _setup(lru=lru)
+    ad = _adapters(model, 3)
+    mgr.set_active_adapters([ad[1]])
+    _setup()  # another model wrapped: this manager's layers are still the model's
+    np.testing.assert_array_equal(mgr.token_mapping([1]), [0])
+    calls = {
+        "activate_adapter": lambda: mgr.activate_adapter(1),
+        "token_mapping": lambda: mgr.token_mapping([1]),
+        "set_active_adapters": lambda: mgr.set_active_adapters([ad[2]]),
+        "add_adapter": lambda: mgr.add_adapter(ad[3]),
+        "add_adapters": lambda: mgr.add_adapters([ad[3]], activate=True, progress=False),
+        "write_slot": lambda: mgr.write_slot(1, ad[2]),
+    }
+    for rewrap in (False, True):
+        if rewrap:
+            wrap_model(model, mgr.lora_config, packed_modules_mapping=PACKED)
+        else:
+            unwrap_model(model)
+        for what, call in calls.items():
+            with pytest.raises(ValueError, match=rf"{what}: the model was unwrapped.*new manager"):
+                call()
+        assert _slots(mgr) == [1, None] and sorted(mgr.list_adapters()) == [1]
+    fresh = LRUCacheLoRAModelManager(model, mgr.lora_config)  # the stale one is no owner
+    fresh.set_active_adapters([ad[1]])
+    np.testing.assert_array_equal(fresh.token_mapping([1]), [0])
+
+
+@pytest.mark.parametrize("lru", [True, False], ids=["lru", "plain"])
+def test_manager_id_methods_refuse_ids_that_are_not_ints(lru):
+    """An adapter id is an int >= 1 (as `token_mapping` and `add_adapter` say): a bool or
+    a float equal to an id, or a jax array, is refused with nothing changed; a numpy
+    integer is the int, stored as one."""
+    model, mgr = _setup(lru=lru)
+    mgr.add_adapter(_adapter(model, 1))
+    methods = ["activate_adapter", "deactivate_adapter", "remove_adapter", "slot_of"]
+    methods += ["get_adapter"] + (["pin_adapter"] if lru else [])
+    for bad in (True, 1.0, jnp.int32(1), 0):
+        for name in methods:
+            with pytest.raises(ValueError, match=rf"{name}: adapter_id must be an int >= 1"):
+                getattr(mgr, name)(bad)
+            assert _slots(mgr) == [None, None] and sorted(mgr.list_adapters()) == [1]
+    assert mgr.activate_adapter(np.int64(1)) and mgr.slot_of(np.int32(1)) == 0
+    assert [type(x) for x in _slots(mgr)] == [int, type(None)]
+    assert mgr.get_adapter(np.int64(1)) is mgr.get_adapter(1)
+    assert mgr.remove_adapter(np.int64(1)) and len(mgr) == 0 and _slots(mgr) == [None, None]

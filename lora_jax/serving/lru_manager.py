@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 
 from lora_jax.serving.lru import LRUCache
 from lora_jax.serving.manager import LoRAModelManager, LoRARequest
+from lora_jax.serving.manager_request import _check_id
 from lora_jax.serving.peft import LoRAAdapter
 
 
@@ -119,6 +120,8 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
         ]
 
     def deactivate_adapter(self, adapter_id: int) -> bool:
+        _check_id(adapter_id, "deactivate_adapter: adapter_id")
+        adapter_id = int(adapter_id)
         if adapter_id not in self._active_adapters:
             return False
         self._check_not_in_merged_slot(adapter_id)
@@ -126,6 +129,8 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
         return True
 
     def remove_adapter(self, adapter_id: int) -> bool:
+        _check_id(adapter_id, "remove_adapter: adapter_id")
+        adapter_id = int(adapter_id)
         self.deactivate_adapter(adapter_id)
         return self._registered_adapters.pop(adapter_id) is not None
 
@@ -140,6 +145,8 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
 
     def pin_adapter(self, adapter_id: int) -> bool:
         """Keeps an adapter in the CPU cache and in a device slot (activating it)."""
+        _check_id(adapter_id, "pin_adapter: adapter_id")
+        adapter_id = int(adapter_id)
         if adapter_id not in self._registered_adapters:
             raise ValueError(f"Pinning failed. LoRA {adapter_id} is not registered.")
         if adapter_id not in self._active_adapters:
@@ -154,6 +161,7 @@ class LRUCacheLoRAModelManager(LoRAModelManager):
         adapters that are neither requested nor pinned: when the requests and the pinned
         adapters do not fit the slots (or the CPU cache) together, `RuntimeError` and
         nothing changes."""
+        self._check_model("set_active_adapters")
         reqs = self._distinct(requests)
         # one walk of the layers, not one per registered adapter (only an active
         # adapter sits in a slot)

@@ -18,6 +18,11 @@ before it evicts, touches or writes anything. A slot that `merge_adapter` folded
 kernels is never written (nor chosen, free or as a victim) until `unmerge_adapter`. Slot
 choices are deterministic, so every process of a multi-host run makes the same ones.
 
+One manager per model: making a second one (of the model or of part of it) retires the
+first, whose later calls that write slots or map requests refuse (both would write the
+same slots). A manager whose model was unwrapped or wrapped again
+since it was made refuses every call that writes slots or maps requests.
+
 Ids: `load_adapters` numbers adapters past every id the manager has held, so an id that a
 removal or an eviction freed is never given to another adapter (a client still asking for
 the old one would get the new one's weights). A `LoRARequest` whose id is registered must
@@ -67,7 +72,7 @@ from lora_jax.serving.peft import LoRAAdapter
 from lora_jax.serving.peft import load_peft_adapter as load_peft_adapter
 from lora_jax.serving.slot_writes import layer_variables as layer_variables
 from lora_jax.serving.slot_writes import write_slot_updates as write_slot_updates
-from lora_jax.serving.wrap import layer_packed_modules, lora_layers
+from lora_jax.serving.wrap import graph_edits, layer_packed_modules, lora_layers
 
 # Every live manager, for `init_lora_slot` to find a model's. Weak: a manager nothing
 # else holds drops out, and the registry keeps neither managers nor models alive.
@@ -126,6 +131,15 @@ class LoRAModelManager(_SlotsMixin, _LoadingMixin, _WorkerMixin):
                     f"max_lora_rank={cfg.max_lora_rank}; the manager's config has "
                     f"{lora_config.max_loras}, {lora_config.max_lora_rank}"
                 )
+        # One manager per model: each counts every slot it did not fill as free, so two
+        # would write the same slots and serve each other's adapters. The newest wins (a
+        # notebook cell run again makes a new manager while the old one is still bound):
+        # the older ones refuse every later call that writes slots or maps requests.
+        for other in managers_of(model):
+            other._superseded_by = weakref.ref(self)
+            _MANAGERS.discard(other)
+        self._superseded_by = None
+        self._graph_edits = graph_edits()  # the model's layers are checked when this moves
         self.context: LoRAContext | None = find_lora_context(model)
         self.lora_index_to_id: list[int | None] = [None] * self.lora_slots
         self._reserved: set[int] = set()  # slots kept for training (reserve_slot)
@@ -133,6 +147,30 @@ class LoRAModelManager(_SlotsMixin, _LoadingMixin, _WorkerMixin):
         self._registered_adapters = self._make_registry()
         self._active_adapters = self._make_active()
         _MANAGERS.add(self)
+
+    def _check_model(self, what: str) -> None:
+        """The model's LoRA layers must still be the ones this manager writes: after
+        `unwrap_model` (or `wrap_model` again) its slots serve nothing, and its requests
+        would get the base model."""
+        if self._superseded_by is not None:
+            raise ValueError(
+                f"{what}: a newer manager of this model was made after this "
+                f"{type(self).__name__}, and it writes the same device slots; use the newer "
+                "one (one manager per model)"
+            )
+        edits = graph_edits()
+        if edits == self._graph_edits:
+            return
+        now = lora_layers(self.model)
+        if now.keys() == self.modules.keys() and all(now[k] is x for k, x in self.modules.items()):
+            self._graph_edits = edits  # another model's layers were swapped
+            return
+        raise ValueError(
+            f"{what}: the model was unwrapped (unwrap_model) or wrapped again (wrap_model) "
+            f"since this {type(self).__name__} was made, and its LoRA layers are no longer "
+            "the ones the manager writes; make a new manager for the model (and add the "
+            "adapters again)"
+        )
 
     # -- caches (overridden by the LRU manager) -------------------------------------------
     def _make_registry(self):
@@ -173,11 +211,13 @@ class LoRAModelManager(_SlotsMixin, _LoadingMixin, _WorkerMixin):
         return dict(_items(self._registered_adapters))
 
     def get_adapter(self, adapter_id: int) -> LoRAAdapter | None:
+        _check_id(adapter_id, "get_adapter: adapter_id")
         reg = self._registered_adapters
         return reg.get(adapter_id) if adapter_id in reg else None
 
     def slot_of(self, adapter_id: int) -> int | None:
         """The device slot of an active adapter, else None."""
+        _check_id(adapter_id, "slot_of: adapter_id")
         try:
             return self.lora_index_to_id.index(adapter_id)
         except ValueError:
@@ -191,6 +231,7 @@ class LoRAModelManager(_SlotsMixin, _LoadingMixin, _WorkerMixin):
         if not isinstance(adapter, LoRAAdapter):
             raise ValueError(f"add_adapter: expected a LoRAAdapter, got {type(adapter).__name__}")
         _check_id(adapter.id, f"add_adapter: adapter {adapter.name!r}'s id")
+        self._check_model("add_adapter")
         if adapter.id in self._registered_adapters:
             self._check_same(adapter, "add_adapter")
             self._touch_registered(adapter.id)
@@ -201,6 +242,8 @@ class LoRAModelManager(_SlotsMixin, _LoadingMixin, _WorkerMixin):
 
     def remove_adapter(self, adapter_id: int) -> bool:
         """Deactivates and unregisters; False when unknown. Removes pinned ones too."""
+        _check_id(adapter_id, "remove_adapter: adapter_id")
+        adapter_id = int(adapter_id)
         self.deactivate_adapter(adapter_id)
         if adapter_id not in self._registered_adapters:
             return False

@@ -24,6 +24,7 @@ class _LoadingMixin:
         each one to activate, or every one when registering them evicts others), then they
         are added.
         """
+        self._check_model("add_adapters")
         adapters = list(adapters)
         checked, plans = self._check_adds(adapters, activate, "add_adapters")
         added = []
@@ -61,6 +62,7 @@ class _LoadingMixin:
                 f"load_adapters: paths must be a list of adapter directories or a mapping "
                 f"{{name: directory}}, got the single path {paths!r}; pass [{paths!r}]"
             )
+        self._check_model("load_adapters")
         if first_id is None:
             first_id = self._id_mark + 1
         else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from lora_jax.serving.manager_caches import _peek
+from lora_jax.serving.manager_request import _check_id
 from lora_jax.serving.merge import layer_merged_slot
 from lora_jax.serving.peft import LoRAAdapter
 from lora_jax.serving.slot_writes import layer_variables, write_slot_updates
@@ -24,7 +25,9 @@ class _SlotsMixin:
 
         The adapter is validated for every layer before any slot (or eviction) changes.
         """
-        return self._activate(adapter_id, None)
+        _check_id(adapter_id, "activate_adapter: adapter_id")
+        self._check_model("activate_adapter")
+        return self._activate(int(adapter_id), None)
 
     def _activate(self, adapter_id: int, plan) -> bool:
         """`activate_adapter`, with the adapter's `_plan_slot` result when the caller has
@@ -77,6 +80,8 @@ class _SlotsMixin:
     def deactivate_adapter(self, adapter_id: int) -> bool:
         """Frees the adapter's slot (its weights stay until overwritten); False if inactive.
         An adapter in a merged slot stays until `unmerge_adapter` (ValueError)."""
+        _check_id(adapter_id, "deactivate_adapter: adapter_id")
+        adapter_id = int(adapter_id)
         if adapter_id not in self._active_adapters:
             return False
         self._check_not_in_merged_slot(adapter_id)
@@ -165,6 +170,7 @@ class _SlotsMixin:
             >>> mgr.write_slot(0, None)  # zero the freed slot 0 everywhere  # doctest: +SKIP
         """
         slot = self._check_slot(slot, "write_slot")
+        self._check_model("write_slot")
         self._check_not_merged(slot)
         held = self.lora_index_to_id[slot]
         if held is not None:

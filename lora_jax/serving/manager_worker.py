@@ -32,6 +32,7 @@ class _WorkerMixin:
             >>> mgr.token_mapping([3, None, 3])  # doctest: +SKIP
             array([ 1, -1,  1], dtype=int32)
         """
+        self._check_model("token_mapping")
         slots, checked = [], set()  # requests found to name the registered adapter
         for i, req in enumerate(request_adapter_ids):
             aid = req
@@ -95,6 +96,7 @@ class _WorkerMixin:
         The plain manager removes every adapter that is not requested, then adds and
         activates the rest. More distinct requests than slots raise `RuntimeError`.
         """
+        self._check_model("set_active_adapters")
         reqs = self._distinct(requests)
         new, plans = self._validate_requests(reqs)
         staying = [a for a in self.lora_index_to_id if a is not None and a in reqs]
