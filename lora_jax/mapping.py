@@ -186,6 +186,8 @@ def make_lora_mapping(
         >>> int(m.num_active)
         1
     """
+    if isinstance(max_loras, bool) or not isinstance(max_loras, int | np.integer) or max_loras < 1:
+        raise ValueError(f"max_loras must be an int >= 1 (a static value), got {max_loras!r}")
     if is_prefill is not None and not isinstance(is_prefill, bool):
         raise ValueError(f"is_prefill must be True, False or None, got {is_prefill!r}")
     for name, hint in (("prompt_tiles", prompt_tiles), ("whole_tiles", whole_tiles)):

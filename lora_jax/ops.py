@@ -151,6 +151,30 @@ def _hinted(mapping: LoRAMapping, rank: int) -> bool:
     return tps is not None and not (tps == 1 and rank >= PER_TOKEN_XLA_MIN_RANK)
 
 
+def _check_mapping(name: str, mapping) -> None:
+    if not isinstance(mapping, LoRAMapping):
+        raise ValueError(
+            f"{name}: mapping must be a LoRAMapping (make_lora_mapping(token_lora_indices, "
+            f"max_loras)'s result), got {type(mapping).__name__}"
+        )
+
+
+def _check_scale(name: str, scale) -> None:
+    # bools and strings would be taken as 1.0 / crash deep in the ops; a scale array of
+    # any other shape would broadcast into the outputs' shape on the XLA backend only
+    number = isinstance(scale, int | float | np.integer | np.floating)
+    scalar = (
+        isinstance(scale, jax.Array | np.ndarray)
+        and scale.ndim == 0
+        and (jnp.issubdtype(scale.dtype, jnp.integer) or jnp.issubdtype(scale.dtype, jnp.floating))
+    )
+    if isinstance(scale, bool | np.bool_) or not (number or scalar):
+        raise ValueError(
+            f"{name}: scale must be a real number or a 0-d int / float array (a traced one "
+            f"too), got {scale!r}"
+        )
+
+
 def _check_stacks(name: str, stacks: Sequence[jax.Array], mapping: LoRAMapping) -> None:
     if not stacks:
         raise ValueError(f"{name}: need at least one slice, got none")
@@ -309,6 +333,8 @@ def lora_shrink(
         (1, 2, 4)
     """
     lora_a = tuple(lora_a)
+    _check_mapping("lora_shrink", mapping)
+    _check_scale("lora_shrink", scale)
     _check_shrink(x, lora_a, mapping, slot_ranks)
     rank = lora_a[0].shape[1]
     if resolve_backend(backend, x.shape[0], _hinted(mapping, rank)) in ("pallas", "pallas_fused"):
@@ -405,6 +431,7 @@ def lora_expand(
         [4.0, 0.0]
     """
     lora_b = tuple(lora_b)
+    _check_mapping("lora_expand", mapping)
     _check_expand(y, h, lora_b, mapping, slot_ranks)
     offsets = _expand_offsets(y, lora_b, h.shape[0], offsets)
     hinted = _hinted(mapping, h.shape[-1])
@@ -471,6 +498,12 @@ def set_columns(y: jax.Array, offset: int, cols: jax.Array) -> jax.Array:
         >>> set_columns(jnp.zeros((1, 4)), 1, jnp.ones((1, 2))).tolist()
         [[0.0, 1.0, 1.0, 0.0]]
     """
+    if isinstance(offset, int | np.integer) and not 0 <= offset <= y.shape[1] - cols.shape[1]:
+        # dynamic_update_slice would clamp it: the columns would land elsewhere
+        raise ValueError(
+            f"set_columns: offset {offset} with {cols.shape[1]} columns must lie in y's "
+            f"{y.shape[1]} columns (0 <= offset <= {y.shape[1] - cols.shape[1]})"
+        )
     return jax.lax.dynamic_update_slice(y, cols.astype(y.dtype), (0, offset))
 
 
@@ -494,6 +527,8 @@ def add_lora_linear(
         >>> y = add_lora_linear(y, x, a, b, mapping, backend="pallas_fused")  # doctest: +SKIP
     """
     lora_a, lora_b = tuple(lora_a), tuple(lora_b)
+    _check_mapping("add_lora_linear", mapping)
+    _check_scale("add_lora_linear", scale)
     hinted = bool(lora_a) and _hinted(mapping, lora_a[0].shape[1])
     fused = resolve_backend(backend, x.shape[0], hinted) == "pallas_fused"
     if fused and _static_scale(scale) is not None:  # a traced scale: shrink, then expand

@@ -601,6 +601,13 @@ def test_sampling_follows_the_softmax():
         (dict(adapter_slots=[-1, -1]), "adapter_slots"),
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(eos_token_id=999), "eos_token_id"),
+        # numpy took True in [True, 2, 3] as token 1; the buckets went through int()
+        (dict(prompts=[[1, 2], [True, 2, 3]]), r"prompt 1 .*\(ints, not bools\)"),
+        (dict(prompts=[(2, np.True_)]), r"prompt 0 .*\(ints, not bools\)"),
+        (dict(min_batch_bucket=2.9), "min_batch_bucket must be an int >= 1, got 2.9"),
+        (dict(min_batch_bucket=True), "min_batch_bucket must be an int >= 1, got True"),
+        (dict(min_prompt_bucket="x"), "min_prompt_bucket must be an int >= 1, got 'x'"),
+        (dict(min_prompt_bucket=0), "min_prompt_bucket must be an int >= 1, got 0"),
         # an integer / bool KV cache truncated keys and values: other tokens, no error
         (dict(cache_dtype=jnp.int8), "cache_dtype must be a floating dtype.*int8"),
         (dict(cache_dtype=jnp.bool_), "cache_dtype must be a floating dtype.*bool"),

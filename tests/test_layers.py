@@ -524,3 +524,55 @@ def test_a_rule_value_that_is_not_one_mesh_axis_is_refused_by_name(value):
     assert rules.size("tensor") == 2
     base = lj.ColumnParallelLinear(16, 32, rules=rules, rngs=nnx.Rngs(0))
     assert base.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "x")
+
+
+def test_a_slot_for_a_model_without_lora_layers_is_refused():
+    """With wrap_model forgotten (or after unwrap_model) set_lora_mapping and lora_mapping
+    did nothing: slot 0 was served by the base model, float indices passed unchecked."""
+    from lora_jax.serving.wrap import unwrap_model, wrap_model
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.q_proj = nnx.Linear(16, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.q_proj(x)
+
+    model = Block(nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 16)), jnp.float32)
+    kernel, bias = (np.asarray(v, np.float64) for v in (model.q_proj.kernel, model.q_proj.bias))
+    base = np.asarray(x, np.float64) @ kernel + bias
+    no_lora = "adapter slots .* outside -1 \\(the model has no LoRA layers"
+    for step in range(2):
+        if step:  # a model wrapped and unwrapped again has no LoRA layers either
+            wrap_model(model, lj.LoRAConfig(max_loras=2, max_lora_rank=8))
+            unwrap_model(model)
+        for idx in (jnp.array([0, -1], jnp.int32), np.array([-1, 3]), [1, 1]):
+            with pytest.raises(ValueError, match=no_lora):
+                lj.set_lora_mapping(model, idx)
+            with pytest.raises(ValueError, match=no_lora):
+                with lj.lora_mapping(model, idx):
+                    pass
+        with pytest.raises(ValueError, match=f"{no_lora}.*wrap_model"):
+            lj.set_lora_mapping(model, lj.make_lora_mapping(jnp.array([0, -1]), 2))
+        with pytest.raises(ValueError, match="slots \\[0\\] in seq_lora_indices"):
+            lj.set_lora_mapping(model, jnp.array([-1, -1]), jnp.array([0]))
+        with pytest.raises(ValueError, match="token_lora_indices must be integers, got float"):
+            lj.set_lora_mapping(model, jnp.array([0.5, 7.0]))
+        with pytest.raises(ValueError, match="token_lora_indices must be 1-D"):
+            lj.set_lora_mapping(model, jnp.array([[-1, -1]]))
+        # no adapter anywhere: nothing to set, the base output
+        assert lj.set_lora_mapping(model, jnp.array([-1, -1], jnp.int32)) is None
+        with lj.lora_mapping(model, np.array([-1, -1])):
+            np.testing.assert_allclose(np.asarray(model(x)), base, rtol=1e-5, atol=1e-5)
+
+    @nnx.jit
+    def step(model, x, idx):
+        with lj.lora_mapping(model, idx):
+            return model(x)
+
+    # traced indices cannot be read: only their dtype and shape are checked
+    got = step(model, x, jnp.array([0, 0], jnp.int32))
+    np.testing.assert_allclose(np.asarray(got), base, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="token_lora_indices must be integers, got float"):
+        step(model, x, jnp.array([0.0, 0.0]))

@@ -525,6 +525,59 @@ def test_every_backend_checks_the_same_inputs_and_takes_a_traced_scale(monkeypat
     )
 
 
+@pytest.mark.parametrize("bad", [True, 0, -1, 2.5, "2"])
+def test_max_loras_must_be_an_int_of_at_least_one(bad):
+    """True made a 1-slot mapping, 0 / -1 mapped every token to no adapter, 2.5 passed
+    and '2' raised numpy's UFuncTypeError."""
+    idx = np.array([0, 1, -1], np.int32)
+    with pytest.raises(ValueError, match=f"max_loras must be an int >= 1.*got {bad!r}"):
+        lj.make_lora_mapping(idx, bad)
+    m = lj.make_lora_mapping(idx, np.int64(2))  # numpy ints are ints
+    np.testing.assert_array_equal(m.token_lora_indices, np.where(idx < 2, idx, -1))
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas_fused"])
+def test_scale_and_mapping_types_are_checked(monkeypatch, backend):
+    """A str / None scale gave raw TypeErrors, True was taken as 1.0 and a [2] array
+    broadcast; an index array for the mapping an AttributeError ('tokens_per_slot')."""
+    monkeypatch.setattr(lj.ops, "PALLAS_INTERPRET", True)
+    T, H, R, L, N = 3, 16, 8, 2, 12
+    x, y = jnp.ones((T, H)), jnp.zeros((T, N))
+    a, b = jnp.ones((L, R, H)), jnp.ones((L, N, R))
+    idx = jnp.array([0, 1, -1], jnp.int32)
+    m = lj.make_lora_mapping(idx, L)
+    for bad in ("2", None, True, jnp.ones(2)):
+        with pytest.raises(ValueError, match="lora_shrink: scale must be a real number"):
+            ops.lora_shrink(x, [a], m, bad, backend=backend)
+        with pytest.raises(ValueError, match="add_lora_linear: scale must be a real number"):
+            ops.add_lora_linear(y, x, [a], [b], m, bad, backend=backend)
+    for raw in (idx, np.asarray(idx)):
+        with pytest.raises(ValueError, match=r"mapping must be a LoRAMapping \(make_lora_mapping"):
+            ops.lora_shrink(x, [a], raw, backend=backend)
+        with pytest.raises(ValueError, match=r"mapping must be a LoRAMapping \(make_lora_mapping"):
+            ops.lora_expand(y, jnp.ones((1, T, R)), [b], raw, backend=backend)
+        with pytest.raises(ValueError, match=r"mapping must be a LoRAMapping \(make_lora_mapping"):
+            ops.add_lora_linear(y, x, [a], [b], raw, backend=backend)
+    want = np.where((np.asarray(idx) >= 0)[:, None], 0.5 * H * R, 0.0) * np.ones((T, N))
+    for good in (0.5, np.float32(0.5), jnp.float32(0.5)):  # numbers and 0-d arrays still
+        got = ops.add_lora_linear(y, x, [a], [b], m, good, backend=backend)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+
+
+def test_set_columns_refuses_an_offset_outside_y():
+    """dynamic_update_slice clamped offset 10 of 4 columns in a 12-wide y to 8: the
+    columns landed elsewhere, with no error."""
+    y, cols = jnp.zeros((2, 12)), jnp.ones((2, 4))
+    for bad in (10, -1, np.int32(9)):
+        with pytest.raises(ValueError, match=f"set_columns: offset {bad} with 4 columns"):
+            ops.set_columns(y, bad, cols)
+    want = np.zeros((2, 12))
+    want[:, 8:] = 1.0
+    np.testing.assert_array_equal(ops.set_columns(y, 8, cols), want)
+    traced = jax.jit(lambda o: ops.set_columns(y, o, cols))  # a traced offset is not known
+    np.testing.assert_array_equal(traced(8), want)
+
+
 @pytest.mark.parametrize("y_dtype", [jnp.bfloat16, jnp.float32])
 def test_a_tokens_numbers_do_not_depend_on_the_hint_or_the_backend(monkeypatch, y_dtype):
     """The per-token expand (tokens_per_slot 1) kept h in f32 where the segment expand

@@ -508,6 +508,7 @@ def set_lora_mapping(
     """
     ctx = find_lora_context(model)
     if ctx is None:
+        _refuse_slots_without_lora(token_lora_indices, seq_lora_indices)
         return None
     if isinstance(token_lora_indices, LoRAMapping):
         mapping = token_lora_indices
@@ -524,6 +525,37 @@ def set_lora_mapping(
         )
     ctx.set_value(mapping)
     return mapping
+
+
+def _refuse_slots_without_lora(token_lora_indices, seq_lora_indices) -> None:
+    """For a model with no LoRA layers (wrap_model forgotten, or unwrapped): the indices
+    checked as `make_lora_mapping` checks them, and a slot >= 0 refused, since the base
+    model would serve it. Traced indices can be checked for dtype and shape only."""
+    if isinstance(token_lora_indices, LoRAMapping):
+        seq_lora_indices = token_lora_indices.seq_lora_indices
+        token_lora_indices = token_lora_indices.token_lora_indices
+    for name, idx in (
+        ("token_lora_indices", token_lora_indices),
+        ("seq_lora_indices", seq_lora_indices),
+    ):
+        if idx is None:
+            continue
+        if not isinstance(idx, jax.Array):
+            idx = np.asarray(idx)
+        if idx.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {idx.shape}")
+        if not jnp.issubdtype(idx.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integers, got {idx.dtype}")
+        try:
+            host = np.asarray(idx)
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+            continue
+        bad = np.unique(host[host >= 0])
+        if bad.size:
+            raise ValueError(
+                f"set_lora_mapping: adapter slots {bad.tolist()} in {name} outside -1 (the "
+                "model has no LoRA layers; wrap_model it first)"
+            )
 
 
 @contextlib.contextmanager

@@ -275,8 +275,12 @@ def _check_inputs(model, max_loras, prompts, adapter_slots, max_new_tokens, eos_
     clean = []
     for i, p in enumerate(prompts):
         arr = np.asarray(p)
-        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-            raise ValueError(f"generate: prompt {i} must be a non-empty sequence of token ids")
+        # numpy takes True in [True, 2, 3] as token 1
+        mixed_bool = isinstance(p, list | tuple) and any(isinstance(t, bool | np.bool_) for t in p)
+        if arr.ndim != 1 or arr.size == 0 or mixed_bool or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(
+                f"generate: prompt {i} must be a non-empty sequence of token ids (ints, not bools)"
+            )
         if arr.min() < 0 or arr.max() >= vocab:
             raise ValueError(f"generate: prompt {i} has token ids outside [0, {vocab})")
         clean.append(arr.astype(np.int32))
@@ -429,6 +433,16 @@ def _generate(
     first, *common, active, max_new, eos, mode, new_bucket, tokens_per_slot)`` (the jitted
     steps bound to one model's graph and state)."""
     sampling = _sampling_params(sampling)
+    for name, value in (
+        ("min_batch_bucket", min_batch_bucket),
+        ("min_prompt_bucket", min_prompt_bucket),
+    ):
+        if (
+            isinstance(value, bool | np.bool_)
+            or not isinstance(value, int | np.integer)
+            or value < 1
+        ):
+            raise ValueError(f"generate: {name} must be an int >= 1, got {value!r}")
     if cache_dtype is not None:
         cache_dtype = float_cache_dtype(cache_dtype, "generate: cache_dtype")
     clean, slots, eos_ids = _check_inputs(
