@@ -668,7 +668,8 @@ def test_train_step_programs_match_the_nnx_gradient():
         train_step.loss_of, argnums=nnx.DiffState(0, nnx.LoRAParam)
     )(model, ids, pos)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
-    assert train_step.max_rel_err(grads, nnx.state(want, nnx.LoRAParam)) < 1e-5
+    # f32, two programs summing in their own orders (3e-5 apart on jax 0.12)
+    assert train_step.max_rel_err(grads, nnx.state(want, nnx.LoRAParam)) < 1e-4
     assert any(float(jnp.abs(g[0]).max()) > 0 for g in jax.tree.leaves(grads))
     new, _, _ = progs["step"][0](*progs["step"][1])
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(progs["step"][1][0])):
