@@ -3,7 +3,10 @@
 They read only ``token_lora_indices`` (and ``slot_ranks``): the sort metadata
 is accepted so that the signatures match the kernels, and ignored. Each token
 gathers its own adapter, which is the most literal reading of the contract
-and the slowest; use them for checking, or on backends without a kernel.
+and the slowest; use them for checking, or on backends without a kernel. The
+gathered weights are formed a chunk of tokens at a time (at most
+``_CHUNK_BYTES``), so a long prompt at a high rank does not need T copies of
+the adapter at once (16384 tokens at rank 128, H 4096 would be 32 GiB).
 """
 
 from __future__ import annotations
@@ -14,6 +17,24 @@ import jax
 import jax.numpy as jnp
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+_CHUNK_BYTES = 1 << 30  # the most f32 gathered weights one chunk of tokens forms
+
+
+def _by_token_chunks(fn, per_token_bytes: int, *arrays):
+    """``fn(*arrays)`` for arrays with tokens on axis 0, run over chunks of tokens whose
+    ``per_token_bytes`` of intermediates fit ``_CHUNK_BYTES`` (all at once if they fit)."""
+    num_tokens = arrays[0].shape[0]
+    chunk = max(1, _CHUNK_BYTES // max(1, per_token_bytes))
+    if num_tokens <= chunk:
+        return fn(*arrays)
+    num_chunks = -(-num_tokens // chunk)
+    pad = num_chunks * chunk - num_tokens
+    split = tuple(
+        jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(num_chunks, chunk, *a.shape[1:])
+        for a in arrays
+    )
+    out = jax.lax.map(lambda parts: fn(*parts), split)
+    return out.reshape(num_chunks * chunk, *out.shape[2:])[:num_tokens]
 
 
 def _rank_mask(slot_ranks, s: int, safe_idx, rank: int):
@@ -52,13 +73,12 @@ def lora_shrink_reference(
     safe = jnp.where(valid, idx, 0)
     outs = []
     for s, a in enumerate(lora_a):  # a: [L, R, H]
-        a_t = a[safe]  # [T, R, H]
-        out = jnp.einsum(
-            "th,trh->tr",
-            x.astype(jnp.float32),
-            a_t.astype(jnp.float32),
-            precision=_HIGHEST,
-        )
+
+        def shrink_rows(x_c, safe_c, a=a):
+            a_t = a[safe_c].astype(jnp.float32)  # [t, R, H]
+            return jnp.einsum("th,trh->tr", x_c.astype(jnp.float32), a_t, precision=_HIGHEST)
+
+        out = _by_token_chunks(shrink_rows, 4 * a.shape[1] * a.shape[2], x, safe)
         out = out * jnp.float32(scale)
         keep = valid[:, None]
         rank_mask = _rank_mask(slot_ranks, s, safe, a.shape[1])
@@ -103,8 +123,12 @@ def lora_expand_reference(
         rank_mask = _rank_mask(slot_ranks, s, safe, b.shape[2])
         if rank_mask is not None:
             h_s = jnp.where(rank_mask, h_s, 0.0)
-        b_t = b[safe]  # [T, n_s, R]
-        delta = jnp.einsum("tr,tnr->tn", h_s, b_t.astype(jnp.float32), precision=_HIGHEST)
+
+        def expand_rows(h_c, safe_c, b=b):
+            b_t = b[safe_c].astype(jnp.float32)  # [t, n_s, R]
+            return jnp.einsum("tr,tnr->tn", h_c, b_t, precision=_HIGHEST)
+
+        delta = _by_token_chunks(expand_rows, 4 * b.shape[1] * b.shape[2], h_s, safe)
         n_s = b.shape[1]
         cur = out[:, off : off + n_s]
         new = (cur.astype(jnp.float32) + delta).astype(y.dtype)

@@ -186,3 +186,31 @@ def test_the_references_treat_indices_past_the_slots_as_unmapped():
     y = jnp.zeros((6, 16))
     out = lora_expand_reference(y, h + 1.0, b, offsets=(0,), token_lora_indices=jnp.asarray(idx))
     assert not np.asarray(out)[3:].any() and np.asarray(out)[:3].any()
+
+
+def test_the_references_gather_a_chunk_of_tokens_at_a_time(monkeypatch):
+    """With room for 7 tokens' gathered weights, 50 tokens (a partial last chunk, unmapped
+    and ranked tokens among them) still give the float64 loop's answer (session 51: at
+    16384 tokens, rank 128 the references formed 32 GiB of per-token weights at once and
+    ran an 80 GB GPU out of memory)."""
+    from kernels.shrink_expand import reference
+
+    rng = np.random.default_rng(1)
+    T, H, R, L = 50, 24, 16, 4
+    monkeypatch.setattr(reference, "_CHUNK_BYTES", 7 * 4 * R * H)
+    idx = rng.integers(-1, L, size=T).astype(np.int32)
+    ranks = jnp.asarray([[16, 8, 16, 4]], jnp.int32)
+    a = jnp.asarray(rng.normal(size=(L, R, H)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(L, H, R)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(T, H)), jnp.float32)
+    h = lora_shrink_reference(x, (a,), token_lora_indices=jnp.asarray(idx), slot_ranks=ranks)
+    want_h = np.zeros((1, T, R))
+    for t, i in enumerate(idx):
+        if i >= 0:
+            r = int(ranks[0, i])
+            want_h[0, t, :r] = np.asarray(x, np.float64)[t] @ np.asarray(a, np.float64)[i, :r].T
+    np.testing.assert_allclose(np.asarray(h), want_h, rtol=1e-5, atol=1e-4)
+    y = jnp.asarray(rng.normal(size=(T, H)), jnp.float32)
+    out = lora_expand_reference(y, h, (b,), offsets=(0,), token_lora_indices=jnp.asarray(idx))
+    want = _numpy_expand(y, np.asarray(h), (b,), (0,), idx)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-4)
