@@ -257,7 +257,9 @@ def test_a_fresh_fused_w13_slot_writes_peft_s_init_for_gate_and_up(tmp_path):
     assert tensors[key + "w1.lora_A.weight"].shape == (4, H)
     assert not any(v.any() for k, v in tensors.items() if ".lora_B." in k)
     _serve(model, tmp_path / "a")
-    np.testing.assert_array_equal(_slot_logits(model, 0), _slot_logits(model, -1))
+    # exact on a CPU; a GPU's XLA fuses the base matmuls otherwise beside the LoRA ops
+    exact = dict(rtol=0, atol=0 if jax.default_backend() == "cpu" else 1e-6)
+    np.testing.assert_allclose(_slot_logits(model, 0), _slot_logits(model, -1), **exact)
 
 
 def test_per_expert_names_go_through_name_map(tmp_path):
