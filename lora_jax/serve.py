@@ -264,6 +264,11 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
     texts = [prompts[i % len(prompts)] for i in range(len(requests))]
     token_prompts = [tokenizer.encode(t) for t in texts]
     slots = manager.token_mapping([by_name.get(r) for r in requests])
+    have, whose = _memory_bytes(model)  # checked before generate allocates the cache
+    longest = max(len(p) for p in token_prompts)
+    need = _cache_bytes(model, len(token_prompts), longest + args.max_new_tokens)
+    if have is not None and need > have:
+        raise _cache_error(model, args, token_prompts, f"{whose} memory ({have / 2**30:.3g} GiB)")
     try:
         out = generate(
             model,
@@ -276,14 +281,8 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        longest = max(len(p) for p in token_prompts)
-        gib = _cache_bytes(model, len(token_prompts), longest + args.max_new_tokens) / 2**30
-        raise ValueError(
-            f"--max-new-tokens {args.max_new_tokens}: {len(token_prompts)} requests of up to "
-            f"{longest} prompt + {args.max_new_tokens} new tokens need a KV cache of at least "
-            f"{gib:.3g} GiB, more than the device could allocate ({str(e).splitlines()[0]}); "
-            "lower --max-new-tokens"
-        ) from e
+        what = f"the device could allocate ({str(e).splitlines()[0]})"
+        raise _cache_error(model, args, token_prompts, what) from e
     results = []
     for name, text, toks in zip(requests, texts, _token_lists(out)):
         toks = tuple(int(t) for t in toks)
@@ -300,6 +299,35 @@ def _cache_bytes(model, batch: int, length: int) -> int:
     itemsize = np.dtype(getattr(model, "dtype", None) or np.float32).itemsize
     per_position = 2 * c.num_hidden_layers * physical_kv_heads(c, model.rules) * c.head_dim
     return batch * length * per_position * itemsize
+
+
+def _memory_bytes(model) -> tuple[int | None, str]:
+    """The memory the model's arrays can take, and whose it is: the devices' allocator
+    limits together (a GPU), else the host's RAM (the CPU backend); None if unknown."""
+    import jax
+
+    mesh = model.rules.mesh
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+    if None not in limits:
+        return sum(limits), "the devices'"
+    if all(d.platform == "cpu" for d in devices) and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the host's"
+        except (ValueError, OSError):
+            pass
+    return None, ""
+
+
+def _cache_error(model, args, token_prompts, what: str) -> ValueError:
+    """The CLI error for a KV cache larger than ``what`` (the devices' memory)."""
+    longest = max(len(p) for p in token_prompts)
+    gib = _cache_bytes(model, len(token_prompts), longest + args.max_new_tokens) / 2**30
+    return ValueError(
+        f"--max-new-tokens {args.max_new_tokens}: {len(token_prompts)} requests of up to "
+        f"{longest} prompt + {args.max_new_tokens} new tokens need a KV cache of at least "
+        f"{gib:.3g} GiB, more than {what}; lower --max-new-tokens"
+    )
 
 
 def _sampling(args):

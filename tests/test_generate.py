@@ -185,6 +185,13 @@ def test_any_of_several_eos_ids_stops_a_request(base_model):
         generate(base_model, PROMPTS, max_new_tokens=NEW, eos_token_id=[[1]], **B8)
 
 
+def test_positions_past_int32_are_refused_by_name(base_model):
+    """The cache's positions are int32: 2**31 new tokens is refused naming max_new_tokens
+    and the buckets (session 51: an OverflowError from inside attention on a GPU)."""
+    with pytest.raises(ValueError, match=r"max_new_tokens 2147483648 need \d+ cache positions"):
+        generate(base_model, PROMPTS[:1], max_new_tokens=2**31)
+
+
 # -- multi-adapter ----------------------------------------------------------------------------
 def test_prefill_and_decode_say_which_they_are(lora_model, mixed, monkeypatch):
     """The prefill step's mapping says is_prefill=True and the decode loop's False (vLLM's

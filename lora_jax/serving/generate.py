@@ -459,6 +459,12 @@ def _generate(
     B = bucket(n, max(min_batch_bucket, rules.size("batch")))
     S = bucket(max(len(p) for p in clean), min_prompt_bucket)
     N = bucket(max_new_tokens)
+    if S + N > np.iinfo(np.int32).max:  # the cache's positions are int32
+        raise ValueError(
+            f"generate: a prompt of up to {max(len(p) for p in clean)} tokens + max_new_tokens "
+            f"{max_new_tokens} need {S + N} cache positions (buckets of {S} + {N}), more "
+            f"than int32 positions hold ({np.iinfo(np.int32).max}); lower max_new_tokens"
+        )
     ids = np.zeros((B, S), np.int32)
     lengths = np.ones((B,), np.int32)  # pad rows: one dummy token
     for i, p in enumerate(clean):
