@@ -7,6 +7,9 @@ mean square of the last hidden state (no lm_head: the layers' LoRA is what is me
 Variants, each one jitted program:
 
 * base/fwd       the unwrapped model's forward (no LoRA at all)
+* base/grad      the unwrapped model's gradient w.r.t. the first layer's input RMSNorm
+                 weight: the backward through every layer's activations and no weight
+                 gradient of a projection, the floor a LoRA grad cannot go under
 * {be}/fwd       the wrapped model's forward, ops on backend ``be``
 * {be}/grad      `jax.value_and_grad` of the loss w.r.t. the `nnx.LoRAParam` stacks: the
                  forward on ``be``, the backward always XLA's VJP (the kernels' backward
@@ -18,7 +21,12 @@ takes milliseconds, so the ~50-80 us host dispatch of one jitted call is ~1 % of
 figure is the median wall time of ``--reps`` calls after one warm-up (compile) call. The
 pallas grad is checked against the xla grad (max relative error of the slot's stacks).
 
+With ``--profile DIR`` each grad program (base and LoRA) also runs ``--reps`` calls
+under `jax.profiler`; the JSON gets its GPU busy time per call and its longest kernels
+(`profile_decode.device_events`), to see where a LoRA backward's time goes.
+
     python benchmarks/train_step.py --out train.json          # on the GPU machine
+    python benchmarks/train_step.py --profile /tmp/prof --out train.json
     python benchmarks/train_step.py --small                   # CPU smoke test
 """
 
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import jax
@@ -95,6 +104,44 @@ def programs(model, ids, pos):
     }
 
 
+def _first_norm(path, value) -> bool:
+    return tuple(path[:4]) == ("model", "layers", 0, "input_layernorm")
+
+
+def base_grad_program(model, ids, pos):
+    """The jitted gradient of the loss w.r.t. the first layer's input RMSNorm weight (the
+    unwrapped model) and its arguments: activation gradients through every layer, none
+    of a projection's weights."""
+    graphdef, norm, rest = nnx.split(model, _first_norm, ...)
+
+    def loss(norm, rest, ids, pos):
+        return loss_of(nnx.merge(graphdef, norm, rest), ids, pos)
+
+    return jax.jit(jax.value_and_grad(loss)), (norm, rest, ids, pos)
+
+
+def kernel_profile(fn, args, reps: int, log_dir: str, top: int = 12) -> dict:
+    """GPU busy ms per call of ``fn(*args)`` over ``reps`` traced calls, and the ``top``
+    kernels by time per call (us); empty where the trace has no GPU (the CPU)."""
+    import profile_decode
+
+    jax.block_until_ready(fn(*args))
+    os.makedirs(log_dir, exist_ok=True)
+    with jax.profiler.trace(log_dir):
+        for _ in range(reps):
+            jax.block_until_ready(fn(*args))
+    events = profile_decode.device_events(log_dir)
+    if not events:
+        return {}
+    summary = profile_decode.summarize(events, reps, 1)
+    kernels = sorted(summary["kernels"].items(), key=lambda kv: -kv[1])
+    return dict(
+        busy_ms=summary["busy_us"] / 1e3,
+        launches=summary["launches"],
+        top_us=[(name[:120], round(us, 1)) for name, us in kernels[:top]],
+    )
+
+
 def max_rel_err(a, b) -> float:
     """Max over the LoRA stacks of |a - b|.max() / |b|.max() (slot 0, where the grads live)."""
     errs = []
@@ -116,6 +163,7 @@ def main(argv=None):
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--small", action="store_true", help="tiny f32 model for a CPU smoke test")
+    p.add_argument("--profile", default=None, help="trace the grad programs into this dir")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -136,6 +184,13 @@ def main(argv=None):
     t, first = timeit(base_fwd, model, ids, pos, reps=args.reps)
     rows.append(dict(rank=0, backend="base", what="fwd", ms=t * 1e3, first_s=first))
     print(f"base/fwd: {t * 1e3:.3f} ms", flush=True)
+    fn, fargs = base_grad_program(model, ids, pos)
+    t, first = timeit(fn, *fargs, reps=args.reps)
+    rows.append(dict(rank=0, backend="base", what="grad", ms=t * 1e3, first_s=first))
+    print(f"base/grad: {t * 1e3:.3f} ms", flush=True)
+    if args.profile:
+        prof = kernel_profile(fn, fargs, args.reps, os.path.join(args.profile, "base"))
+        rows.append(dict(rank=0, backend="base", what="grad_profile", **prof))
 
     for rank in [int(r) for r in args.ranks.split(",") if r]:
         unwrap_model(model)
@@ -158,7 +213,7 @@ def main(argv=None):
         lora = jax.tree.unflatten(treedef, leaves)
         nnx.update(model, lora)
         lj.set_lora_mapping(model, idx)
-        grads = {}
+        grads, profiles = {}, []
         for be in backends:
             lj.ops.set_default_backend(be)
             try:
@@ -168,12 +223,19 @@ def main(argv=None):
                     row = dict(rank=rank, backend=be, what=what, ms=t * 1e3, first_s=first)
                     if what == "grad":
                         grads[be] = fn(*fargs)[1]
+                        if args.profile:
+                            log_dir = os.path.join(args.profile, f"r{rank}_{be}")
+                            prof = kernel_profile(fn, fargs, args.reps, log_dir)
+                            profiles.append(
+                                dict(rank=rank, backend=be, what="grad_profile", **prof)
+                            )
                     rows.append(row)
                     print(
                         f"r{rank} {be}/{what}: {t * 1e3:.3f} ms (first {first:.1f} s)", flush=True
                     )
             finally:
                 lj.ops.set_default_backend(None)
+        rows += profiles
         if "pallas" in grads:
             err = max_rel_err(grads["pallas"], grads["xla"])
             rows.append(dict(rank=rank, backend="pallas", what="grad_err_vs_xla", err=err))
@@ -186,7 +248,7 @@ def main(argv=None):
 
 
 def report(rows):
-    base = next(r["ms"] for r in rows if r["backend"] == "base")
+    base = next(r["ms"] for r in rows if r["backend"] == "base" and r["what"] == "fwd")
     print(f"\n{'rank':>4} {'backend':>7} {'what':>5} {'ms':>9} {'x base fwd':>10}")
     for r in rows:
         if "ms" in r:
@@ -194,6 +256,11 @@ def report(rows):
                 f"{r['rank']:>4} {r['backend']:>7} {r['what']:>5} {r['ms']:>9.3f} "
                 f"{r['ms'] / base:>10.2f}"
             )
+    for r in rows:
+        if r["what"] == "grad_profile" and r.get("top_us"):
+            print(f"\nr{r['rank']} {r['backend']} grad: GPU busy {r['busy_ms']:.3f} ms per call")
+            for name, us in r["top_us"]:
+                print(f"  {us:>9.1f} us  {name}")
 
 
 if __name__ == "__main__":

@@ -677,3 +677,33 @@ def test_train_step_programs_match_the_nnx_gradient():
     new, _, _ = progs["step"][0](*progs["step"][1])
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(progs["step"][1][0])):
         np.testing.assert_array_equal(a[1:], b[1:])
+
+
+def test_train_step_base_grad_is_the_first_norm_s_gradient(tmp_path):
+    """train_step.py's base/grad floor: the gradient w.r.t. layer 0's input RMSNorm weight
+    only (every projection's weight left out), as `nnx.value_and_grad` gives it; on a CPU
+    the profile finds no GPU kernels and says so with an empty entry."""
+    import jax
+    import jax.numpy as jnp
+    import train_step
+    from flax import nnx
+
+    from lora_jax.models import DecoderConfig, DecoderForCausalLM
+
+    model = DecoderForCausalLM(DecoderConfig.tiny(num_hidden_layers=2), rngs=nnx.Rngs(0))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 8)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), ids.shape)
+    fn, args = train_step.base_grad_program(model, ids, pos)
+    loss, grads = fn(*args)
+    leaves = nnx.to_flat_state(grads)
+    assert [tuple(p) for p, _ in leaves] == [("model", "layers", 0, "input_layernorm", "weight")]
+    every_norm = nnx.All(nnx.Param, nnx.PathContains("input_layernorm"))
+    want_loss, want = nnx.value_and_grad(
+        lambda m: train_step.loss_of(m, ids, pos), argnums=nnx.DiffState(0, every_norm)
+    )(model)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    got = np.asarray(jax.tree.leaves(grads)[0])
+    want_0 = np.asarray(want["model"]["layers"][0]["input_layernorm"]["weight"][...])
+    np.testing.assert_allclose(got, want_0, rtol=1e-4, atol=1e-7)
+    assert np.abs(got).max() > 0
+    assert train_step.kernel_profile(fn, args, 1, str(tmp_path / "prof")) == {}
