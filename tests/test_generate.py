@@ -198,10 +198,10 @@ def test_prefill_and_decode_say_which_they_are(lora_model, mixed, monkeypatch):
     `LoRAMapping.is_prefill`: a decode step's shrink skips the prompt-tile kernel), the
     prefill's rows of 32 tokens say their prompt tiles hold every mapped token, and the
     tokens are what the mixed batch generated."""
-    import lora_jax.serving.generate as gen
+    import lora_jax.serving.generate_steps as steps
 
     seen = []
-    real = gen.set_lora_mapping
+    real = steps.set_lora_mapping
 
     def spy(model, tokens, seqs, *, is_prefill=None, prompt_tiles=None, whole_tiles=None,
             tokens_per_slot=None):  # fmt: skip
@@ -211,7 +211,7 @@ def test_prefill_and_decode_say_which_they_are(lora_model, mixed, monkeypatch):
             whole_tiles=whole_tiles, tokens_per_slot=tokens_per_slot,
         )  # fmt: skip
 
-    monkeypatch.setattr(gen, "set_lora_mapping", spy)
+    monkeypatch.setattr(steps, "set_lora_mapping", spy)
     # Buckets no other test uses, so both steps trace (and call the spy) here.
     out = generate(
         lora_model, PROMPTS[:2], SLOTS[:2], max_new_tokens=3, min_batch_bucket=2,
