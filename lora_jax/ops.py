@@ -28,6 +28,11 @@ Reproducibility: the "pallas" shrink splits its hidden reduction at decode and i
 prefills and adds the partial sums with atomics, so its f32 results may differ in the last
 bits from run to run (as vLLM's split-K shrink does). "xla" is bit-reproducible, and so is
 `lora_jax.kernels.lora_shrink` given ``BlockSizes(atomic_programs=0, ...)``.
+
+This module holds the public ops and the dispatcher's settings (read at trace time, set
+or patched here); beside it are the input checks (`ops_checks`), the XLA backend
+(`ops_xla`) and the Pallas kernels' plumbing, their XLA-VJP gradient included
+(`ops_pallas`). Their names are importable from here too.
 """
 
 from __future__ import annotations
@@ -38,9 +43,25 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from lora_jax.mapping import LoRAMapping
+from lora_jax.ops_checks import _check_expand as _check_expand
+from lora_jax.ops_checks import _check_float as _check_float
+from lora_jax.ops_checks import _check_mapping as _check_mapping
+from lora_jax.ops_checks import _check_ranks as _check_ranks
+from lora_jax.ops_checks import _check_scale as _check_scale
+from lora_jax.ops_checks import _check_shrink as _check_shrink
+from lora_jax.ops_checks import _check_stacks as _check_stacks
+from lora_jax.ops_checks import _expand_offsets as _expand_offsets
+from lora_jax.ops_checks import _offset as _offset
+from lora_jax.ops_pallas import _kernels as _kernels
+from lora_jax.ops_pallas import _static_scale as _static_scale
+from lora_jax.ops_pallas import _with_xla_vjp as _with_xla_vjp
+from lora_jax.ops_xla import _expand_xla as _expand_xla
+from lora_jax.ops_xla import _gather_slot as _gather_slot
+from lora_jax.ops_xla import _shrink_xla as _shrink_xla
+from lora_jax.ops_xla import _within_rank as _within_rank
+from lora_jax.ops_xla import set_columns as set_columns
 
 BACKENDS = ("xla", "pallas", "pallas_fused")
 # Below this many tokens (per shard) the GPU default is XLA: at decode a kernel call has a
@@ -108,15 +129,6 @@ def dispatch_state() -> tuple[str | None, bool]:
     return _default_backend, bool(PALLAS_INTERPRET)
 
 
-@functools.cache
-def _kernels():
-    try:
-        from lora_jax import kernels
-    except ImportError:  # pragma: no cover - only when the kernels package is absent
-        return None
-    return kernels if hasattr(kernels, "lora_shrink") else None
-
-
 def resolve_backend(
     backend: str | None = None, num_tokens: int | None = None, hinted: bool = False
 ) -> str:
@@ -151,144 +163,6 @@ def _hinted(mapping: LoRAMapping, rank: int) -> bool:
     return tps is not None and not (tps == 1 and rank >= PER_TOKEN_XLA_MIN_RANK)
 
 
-def _check_mapping(name: str, mapping) -> None:
-    if not isinstance(mapping, LoRAMapping):
-        raise ValueError(
-            f"{name}: mapping must be a LoRAMapping (make_lora_mapping(token_lora_indices, "
-            f"max_loras)'s result), got {type(mapping).__name__}"
-        )
-
-
-def _check_scale(name: str, scale) -> None:
-    # bools and strings would be taken as 1.0 / crash deep in the ops; a scale array of
-    # any other shape would broadcast into the outputs' shape on the XLA backend only
-    number = isinstance(scale, int | float | np.integer | np.floating)
-    scalar = (
-        isinstance(scale, jax.Array | np.ndarray)
-        and scale.ndim == 0
-        and (jnp.issubdtype(scale.dtype, jnp.integer) or jnp.issubdtype(scale.dtype, jnp.floating))
-    )
-    if isinstance(scale, bool | np.bool_) or not (number or scalar):
-        raise ValueError(
-            f"{name}: scale must be a real number or a 0-d int / float array (a traced one "
-            f"too), got {scale!r}"
-        )
-
-
-def _check_stacks(name: str, stacks: Sequence[jax.Array], mapping: LoRAMapping) -> None:
-    if not stacks:
-        raise ValueError(f"{name}: need at least one slice, got none")
-    for s, w in enumerate(stacks):
-        if w.ndim != 3:
-            raise ValueError(f"{name}[{s}] must be 3-D [max_loras, ., .], got shape {w.shape}")
-        if w.shape[0] != mapping.max_loras:
-            raise ValueError(
-                f"{name}[{s}] has {w.shape[0]} slots but the mapping was built for "
-                f"max_loras={mapping.max_loras}"
-            )
-
-
-def _check_ranks(name: str, slot_ranks, num_slices: int, max_loras: int) -> None:
-    if slot_ranks is None:
-        return
-    shape, dtype = jnp.shape(slot_ranks), jnp.result_type(slot_ranks)
-    if shape != (num_slices, max_loras) or not jnp.issubdtype(dtype, jnp.integer):
-        raise ValueError(
-            f"{name}: slot_ranks must be integers of shape (num_slices, max_loras) = "
-            f"({num_slices}, {max_loras}), got {dtype} {shape}"
-        )
-
-
-def _check_float(name: str, what: str, arr, ndim: int) -> None:
-    if jnp.ndim(arr) != ndim or not jnp.issubdtype(jnp.result_type(arr), jnp.floating):
-        raise ValueError(
-            f"{name}: {what} must be a {ndim}-D float array, got {jnp.result_type(arr)} "
-            f"{jnp.shape(arr)}"
-        )
-
-
-def _check_shrink(x, lora_a, mapping, slot_ranks) -> None:
-    """The same input checks on every backend (XLA broadcast what the kernels refuse)."""
-    _check_stacks("lora_a", lora_a, mapping)
-    _check_float("lora_shrink", "x [T, H]", x, 2)
-    if x.shape[0] != mapping.num_tokens:
-        raise ValueError(
-            f"lora_shrink: x has {x.shape[0]} tokens, the mapping {mapping.num_tokens}"
-        )
-    for s, a in enumerate(lora_a):
-        _check_float("lora_shrink", f"lora_a[{s}]", a, 3)
-        if a.shape[1:] != (lora_a[0].shape[1], x.shape[1]):
-            raise ValueError(
-                f"lora_shrink: lora_a[{s}] must be [max_loras, {lora_a[0].shape[1]}, "
-                f"{x.shape[1]}] (one rank for every slice, H of x), got {a.shape}"
-            )
-    _check_ranks("lora_shrink", slot_ranks, len(lora_a), mapping.max_loras)
-
-
-def _check_expand(y, h, lora_b, mapping, slot_ranks) -> None:
-    _check_stacks("lora_b", lora_b, mapping)
-    _check_float("lora_expand", "y [T, N]", y, 2)
-    _check_float("lora_expand", "h [S, T, R]", h, 3)
-    if not y.shape[0] == h.shape[1] == mapping.num_tokens:
-        raise ValueError(
-            f"lora_expand: y has {y.shape[0]} tokens, h {h.shape[1]}, the mapping "
-            f"{mapping.num_tokens}: they must agree"
-        )
-    for s, b in enumerate(lora_b):
-        _check_float("lora_expand", f"lora_b[{s}]", b, 3)
-        if b.shape[2] != h.shape[2]:
-            raise ValueError(f"lora_expand: lora_b[{s}] has rank {b.shape[2]}, h has {h.shape[2]}")
-    _check_ranks("lora_expand", slot_ranks, len(lora_b), mapping.max_loras)
-
-
-def _offset(o) -> int:
-    """A column offset as a Python int (a concrete integer jax / numpy scalar too)."""
-    if isinstance(o, jax.Array) and o.ndim == 0 and jnp.issubdtype(o.dtype, jnp.integer):
-        try:
-            return int(o)
-        except jax.errors.ConcretizationTypeError:
-            pass
-    if isinstance(o, bool | np.bool_) or not isinstance(o, int | np.integer):
-        raise ValueError(f"lora_expand: offsets must be ints known at trace time, got {o!r}")
-    return int(o)
-
-
-def _expand_offsets(y, lora_b, h_slices: int, offsets) -> tuple[int, ...]:
-    """Each slice's column offset in y, checked: ints, one a slice, inside y, no overlap
-    (default: the slices side by side from column 0)."""
-    if offsets is None:
-        offsets, acc = [], 0
-        for b in lora_b:
-            offsets.append(acc)
-            acc += b.shape[1]
-    offsets = tuple(_offset(o) for o in offsets)
-    if len(offsets) != len(lora_b) or h_slices != len(lora_b):
-        raise ValueError(
-            f"lora_expand: {len(lora_b)} B slices, {len(offsets)} offsets and h with "
-            f"{h_slices} slices must agree"
-        )
-    for s, (b, off) in enumerate(zip(lora_b, offsets)):
-        if off < 0 or off + b.shape[1] > y.shape[-1]:
-            raise ValueError(
-                f"lora_expand: slice {s} [{off}, {off + b.shape[1]}) exceeds y width {y.shape[-1]}"
-            )
-    spans = sorted((off, off + b.shape[1], s) for s, (b, off) in enumerate(zip(lora_b, offsets)))
-    for (_, end, s), (start, _, t) in zip(spans, spans[1:]):
-        if start < end:  # the kernels add each slice into y without atomics
-            raise ValueError(f"lora_expand: slices {s} and {t} overlap at columns {start}..{end}")
-    return offsets
-
-
-def _static_scale(scale):
-    """``scale`` as a Python float when it is known at trace time (a number, a numpy or
-    concrete jax scalar), else None (a traced value: the kernels take it as a static
-    argument, so it is applied to their f32 output instead)."""
-    try:
-        return float(scale)
-    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-        return None
-
-
 ONE_HOT_TOKENS_PER_SLOT = 1.0
 """The XLA backend multiplies against every slot (one matmul) once tokens outnumber slots
 by this factor, and gathers each token's adapter below it (a per-token gather copies one
@@ -299,20 +173,6 @@ H200, every slot at 16-64 tokens and 64 slots made a Llama-3-8B-shaped decode st
 
 def _use_one_hot(num_tokens: int, num_slots: int) -> bool:
     return num_tokens > ONE_HOT_TOKENS_PER_SLOT * num_slots
-
-
-def _within_rank(slot_ranks: jax.Array | None, s: int, idx: jax.Array, rank: int):
-    """`bool[T, R]`: rank columns below the true rank of each token's slot in slice `s`
-    (True everywhere without `slot_ranks`), as the kernels mask them."""
-    if slot_ranks is None:
-        return jnp.ones((1, rank), bool)
-    ranks = jnp.take(slot_ranks[s], jnp.maximum(idx, 0))  # [T]
-    return jnp.arange(rank)[None, :] < ranks[:, None]
-
-
-def _gather_slot(stack: jax.Array, idx: jax.Array) -> jax.Array:
-    # Clamp -1 to slot 0 for the gather; the caller masks those rows out.
-    return jnp.take(stack, jnp.maximum(idx, 0), axis=0)
 
 
 def lora_shrink(
@@ -356,52 +216,6 @@ def lora_shrink(
         )
         return h if static is not None else h * jnp.asarray(scale, jnp.float32)
     return _shrink_xla(x, lora_a, mapping, slot_ranks, scale=scale)
-
-
-def _shrink_xla(x, lora_a, mapping, slot_ranks, *, scale) -> jax.Array:
-    """The XLA backend's shrink (checked inputs): f32 `[S, T, R]`."""
-    idx = mapping.token_lora_indices
-    keep = (idx >= 0)[:, None]
-    outs = []
-    for s, a in enumerate(lora_a):
-        if _use_one_hot(idx.shape[0], a.shape[0]):
-            # Many tokens per slot: one matmul against every slot, then pick the token's
-            # slot (reads each adapter once, no [T, R, H] gather).
-            L, R, H = a.shape
-            h_all = jnp.dot(x, a.reshape(L * R, H).T, preferred_element_type=jnp.float32)
-            h_all = h_all.reshape(-1, L, R)  # [T, L, R]
-            h = jnp.take_along_axis(h_all, jnp.maximum(idx, 0)[:, None, None], axis=1)[:, 0]
-        else:
-            a_t = _gather_slot(a, idx)  # [T, R, H]
-            h = jnp.einsum("th,trh->tr", x, a_t, preferred_element_type=jnp.float32)
-        outs.append(jnp.where(keep & _within_rank(slot_ranks, s, idx, h.shape[1]), h * scale, 0.0))
-    return jnp.stack(outs).astype(jnp.float32)  # [S, T, R]
-
-
-def _with_xla_vjp(kernel, xla):
-    """``kernel(*diff, *rest)`` with the XLA backend's VJP as its backward pass.
-
-    Pallas calls have no autodiff (the kernels alias their outputs and add with atomics),
-    so the gradient of a forward that ran the kernels is that of `xla`, the same function
-    on XLA: training through the layers works on every backend. ``diff`` are the float
-    inputs (x, h, y, the A / B stacks), ``rest`` the integer ones (the mapping, the slots'
-    ranks), which get no cotangent.
-    """
-
-    @jax.custom_vjp
-    def run(diff, rest):
-        return kernel(*diff, *rest)
-
-    def fwd(diff, rest):
-        return kernel(*diff, *rest), (diff, rest)
-
-    def bwd(res, g):
-        diff, rest = res
-        _, vjp = jax.vjp(lambda *d: xla(*d, *rest), *diff)
-        return vjp(g), None
-
-    run.defvjp(fwd, bwd)
-    return run
 
 
 def lora_expand(
@@ -451,60 +265,6 @@ def lora_expand(
         xla = functools.partial(_expand_xla, offsets=offsets)
         return _with_xla_vjp(kernel, xla)((y, h, lora_b), (mapping, slot_ranks))
     return _expand_xla(y, h, lora_b, mapping, slot_ranks, offsets=offsets)
-
-
-def _expand_xla(y, h, lora_b, mapping, slot_ranks, *, offsets) -> jax.Array:
-    """The XLA backend's expand (checked inputs, offsets as ints)."""
-    idx = mapping.token_lora_indices
-    keep = (idx >= 0)[:, None]
-    for s, (b, off) in enumerate(zip(lora_b, offsets)):
-        # h is rounded as the GPU kernels round it (to B's bf16 / fp16 unless y is f32):
-        # neither the batch size nor the backend changes a token's numbers
-        cdt = (
-            b.dtype
-            if b.dtype in (jnp.bfloat16, jnp.float16) and y.dtype != jnp.float32
-            else jnp.float32
-        )
-        hs = h[s].astype(jnp.float32)  # [T, R]
-        hs = jnp.where(_within_rank(slot_ranks, s, idx, hs.shape[1]), hs, 0.0)
-        if _use_one_hot(idx.shape[0], b.shape[0]):
-            L = b.shape[0]
-            one_hot = jax.nn.one_hot(jnp.maximum(idx, 0), L, dtype=jnp.float32)  # [T, L]
-            h_slot = one_hot[:, :, None] * hs[:, None, :]  # [T, L, R]
-            delta = jnp.einsum(
-                "tlr,lnr->tn",
-                h_slot.astype(cdt),
-                b.astype(cdt),
-                preferred_element_type=jnp.float32,
-            )
-        else:
-            b_t = _gather_slot(b, idx)  # [T, n_s, R]
-            delta = jnp.einsum(
-                "tr,tnr->tn", hs.astype(cdt), b_t.astype(cdt), preferred_element_type=jnp.float32
-            )
-        cols = y[:, off : off + b.shape[1]]
-        new = (cols.astype(jnp.float32) + delta).astype(y.dtype)
-        y = set_columns(y, off, jnp.where(keep, new, cols))
-    return y
-
-
-def set_columns(y: jax.Array, offset: int, cols: jax.Array) -> jax.Array:
-    """`y` with columns `[offset, offset + cols.shape[1])` replaced by `cols`.
-
-    A `dynamic_update_slice` rather than `y.at[:, a:b].set(...)`: inside `shard_map`, the
-    latter's lowering crashes jax 0.11's Shardy export (segfault at compile time).
-
-    Example:
-        >>> set_columns(jnp.zeros((1, 4)), 1, jnp.ones((1, 2))).tolist()
-        [[0.0, 1.0, 1.0, 0.0]]
-    """
-    if isinstance(offset, int | np.integer) and not 0 <= offset <= y.shape[1] - cols.shape[1]:
-        # dynamic_update_slice would clamp it: the columns would land elsewhere
-        raise ValueError(
-            f"set_columns: offset {offset} with {cols.shape[1]} columns must lie in y's "
-            f"{y.shape[1]} columns (0 <= offset <= {y.shape[1] - cols.shape[1]})"
-        )
-    return jax.lax.dynamic_update_slice(y, cols.astype(y.dtype), (0, offset))
 
 
 def add_lora_linear(

@@ -12,331 +12,52 @@ match HF/PEFT names once the packed modules are expanded through the packed mapp
 (`qkv_proj` → `q_proj`, `k_proj`, `v_proj`). A packed module is targeted when any of
 its packed names is. New layer kinds (lm_head, embeddings, MoE) join by appending to
 `LORA_LAYER_CLASSES` (or `register_lora_layer`).
+
+This module holds the entry points (`wrap_model`, `unwrap_model`, `lora_layers`); beside
+it are the registry of LoRA classes (`wrap_registry`), module names and targets
+(`wrap_names`), the graph walk and edits (`wrap_graph`) and the candidates a model offers
+(`wrap_candidates`). Their names are importable from here too.
 """
 
 from __future__ import annotations
 
-import re
-import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from flax import nnx
-from flax.nnx import graphlib
 
-from lora_jax.config import MAX_LORA_VOCAB_SIZE, LoRAConfig
+from lora_jax.config import LoRAConfig
 from lora_jax.layers import (
-    BaseLayerWithLoRA,
-    ColumnParallelLinearWithLoRA,
-    ColumnParallelLinearWithShardedLoRA,
-    FlaxEinsumWithLoRA,
-    FlaxEmbedWithLoRA,
-    FlaxLinearGeneralWithLoRA,
-    FlaxLinearWithLoRA,
     LoRAContext,
-    MergedColumnParallelLinearVariableSliceWithLoRA,
-    MergedColumnParallelLinearVariableSliceWithShardedLoRA,
-    MergedColumnParallelLinearWithLoRA,
-    MergedColumnParallelLinearWithShardedLoRA,
-    MergedQKVParallelLinearWithLoRA,
-    MergedQKVParallelLinearWithShardedLoRA,
-    ParallelLMHeadWithLoRA,
-    QKVParallelLinearWithLoRA,
-    QKVParallelLinearWithShardedLoRA,
-    ReplicatedLinearWithLoRA,
-    RowParallelLinearWithLoRA,
-    RowParallelLinearWithShardedLoRA,
     TiedLMHeadWithLoRA,
     VocabParallelEmbeddingWithLoRA,
     find_lora_context,
 )
-from lora_jax.layers.moe import FusedMoE3DWithLoRA, FusedMoEWithLoRA
-from lora_jax.vocab import VocabParallelEmbedding
-
-# Tried in order; the first class whose `can_replace_layer` accepts a module wraps it.
-# Sharded (S-LoRA) classes come first: they only accept when `fully_sharded_loras`.
-LORA_LAYER_CLASSES: list[type] = [
-    ColumnParallelLinearWithShardedLoRA,
-    MergedColumnParallelLinearWithShardedLoRA,
-    MergedColumnParallelLinearVariableSliceWithShardedLoRA,
-    QKVParallelLinearWithShardedLoRA,
-    MergedQKVParallelLinearWithShardedLoRA,
-    RowParallelLinearWithShardedLoRA,
-    ReplicatedLinearWithLoRA,
-    ColumnParallelLinearWithLoRA,
-    MergedColumnParallelLinearWithLoRA,
-    MergedColumnParallelLinearVariableSliceWithLoRA,
-    QKVParallelLinearWithLoRA,
-    MergedQKVParallelLinearWithLoRA,
-    RowParallelLinearWithLoRA,
-    VocabParallelEmbeddingWithLoRA,  # embed_tokens
-    ParallelLMHeadWithLoRA,  # lm_head (a tied lm_head: see _tied_lm_head)
-    FusedMoE3DWithLoRA,  # FusedMoE experts: one LoRA over fused gate|up, one over down
-    FusedMoEWithLoRA,  # FusedMoE experts named as separate w1 / w3 (2-item packed list)
-    FlaxLinearWithLoRA,  # a plain flax.nnx.Linear (models not built from lora_jax.linear)
-    FlaxEmbedWithLoRA,  # a plain flax.nnx.Embed
-    FlaxLinearGeneralWithLoRA,  # a plain flax.nnx.LinearGeneral (nnx.MultiHeadAttention)
-    FlaxEinsumWithLoRA,  # a plain flax.nnx.Einsum that is one flat linear map
-]
-
-TargetModules = Sequence[str] | str | None
-
-
-def register_lora_layer(cls: type, *, first: bool = False) -> type:
-    """Adds a LoRA layer class to the registry `wrap_model` tries (usable as a decorator).
-
-    The class needs `can_replace_layer(source_layer, lora_config, packed_modules_list)`
-    and a constructor `cls(base_layer, lora_config, context, *, name=...)`.
-
-    Example:
-        >>> register_lora_layer(MyLayerWithLoRA)  # doctest: +SKIP
-    """
-    if cls not in LORA_LAYER_CLASSES:
-        LORA_LAYER_CLASSES.insert(0, cls) if first else LORA_LAYER_CLASSES.append(cls)
-    return cls
-
-
-def default_packed_modules_mapping() -> dict[str, list[str]]:
-    """`lora_jax.models.PACKED_MODULES_MAPPING` when available, else `{}`."""
-    try:
-        from lora_jax.models import PACKED_MODULES_MAPPING
-    except ImportError:
-        return {}
-    return {k: list(v) for k, v in PACKED_MODULES_MAPPING.items()}
-
-
-def _check_packed_mapping(mapping) -> dict[str, list[str]]:
-    """A copy of ``mapping`` as ``{packed name: [member names]}``; a str value would be read
-    one character per member, so only lists / tuples of names are taken."""
-    if not isinstance(mapping, Mapping):
-        raise ValueError(
-            "wrap_model: packed_modules_mapping must be a mapping of packed module name → "
-            f"list of checkpoint names, got {type(mapping).__name__} {mapping!r}"
-        )
-    for k, v in mapping.items():
-        if (
-            not isinstance(k, str)
-            or not k
-            or not isinstance(v, list | tuple)
-            or not v
-            or not all(isinstance(m, str) and m for m in v)
-        ):
-            raise ValueError(
-                f"wrap_model: packed_modules_mapping[{k!r}] must map a non-empty str to a "
-                f"non-empty list / tuple of non-empty str names, got {v!r}"
-            )
-    return {k: list(v) for k, v in mapping.items()}
-
-
-def is_lora_layer(node: Any) -> bool:
-    """True for the LoRA wrappers `wrap_model` creates (any registered class)."""
-    return isinstance(node, (BaseLayerWithLoRA, *LORA_LAYER_CLASSES))
-
-
-def module_name(path: Sequence[Any]) -> str:
-    """NNX path parts → the dotted module name (`("model", "layers", 0)` → `model.layers.0`)."""
-    return ".".join(str(p) for p in path)
-
-
-def packed_names(name: str, packed_modules: Sequence[str]) -> list[str]:
-    """Full checkpoint names a (packed) module answers to: `a.qkv_proj` → `a.q_proj`, ..."""
-    prefix = name.rpartition(".")[0]
-    return [f"{prefix}.{p}" if prefix else p for p in packed_modules]
-
-
-def _matches(target: TargetModules, names: Sequence[str]) -> bool:
-    if target is None:
-        return True
-    if isinstance(target, str):
-        return any(re.fullmatch(target, n) for n in names)
-    return any(n == t or n.endswith("." + t) for n in names for t in target)
-
-
-def _normalize_targets(target_modules: TargetModules) -> TargetModules:
-    if target_modules is None or isinstance(target_modules, str):
-        if isinstance(target_modules, str):
-            try:
-                re.compile(target_modules)
-            except re.error as e:
-                raise ValueError(f"target_modules regex {target_modules!r} is invalid: {e}") from e
-        return target_modules
-    # a dict's keys (or an int) would silently stand for a list of names
-    if isinstance(target_modules, Mapping) or not isinstance(target_modules, Iterable):
-        raise ValueError(
-            "wrap_model: target_modules must be a list of module names, a regex string or "
-            f"None, got {type(target_modules).__name__} {target_modules!r}"
-        )
-    targets = tuple(target_modules)
-    for t in targets:
-        if not isinstance(t, str) or not t:
-            raise ValueError(f"target_modules entries must be non-empty strings, got {t!r}")
-    return targets
-
-
-def _pick_class(node, lora_config: LoRAConfig, packed: Sequence[str]) -> type | None:
-    for cls in LORA_LAYER_CLASSES:
-        if cls.can_replace_layer(node, lora_config, list(packed)):
-            return cls
-    return None
-
-
-def _get_child(parent, key):
-    return (
-        parent[key] if isinstance(key, int) or isinstance(parent, Mapping) else getattr(parent, key)
-    )
-
-
-_GRAPH_EDITS = [0]
-
-
-def graph_edits() -> int:
-    """How many layers `wrap_model` / `unwrap_model` have swapped in this process (a
-    `Generator` re-walks its model's graph when this moved)."""
-    return _GRAPH_EDITS[0]
-
-
-def _set_child(parent, key, value) -> None:
-    _GRAPH_EDITS[0] += 1
-    if isinstance(key, int) or isinstance(parent, Mapping):
-        parent[key] = value
-    else:
-        setattr(parent, key, value)
-
-
-def _resolve(model: nnx.Module, path: Sequence[Any]):
-    node = model
-    for key in path:
-        node = _get_child(node, key)
-    return node
-
-
-def _candidates(model: nnx.Module, lora_config, mapping):
-    """(path, module, packed list, class) for every module some LoRA class can wrap."""
-    out = []
-    inside_lora: list[tuple] = []
-    for path, node in nnx.iter_graph(model):
-        if not isinstance(node, nnx.Module) or not path:
-            continue
-        if is_lora_layer(node):
-            inside_lora.append(tuple(path))
-            continue
-        name = module_name(path)
-        packed = list(mapping.get(str(path[-1]), [str(path[-1])]))
-        if isinstance(
-            node, (nnx.Linear, nnx.Embed, nnx.LinearGeneral, nnx.Einsum)
-        ):  # one plain layer: one checkpoint module
-            packed = [str(path[-1])]
-        cls = _pick_class(node, lora_config, packed)
-        if cls is not None:
-            out.append((tuple(path), node, packed, cls, name))
-    # iter_graph visits children before parents: drop the base layers of existing wrappers.
-    return [c for c in out if not any(c[0][: len(p)] == p for p in inside_lora)]
-
-
-def reference_paths(model: nnx.Module) -> dict[int, list[tuple]]:
-    """Every path at which each module and variable of `model` can be reached, by `id`
-    (`nnx.iter_graph` names a shared one once: this finds the others).
-
-    The walk is `nnx.iter_graph`'s (Flax's graph protocol), so it sees what NNX and so
-    `wrap_model` / `merge_adapter` see: private (`_name`) attributes and plain
-    `nnx.Pytree` containers included.
-
-    Example:
-        >>> lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-        >>> class Tied(nnx.Module):
-        ...     def __init__(self):
-        ...         self.enc, self.dec = lin, lin
-        >>> sorted(reference_paths(Tied())[id(lin)])
-        [('dec',), ('enc',)]
-    """
-    paths: dict[int, list[tuple]] = {}
-    on_path: set[int] = set()
-
-    def visit(node, path):
-        if isinstance(node, nnx.Variable):
-            paths.setdefault(id(node), []).append(path)
-            return
-        impl = graphlib.get_node_impl(node) if graphlib.is_node(node) else None
-        if impl is None:  # a leaf
-            return
-        if isinstance(node, nnx.Pytree):  # modules and containers outlive this walk
-            paths.setdefault(id(node), []).append(path)
-        if id(node) in on_path:  # a cycle
-            return
-        on_path.add(id(node))
-        for key, child in impl.node_dict(node).items():
-            visit(child, (*path, key))
-        on_path.discard(id(node))
-
-    visit(model, ())
-    return paths
-
-
-def _wrapped_names(model: nnx.Module) -> list[str]:
-    """Names (and packed member names) of the model's existing LoRA layers."""
-    return [
-        n
-        for name, layer in lora_layers(model).items()
-        for n in [name, *packed_names(name, layer_packed_modules(name, layer))]
-    ]
-
-
-def _tied_candidates(model: nnx.Module, candidates) -> list[tuple]:
-    """Extra candidates of a model with tied embeddings (`lm_head is None`, logits from
-    `model.model.embed_tokens`): the lm_head LoRA goes to `model.lm_head`, over the shared
-    table; once it is there the graph walk meets the table under `lm_head.base_layer`
-    first (and skips it), so `embed_tokens` is offered here too."""
-    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if emb is None:
-        return []
-    head = getattr(model, "lm_head", True)
-    if head is None:
-        table = getattr(emb, "base_layer", emb)
-        if not isinstance(table, VocabParallelEmbedding):  # e.g. a plain nnx.Embed
-            return []
-        return [(("lm_head",), table, ["lm_head"], TiedLMHeadWithLoRA, "lm_head")]
-    path = ("model", "embed_tokens")
-    if (
-        isinstance(head, TiedLMHeadWithLoRA)
-        and not is_lora_layer(emb)
-        and not any(c[0] == path for c in candidates)
-    ):
-        return [(path, emb, ["embed_tokens"], VocabParallelEmbeddingWithLoRA, "model.embed_tokens")]
-    return []
-
-
-def _head_too_wide(candidate) -> bool:
-    """Whether a candidate is an lm_head whose vocabulary is past LoRA's limit (vLLM's
-    `MAX_LORA_VOCAB_SIZE`): named in `target_modules` it raises; `None` skips it, warning."""
-    _, node, _, cls, name = candidate
-    if cls not in (ParallelLMHeadWithLoRA, TiedLMHeadWithLoRA):
-        return False
-    vocab = getattr(node, "base_layer", node).num_embeddings
-    if vocab <= MAX_LORA_VOCAB_SIZE:
-        return False
-    warnings.warn(
-        f"wrap_model: {name!r} gets no LoRA: its vocabulary of {vocab} is past LoRA's limit "
-        f"of {MAX_LORA_VOCAB_SIZE} (target_modules=None wraps every supported module)",
-        stacklevel=3,
-    )
-    return True
-
-
-def _why_not(model: nnx.Module, missing: Sequence[str]) -> str:
-    """Why the plain Flax layers that ``missing`` names cannot take a LoRA ("" if none)."""
-    from lora_jax.layers.flax_general import FlaxGeneralLinear
-
-    reasons = []
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, (nnx.LinearGeneral, nnx.Einsum)) and path:
-            name = module_name(path)
-            if _matches(tuple(missing), [name]):
-                try:
-                    FlaxGeneralLinear(node, name=name)
-                except ValueError as e:
-                    reasons.append(str(e))
-    return "".join(f"; {r}" for r in reasons[:4])
+from lora_jax.serving.wrap_candidates import _candidates as _candidates
+from lora_jax.serving.wrap_candidates import _head_too_wide as _head_too_wide
+from lora_jax.serving.wrap_candidates import _tied_candidates as _tied_candidates
+from lora_jax.serving.wrap_candidates import _why_not as _why_not
+from lora_jax.serving.wrap_graph import _GRAPH_EDITS as _GRAPH_EDITS
+from lora_jax.serving.wrap_graph import _get_child as _get_child
+from lora_jax.serving.wrap_graph import _resolve as _resolve
+from lora_jax.serving.wrap_graph import _set_child as _set_child
+from lora_jax.serving.wrap_graph import graph_edits as graph_edits
+from lora_jax.serving.wrap_graph import reference_paths as reference_paths
+from lora_jax.serving.wrap_names import TargetModules as TargetModules
+from lora_jax.serving.wrap_names import _check_packed_mapping as _check_packed_mapping
+from lora_jax.serving.wrap_names import _matches as _matches
+from lora_jax.serving.wrap_names import _normalize_targets as _normalize_targets
+from lora_jax.serving.wrap_names import (
+    default_packed_modules_mapping as default_packed_modules_mapping,
+)
+from lora_jax.serving.wrap_names import layer_packed_modules as layer_packed_modules
+from lora_jax.serving.wrap_names import module_name as module_name
+from lora_jax.serving.wrap_names import packed_names as packed_names
+from lora_jax.serving.wrap_registry import LORA_LAYER_CLASSES as LORA_LAYER_CLASSES
+from lora_jax.serving.wrap_registry import _pick_class as _pick_class
+from lora_jax.serving.wrap_registry import is_lora_layer as is_lora_layer
+from lora_jax.serving.wrap_registry import register_lora_layer as register_lora_layer
 
 
 def wrap_model(
@@ -465,6 +186,15 @@ def wrap_model(
     return context
 
 
+def _wrapped_names(model: nnx.Module) -> list[str]:
+    """Names (and packed member names) of the model's existing LoRA layers."""
+    return [
+        n
+        for name, layer in lora_layers(model).items()
+        for n in [name, *packed_names(name, layer_packed_modules(name, layer))]
+    ]
+
+
 def _mark_tied_embedding(model: nnx.Module) -> None:
     """Marks the embedding LoRA layer of a tied model (`lm_head` None, or a tied head over
     `model.model.embed_tokens`): its table is the lm_head too, which a merge given only a
@@ -529,12 +259,6 @@ def lora_layers(model: nnx.Module) -> dict[str, Any]:
         if path and is_lora_layer(node):
             layers[module_name(path)] = node
     return dict(sorted(layers.items(), key=lambda kv: _natural_key(kv[0])))
-
-
-def layer_packed_modules(name: str, layer) -> tuple[str, ...]:
-    """The checkpoint (leaf) names a LoRA layer's slices answer to."""
-    packed = getattr(layer, "packed_modules", None)
-    return tuple(packed) if packed else (name.rpartition(".")[2],)
 
 
 def _natural_key(name: str):
