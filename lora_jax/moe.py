@@ -1,8 +1,7 @@
 """`FusedMoE`: vLLM's fused mixture-of-experts layer in NNX, with tensor and expert parallelism.
 
-Routing (vLLM's `fused_topk`): scores = softmax (or sigmoid) of the router logits in f32,
-the top-k experts per token, renormalised to sum to 1 when `renormalize`. The experts are
-`w13 [E, hidden, 2*inter]` (gated "act_and_mul": gate and up in one matrix, Flax
+Routing (top-k of the router scores, vLLM's `fused_topk`) is in `lora_jax.moe_routing`. The
+experts are `w13 [E, hidden, 2*inter]` (gated "act_and_mul": gate and up in one matrix, Flax
 `[in, out]` per expert) or `[E, hidden, inter]` (non-gated), then `w2 [E, inter, hidden]`.
 Each (token, chosen expert) pair gives `act(x @ w1) * (x @ w3) @ w2`; the routing weight
 multiplies that w2 output, and the top-k outputs of a token are summed (as vLLM does in
@@ -38,8 +37,6 @@ Two implementations of the expert math (`impl`):
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -48,101 +45,24 @@ import numpy as np
 from flax import nnx
 
 from lora_jax.linear import pack_shards
+from lora_jax.moe_routing import ACTIVATIONS as ACTIVATIONS
+from lora_jax.moe_routing import SCORING_FUNCS as SCORING_FUNCS
+from lora_jax.moe_routing import ExpertRoutes as ExpertRoutes
+from lora_jax.moe_routing import activation_fn as activation_fn
+from lora_jax.moe_routing import make_routes as make_routes
+from lora_jax.moe_routing import select_experts as select_experts
 from lora_jax.sharding import ShardingRules, shard_map
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2")
 GATE_UP_LAYOUTS = ("concat", "interleaved")
 IMPLS = ("auto", "grouped", "dense")
 # "auto" runs every expert densely on GPU from this many (token, expert) pairs per expert.
 DENSE_MIN_PAIRS_PER_EXPERT = 128
-SCORING_FUNCS = ("softmax", "sigmoid")
 
 # Fan-in per expert: [E, in, out] with the expert dim as a batch dim.
 default_expert_init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=0)
 
 _W13_AXES = ("expert", None, "tensor")  # [E, hidden, w13 out]
 _W2_AXES = ("expert", "tensor", None)  # [E, inter, hidden]
-
-
-def select_experts(
-    router_logits: jax.Array,
-    top_k: int,
-    *,
-    renormalize: bool = True,
-    scoring_func: str = "softmax",
-) -> tuple[jax.Array, jax.Array]:
-    """vLLM's `fused_topk`: `(topk_weights f32 [T, k], topk_ids i32 [T, k])`.
-
-    Softmax-then-top-k followed by renormalisation equals a softmax over the top-k logits
-    (Mixtral, Qwen3-MoE with `norm_topk_prob`).
-
-    Example:
-        >>> w, ids = select_experts(jnp.array([[0.0, 2.0, 1.0]]), 2)
-        >>> ids.tolist(), round(float(w.sum()), 5)
-        ([[1, 2]], 1.0)
-    """
-    logits = router_logits.astype(jnp.float32)
-    if scoring_func == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
-    elif scoring_func == "sigmoid":
-        scores = jax.nn.sigmoid(logits)
-    else:
-        raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {scoring_func!r}")
-    weights, ids = jax.lax.top_k(scores, top_k)
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids.astype(jnp.int32)
-
-
-def activation_fn(name: str) -> Callable[[jax.Array], jax.Array]:
-    """The expert activation by vLLM name (computed in f32 by the callers)."""
-    if name == "silu":
-        return jax.nn.silu
-    if name == "gelu":
-        return lambda v: jax.nn.gelu(v, approximate=False)
-    if name == "gelu_tanh":
-        return lambda v: jax.nn.gelu(v, approximate=True)
-    if name == "relu2":
-        return lambda v: jnp.square(jax.nn.relu(v))
-    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ExpertRoutes:
-    """One shard's (token, expert) pairs, sorted by local expert (the grouped layout).
-
-    Pairs routed to another shard's experts sort last and carry weight 0.
-    """
-
-    pair_token: jax.Array  # i32[P]  token of each sorted pair (P = T * k)
-    pair_expert: jax.Array  # i32[P]  local expert, E_local for pairs of other shards
-    pair_weight: jax.Array  # f32[P]  routing weight, 0 for pairs of other shards
-    group_sizes: jax.Array  # i32[E_local]  pairs per local expert
-
-    @property
-    def local(self) -> jax.Array:
-        """bool[P]: the pair's expert lives on this shard."""
-        return self.pair_expert < self.group_sizes.shape[0]
-
-
-def make_routes(
-    topk_weights: jax.Array, topk_ids: jax.Array, first_expert: jax.Array | int, num_local: int
-) -> ExpertRoutes:
-    """Sorts the `[T, k]` pairs by local expert `topk_ids - first_expert` (stable)."""
-    t, k = topk_ids.shape
-    local = topk_ids.reshape(-1) - first_expert  # [P]
-    on_shard = (local >= 0) & (local < num_local)
-    key = jnp.where(on_shard, local, num_local).astype(jnp.int32)
-    order = jnp.argsort(key, stable=True)
-    sizes = jnp.zeros((num_local + 1,), jnp.int32).at[key].add(1)[:num_local]
-    weight = jnp.where(on_shard, topk_weights.reshape(-1).astype(jnp.float32), 0.0)
-    return ExpertRoutes(
-        pair_token=(order // k).astype(jnp.int32),
-        pair_expert=key[order],
-        pair_weight=weight[order],
-        group_sizes=sizes,
-    )
 
 
 class FusedMoE(nnx.Module):
@@ -353,7 +273,7 @@ class FusedMoE(nnx.Module):
         """Per shard: the partial (over tensor/expert shards) MoE output, f32 `[T, H]`.
 
         `lora`, when given, is a hook with `rows(routes=|expert=)`, `w13(g, x, rows)` and
-        `w2(o, a, rows)` (see `lora_jax.layers.moe`); it edits the two matmul outputs.
+        `w2(o, a, rows)` (see `lora_jax.layers.moe_hook`); it edits the two matmul outputs.
         """
         dtype = self.dtype or x.dtype
         x = x.astype(dtype)

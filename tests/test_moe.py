@@ -304,7 +304,7 @@ def test_lora_through_the_kernels(monkeypatch, gated, layout, fused_w13, impl, m
 def test_decode_flag_reaches_the_expert_rows(impl, monkeypatch):
     """A decode step's mapping (`is_prefill=False`) makes the expert rows' mappings decode
     ones too (their shrink then skips the prompt-tile kernel), and the output is the same."""
-    import lora_jax.layers.moe as moe_mod
+    import lora_jax.layers.moe_hook as moe_mod  # the per-shard hook makes the rows' mappings
 
     rng = np.random.default_rng(1)
     layer, w = build(rng, gated=True, layout="concat", fused_w13=True, impl=impl,
