@@ -164,6 +164,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--small", action="store_true", help="tiny f32 model for a CPU smoke test")
     p.add_argument("--profile", default=None, help="trace the grad programs into this dir")
+    p.add_argument("--programs", default="fwd,grad,step", help="the LoRA programs to time")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -191,6 +192,7 @@ def main(argv=None):
     if args.profile:
         prof = kernel_profile(fn, fargs, args.reps, os.path.join(args.profile, "base"))
         rows.append(dict(rank=0, backend="base", what="grad_profile", **prof))
+        report_profile(rows[-1])
 
     for rank in [int(r) for r in args.ranks.split(",") if r]:
         unwrap_model(model)
@@ -219,6 +221,8 @@ def main(argv=None):
             try:
                 progs = programs(model, ids, pos)
                 for what, (fn, fargs) in progs.items():
+                    if what not in args.programs.split(","):
+                        continue
                     t, first = timeit(fn, *fargs, reps=args.reps)
                     row = dict(rank=rank, backend=be, what=what, ms=t * 1e3, first_s=first)
                     if what == "grad":
@@ -229,6 +233,7 @@ def main(argv=None):
                             profiles.append(
                                 dict(rank=rank, backend=be, what="grad_profile", **prof)
                             )
+                            report_profile(profiles[-1])
                     rows.append(row)
                     print(
                         f"r{rank} {be}/{what}: {t * 1e3:.3f} ms (first {first:.1f} s)", flush=True
@@ -256,11 +261,14 @@ def report(rows):
                 f"{r['rank']:>4} {r['backend']:>7} {r['what']:>5} {r['ms']:>9.3f} "
                 f"{r['ms'] / base:>10.2f}"
             )
-    for r in rows:
-        if r["what"] == "grad_profile" and r.get("top_us"):
-            print(f"\nr{r['rank']} {r['backend']} grad: GPU busy {r['busy_ms']:.3f} ms per call")
-            for name, us in r["top_us"]:
-                print(f"  {us:>9.1f} us  {name}")
+
+
+def report_profile(r) -> None:
+    """A grad program's GPU busy time and longest kernels, as soon as they are traced."""
+    if r.get("top_us"):
+        print(f"r{r['rank']} {r['backend']} grad: GPU busy {r['busy_ms']:.3f} ms per call")
+        for name, us in r["top_us"]:
+            print(f"  {us:>9.1f} us  {name}", flush=True)
 
 
 if __name__ == "__main__":
