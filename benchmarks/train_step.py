@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import jax
@@ -47,6 +48,8 @@ import lora_jax as lj
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
 from lora_jax.serving.training import init_lora_slot, train_only_slots
 from lora_jax.serving.wrap import unwrap_model, wrap_model
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # profile_decode, with -P
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

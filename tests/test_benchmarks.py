@@ -707,3 +707,18 @@ def test_train_step_base_grad_is_the_first_norm_s_gradient(tmp_path):
     np.testing.assert_allclose(got, want_0, rtol=1e-4, atol=1e-7)
     assert np.abs(got).max() > 0
     assert train_step.kernel_profile(fn, args, 1, str(tmp_path / "prof")) == {}
+
+    # as gpu_pending.sh runs it: `python -P` leaves benchmarks/ off sys.path (session 51:
+    # the profile's `import profile_decode` failed there)
+    import subprocess
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "train_step.py")
+    out = tmp_path / "t.json"
+    cmd = [sys.executable, "-P", script, "--small", "--ranks", "", "--profile",
+           str(tmp_path / "p"), "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+    import json
+
+    whats = [r["what"] for r in json.loads(out.read_text())["rows"]]
+    assert whats == ["fwd", "grad", "grad_profile"]
