@@ -19,6 +19,9 @@ base math only; do not set a LoRA mapping until `unmerge_adapter`.
 Weights shared by several LoRA layers (tied embeddings / lm_head, tied kernels) cannot
 take one layer's delta without changing the others: a slot with an adapter on such a
 layer is refused, and with the slot empty those layers are left as they are.
+
+The per-layer-kind plans live in `merge_plans`, the checks made before any weight changes
+in `merge_checks`; this module holds the merged state, the jitted merge and the public API.
 """
 
 from __future__ import annotations
@@ -31,19 +34,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lora_jax.layers import BaseLayerWithLoRA, LoRASlotRanks, find_lora_context
-from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
-from lora_jax.layers.flax_embed import FlaxEmbedWithLoRA
-from lora_jax.layers.flax_general import FlaxGeneralLinear, unmergeable_reason
-from lora_jax.layers.flax_linear import FlaxLinearWithLoRA
-from lora_jax.layers.logits import ParallelLMHeadWithLoRA, TiedLMHeadWithLoRA, _head_of
-from lora_jax.layers.moe import FusedMoEWithLoRA
-from lora_jax.linear import _KERNEL_AXES
-from lora_jax.moe import _W2_AXES, _W13_AXES
+from lora_jax.layers import find_lora_context
+from lora_jax.serving.merge_checks import _check_not_traced as _check_not_traced
+from lora_jax.serving.merge_checks import _slot_in_use as _slot_in_use
+from lora_jax.serving.merge_checks import _slot_index as _slot_index
+from lora_jax.serving.merge_checks import _tied_table as _tied_table
+from lora_jax.serving.merge_plans import _TABLE_AXES as _TABLE_AXES
+from lora_jax.serving.merge_plans import _add as _add
+from lora_jax.serving.merge_plans import _embedding_plan as _embedding_plan
+from lora_jax.serving.merge_plans import _linear_plan as _linear_plan
+from lora_jax.serving.merge_plans import _lm_head_plan as _lm_head_plan
+from lora_jax.serving.merge_plans import _moe_plan as _moe_plan
+from lora_jax.serving.merge_plans import _pick as _pick
+from lora_jax.serving.merge_plans import _plan as _plan
+from lora_jax.serving.merge_plans import _rules_of as _rules_of
+from lora_jax.serving.merge_plans import _unmergeable as _unmergeable
 from lora_jax.serving.wrap import lora_layers, reference_paths, unwrap_model
 from lora_jax.sharding import shard_map
-
-_TABLE_AXES = ("vocab", "embed")  # VocabParallelEmbedding / ParallelLMHead `[V_pad, D]`
 
 
 class MergedKernel(nnx.Variable):
@@ -73,151 +80,6 @@ def layer_merged_slot(layer) -> int | None:
     return int(np.asarray(layer.merged_slot.get_value()))
 
 
-def _pick(w: jax.Array, idx) -> jax.Array:
-    """Slot `idx` of a stacked LoRA array, in f32."""
-    return jax.lax.dynamic_index_in_dim(w, idx, 0, keepdims=False).astype(jnp.float32)
-
-
-def _add(w: jax.Array, delta: jax.Array) -> jax.Array:
-    return (w.astype(jnp.float32) + delta).astype(w.dtype)
-
-
-def _linear_plan(layer: BaseLayerWithLoRA):
-    """`kernel [in, out_physical] += (B @ A).T` per slice, per shard."""
-    base = layer.base_layer
-    rules = base.rules
-    a_axes, b_axes = layer.lora_axes()
-    tp_axis = rules.mesh_axis("tensor")
-    sharded = layer.fully_sharded and tp_axis is not None and base.tp > 1
-    row = base.parallel == "row"
-
-    def local(k, a, b, idx):
-        deltas = []
-        for a_s, b_s in zip(a, b):
-            a_rk, b_nr = _pick(a_s, idx), _pick(b_s, idx)  # [R(/tp), in_l], [out_l, R]
-            if sharded and not row:
-                a_rk = jax.lax.all_gather(a_rk, rules.mesh_axis(a_axes[1]), axis=0, tiled=True)
-            if sharded and row:
-                b_nr = jax.lax.all_gather(b_nr, tp_axis, axis=0, tiled=True)
-            deltas.append((b_nr @ a_rk).T)  # [in_l, out_s_l]
-        delta = jnp.concatenate(deltas, axis=1)
-        if isinstance(base, FlaxGeneralLinear):  # the flat map → the source kernel's axes
-            delta = base.kernel_delta(delta)
-        return (_add(k, delta),)  # the local kernel layout
-
-    n = len(layer.lora_a)
-    k_axes = _KERNEL_AXES[base.parallel]
-    specs = ((k_axes,), ((a_axes,) * n, (b_axes,) * n))
-    lora = (tuple(v[...] for v in layer.lora_a), tuple(v[...] for v in layer.lora_b))
-    return (base.kernel,), local, specs, lora
-
-
-def _moe_plan(layer: FusedMoEWithLoRA):
-    """`w13[e] += (B13 @ A13).T` (gate / up in the base's per-shard layout) and
-    `w2[e] += (B2 @ A2).T`, per shard."""
-    base = layer.base_layer
-    rules = base.rules
-    a13_axes, b13_axes, a2_axes, b2_axes = layer.lora_axes()
-    tp_axis = rules.mesh_axis("tensor")
-    sharded = layer.fully_sharded and tp_axis is not None and base.tp > 1
-    interleave = len(layer.w13_lora_a) == 2 and base.gate_up_layout == "interleaved"
-
-    def local(w13, w2, a13, b13, a2, b2, idx):
-        deltas = []
-        for a_s, b_s in zip(a13, b13):
-            a = _pick(a_s, idx)  # [E_l, R(/tp), H]
-            if sharded:
-                a = jax.lax.all_gather(a, rules.mesh_axis(a13_axes[2]), axis=1, tiled=True)
-            deltas.append(jnp.einsum("enr,erh->ehn", _pick(b_s, idx), a))  # [E_l, H, n_l]
-        if interleave:  # gate at even, up at odd columns of each shard's range
-            d13 = jnp.stack(deltas, axis=-1).reshape(*deltas[0].shape[:2], -1)
-        else:  # [gate_i | up_i] (or the one fused / non-gated slice)
-            d13 = jnp.concatenate(deltas, axis=-1)
-        b = _pick(b2, idx)  # [E_l, H(/tp), R]
-        if sharded:
-            b = jax.lax.all_gather(b, tp_axis, axis=1, tiled=True)
-        d2 = jnp.einsum("ehr,eri->eih", b, _pick(a2, idx))  # [E_l, I_l, H]
-        return _add(w13, d13), _add(w2, d2)
-
-    n = len(layer.w13_lora_a)
-    specs = (
-        (_W13_AXES, _W2_AXES),
-        ((a13_axes,) * n, (b13_axes,) * n, a2_axes, b2_axes),
-    )
-    lora = (
-        tuple(v[...] for v in layer.w13_lora_a),
-        tuple(v[...] for v in layer.w13_lora_b),
-        layer.w2_lora_a[...],
-        layer.w2_lora_b[...],
-    )
-    return (base.w13, base.w2), local, specs, lora
-
-
-def _embedding_plan(layer: VocabParallelEmbeddingWithLoRA):
-    """`table [V_pad, D] += A.T @ B.T` (row v gains `B @ A[:, v]`), per shard."""
-
-    def local(table, a, b, idx):
-        return (_add(table, (_pick(b, idx) @ _pick(a, idx)).T),)  # [V_l, D_l]
-
-    specs = ((_TABLE_AXES,), (layer.A_AXES, layer.B_AXES))
-    return (layer.base_layer.embedding,), local, specs, (layer.lora_a[...], layer.lora_b[...])
-
-
-def _lm_head_plan(layer: ParallelLMHeadWithLoRA):
-    """`table [V_pad, D] += B @ A` (B already in the table's row order), per shard."""
-    proc = layer.logits_processor
-
-    def local(table, a, b, idx):
-        return (_add(table, _pick(b, idx) @ _pick(a, idx)),)  # [V_l, D_l]
-
-    specs = ((_TABLE_AXES,), (proc.A_AXES, proc.B_AXES))
-    table = _head_of(layer.base_layer).embedding
-    return (table,), local, specs, (proc.lora_a[...], proc.lora_b[...])
-
-
-# Why a layer kind cannot be merged (when its slot holds an adapter).
-def _unmergeable(layer) -> str | None:
-    """Why a LoRA layer of a known kind cannot take its adapter into its weights, or None."""
-    if isinstance(layer, FlaxEmbedWithLoRA):
-        return (
-            "a plain nnx.Embed's table may also be read through attend() as a tied lm_head, "
-            "which merge_adapter cannot see"
-        )
-    if isinstance(getattr(layer, "base_layer", None), FlaxGeneralLinear):
-        return unmergeable_reason(layer)
-    if isinstance(layer, FlaxLinearWithLoRA):
-        dot = getattr(layer.base_layer.source, "dot_general", jax.lax.dot_general)
-        if dot is not jax.lax.dot_general:
-            return (
-                "its nnx.Linear computes with its own dot_general, which need not be linear "
-                "in the kernel (a scaled or quantized matmul): B @ A added to the kernel "
-                "would not give the served output"
-            )
-    return None
-
-
-def _plan(layer):
-    """`(weights, local_fn, (weight specs, lora specs), lora arrays)` for a mergeable layer,
-    or None; `local_fn(*weights, *lora, slot)` gives the merged weights of one shard."""
-    if _unmergeable(layer) is not None:
-        return None
-    if isinstance(layer, FusedMoEWithLoRA):
-        return _moe_plan(layer)
-    if isinstance(layer, BaseLayerWithLoRA):
-        return _linear_plan(layer)
-    if isinstance(layer, VocabParallelEmbeddingWithLoRA):
-        return _embedding_plan(layer)
-    if isinstance(layer, ParallelLMHeadWithLoRA):
-        return _lm_head_plan(layer)
-    return None
-
-
-def _rules_of(layer):
-    if isinstance(layer, ParallelLMHeadWithLoRA):
-        return layer.logits_processor.rules
-    return layer.base_layer.rules
-
-
 # model -> (its merged layers, weakly, and the jitted merge over them): merging another
 # slot of the same layers reuses the compiled program (the slot is traced).
 _MERGE_JITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -245,55 +107,6 @@ def _merged_weights(model, layers: list, plans: list, slot: int) -> list[tuple[j
     run = _merge_jit(model, layers, plans, [_rules_of(la) for la in layers])
     args = [(tuple(w[...] for w in weights), lora) for weights, _, _, lora in plans]
     return run(args, jnp.int32(slot))
-
-
-def _slot_in_use(layer, slot: int) -> bool:
-    """Whether any `LoRASlotRanks` inside `layer` records an adapter in `slot`."""
-    return any(
-        np.asarray(node.get_value())[..., slot].any()
-        for _, node in nnx.iter_graph(layer)
-        if isinstance(node, LoRASlotRanks)
-    )
-
-
-def _tied_table(model: nnx.Module) -> int | None:
-    """`id` of the embedding table that a tied model reads both as its embedding and as
-    its lm_head (as `wrap_model` knows them: `lm_head` None, or a `TiedLMHeadWithLoRA`,
-    over `model.model.embed_tokens`), whichever of the two is LoRA-wrapped."""
-    head = getattr(model, "lm_head", True)
-    if isinstance(head, TiedLMHeadWithLoRA):
-        return id(_head_of(head.base_layer).embedding)
-    if head is not None:
-        return None
-    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
-    table = getattr(getattr(emb, "base_layer", emb), "embedding", None)
-    return None if table is None else id(table)
-
-
-def _check_not_traced(all_layers: dict, what: str) -> None:
-    """Merging edits the base weights in place, on the host: under a jax transform it
-    would only change the trace (or fail on a traced rank table), so it is refused."""
-    for name, layer in all_layers.items():
-        for _, node in nnx.iter_graph(layer):
-            if isinstance(node, LoRASlotRanks) and isinstance(node.get_value(), jax.core.Tracer):
-                raise ValueError(
-                    f"{what}: layer {name!r} is traced; merging edits the weights on the "
-                    f"host, call {what} outside jit"
-                )
-
-
-def _slot_index(slot) -> int:
-    """`slot` as a Python int: an int, a numpy integer (as `token_mapping` / `slot_of`
-    values may come) or a concrete integer scalar array; never a bool or a traced value."""
-    if isinstance(slot, (np.ndarray, jax.Array)) and not isinstance(slot, jax.core.Tracer):
-        if slot.shape == () and np.issubdtype(slot.dtype, np.integer):
-            return int(slot)
-    elif isinstance(slot, (int, np.integer)) and not isinstance(slot, (bool, np.bool_)):
-        return int(slot)
-    raise ValueError(
-        f"merge_adapter: slot must be a Python int or a concrete integer scalar (merging "
-        f"runs outside jit), got {type(slot).__name__} {slot!r}"
-    )
 
 
 def merge_adapter(model: nnx.Module, slot: int) -> int:

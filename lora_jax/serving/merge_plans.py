@@ -1,0 +1,170 @@
+"""How each LoRA layer kind folds a slot's `B @ A` into its base weights (`merge_adapter`).
+
+A plan is `(weights, local_fn, (weight specs, lora specs), lora arrays)`: the base weight
+variables to change, a function giving one shard's merged weights in the weight's own
+physical layout, the logical axes both are sharded over, and the stacked LoRA arrays.
+`_plan(layer)` picks the plan for a layer's kind (linears, fused MoE experts, vocab
+embeddings, lm_heads), or None where `_unmergeable(layer)` says why it cannot be merged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lora_jax.layers import BaseLayerWithLoRA
+from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
+from lora_jax.layers.flax_embed import FlaxEmbedWithLoRA
+from lora_jax.layers.flax_general import FlaxGeneralLinear, unmergeable_reason
+from lora_jax.layers.flax_linear import FlaxLinearWithLoRA
+from lora_jax.layers.logits import ParallelLMHeadWithLoRA, _head_of
+from lora_jax.layers.moe import FusedMoEWithLoRA
+from lora_jax.linear import _KERNEL_AXES
+from lora_jax.moe import _W2_AXES, _W13_AXES
+
+_TABLE_AXES = ("vocab", "embed")  # VocabParallelEmbedding / ParallelLMHead `[V_pad, D]`
+
+
+def _pick(w: jax.Array, idx) -> jax.Array:
+    """Slot `idx` of a stacked LoRA array, in f32."""
+    return jax.lax.dynamic_index_in_dim(w, idx, 0, keepdims=False).astype(jnp.float32)
+
+
+def _add(w: jax.Array, delta: jax.Array) -> jax.Array:
+    return (w.astype(jnp.float32) + delta).astype(w.dtype)
+
+
+def _linear_plan(layer: BaseLayerWithLoRA):
+    """`kernel [in, out_physical] += (B @ A).T` per slice, per shard."""
+    base = layer.base_layer
+    rules = base.rules
+    a_axes, b_axes = layer.lora_axes()
+    tp_axis = rules.mesh_axis("tensor")
+    sharded = layer.fully_sharded and tp_axis is not None and base.tp > 1
+    row = base.parallel == "row"
+
+    def local(k, a, b, idx):
+        deltas = []
+        for a_s, b_s in zip(a, b):
+            a_rk, b_nr = _pick(a_s, idx), _pick(b_s, idx)  # [R(/tp), in_l], [out_l, R]
+            if sharded and not row:
+                a_rk = jax.lax.all_gather(a_rk, rules.mesh_axis(a_axes[1]), axis=0, tiled=True)
+            if sharded and row:
+                b_nr = jax.lax.all_gather(b_nr, tp_axis, axis=0, tiled=True)
+            deltas.append((b_nr @ a_rk).T)  # [in_l, out_s_l]
+        delta = jnp.concatenate(deltas, axis=1)
+        if isinstance(base, FlaxGeneralLinear):  # the flat map → the source kernel's axes
+            delta = base.kernel_delta(delta)
+        return (_add(k, delta),)  # the local kernel layout
+
+    n = len(layer.lora_a)
+    k_axes = _KERNEL_AXES[base.parallel]
+    specs = ((k_axes,), ((a_axes,) * n, (b_axes,) * n))
+    lora = (tuple(v[...] for v in layer.lora_a), tuple(v[...] for v in layer.lora_b))
+    return (base.kernel,), local, specs, lora
+
+
+def _moe_plan(layer: FusedMoEWithLoRA):
+    """`w13[e] += (B13 @ A13).T` (gate / up in the base's per-shard layout) and
+    `w2[e] += (B2 @ A2).T`, per shard."""
+    base = layer.base_layer
+    rules = base.rules
+    a13_axes, b13_axes, a2_axes, b2_axes = layer.lora_axes()
+    tp_axis = rules.mesh_axis("tensor")
+    sharded = layer.fully_sharded and tp_axis is not None and base.tp > 1
+    interleave = len(layer.w13_lora_a) == 2 and base.gate_up_layout == "interleaved"
+
+    def local(w13, w2, a13, b13, a2, b2, idx):
+        deltas = []
+        for a_s, b_s in zip(a13, b13):
+            a = _pick(a_s, idx)  # [E_l, R(/tp), H]
+            if sharded:
+                a = jax.lax.all_gather(a, rules.mesh_axis(a13_axes[2]), axis=1, tiled=True)
+            deltas.append(jnp.einsum("enr,erh->ehn", _pick(b_s, idx), a))  # [E_l, H, n_l]
+        if interleave:  # gate at even, up at odd columns of each shard's range
+            d13 = jnp.stack(deltas, axis=-1).reshape(*deltas[0].shape[:2], -1)
+        else:  # [gate_i | up_i] (or the one fused / non-gated slice)
+            d13 = jnp.concatenate(deltas, axis=-1)
+        b = _pick(b2, idx)  # [E_l, H(/tp), R]
+        if sharded:
+            b = jax.lax.all_gather(b, tp_axis, axis=1, tiled=True)
+        d2 = jnp.einsum("ehr,eri->eih", b, _pick(a2, idx))  # [E_l, I_l, H]
+        return _add(w13, d13), _add(w2, d2)
+
+    n = len(layer.w13_lora_a)
+    specs = (
+        (_W13_AXES, _W2_AXES),
+        ((a13_axes,) * n, (b13_axes,) * n, a2_axes, b2_axes),
+    )
+    lora = (
+        tuple(v[...] for v in layer.w13_lora_a),
+        tuple(v[...] for v in layer.w13_lora_b),
+        layer.w2_lora_a[...],
+        layer.w2_lora_b[...],
+    )
+    return (base.w13, base.w2), local, specs, lora
+
+
+def _embedding_plan(layer: VocabParallelEmbeddingWithLoRA):
+    """`table [V_pad, D] += A.T @ B.T` (row v gains `B @ A[:, v]`), per shard."""
+
+    def local(table, a, b, idx):
+        return (_add(table, (_pick(b, idx) @ _pick(a, idx)).T),)  # [V_l, D_l]
+
+    specs = ((_TABLE_AXES,), (layer.A_AXES, layer.B_AXES))
+    return (layer.base_layer.embedding,), local, specs, (layer.lora_a[...], layer.lora_b[...])
+
+
+def _lm_head_plan(layer: ParallelLMHeadWithLoRA):
+    """`table [V_pad, D] += B @ A` (B already in the table's row order), per shard."""
+    proc = layer.logits_processor
+
+    def local(table, a, b, idx):
+        return (_add(table, _pick(b, idx) @ _pick(a, idx)),)  # [V_l, D_l]
+
+    specs = ((_TABLE_AXES,), (proc.A_AXES, proc.B_AXES))
+    table = _head_of(layer.base_layer).embedding
+    return (table,), local, specs, (proc.lora_a[...], proc.lora_b[...])
+
+
+# Why a layer kind cannot be merged (when its slot holds an adapter).
+def _unmergeable(layer) -> str | None:
+    """Why a LoRA layer of a known kind cannot take its adapter into its weights, or None."""
+    if isinstance(layer, FlaxEmbedWithLoRA):
+        return (
+            "a plain nnx.Embed's table may also be read through attend() as a tied lm_head, "
+            "which merge_adapter cannot see"
+        )
+    if isinstance(getattr(layer, "base_layer", None), FlaxGeneralLinear):
+        return unmergeable_reason(layer)
+    if isinstance(layer, FlaxLinearWithLoRA):
+        dot = getattr(layer.base_layer.source, "dot_general", jax.lax.dot_general)
+        if dot is not jax.lax.dot_general:
+            return (
+                "its nnx.Linear computes with its own dot_general, which need not be linear "
+                "in the kernel (a scaled or quantized matmul): B @ A added to the kernel "
+                "would not give the served output"
+            )
+    return None
+
+
+def _plan(layer):
+    """`(weights, local_fn, (weight specs, lora specs), lora arrays)` for a mergeable layer,
+    or None; `local_fn(*weights, *lora, slot)` gives the merged weights of one shard."""
+    if _unmergeable(layer) is not None:
+        return None
+    if isinstance(layer, FusedMoEWithLoRA):
+        return _moe_plan(layer)
+    if isinstance(layer, BaseLayerWithLoRA):
+        return _linear_plan(layer)
+    if isinstance(layer, VocabParallelEmbeddingWithLoRA):
+        return _embedding_plan(layer)
+    if isinstance(layer, ParallelLMHeadWithLoRA):
+        return _lm_head_plan(layer)
+    return None
+
+
+def _rules_of(layer):
+    if isinstance(layer, ParallelLMHeadWithLoRA):
+        return layer.logits_processor.rules
+    return layer.base_layer.rules
