@@ -1,0 +1,160 @@
+"""The optax transformations that train one slot of a wrapped model.
+
+`train_only_slots` zeroes every update outside the slots being trained (put it last in
+the chain); `tie_kv_replicas` sums the gradients of the B rows that tp > kv heads stores
+once per kv-head replica (put it first). The overview is in `lora_jax.serving.training`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from lora_jax.serving.training_slots import is_linear
+from lora_jax.serving.wrap import lora_layers
+
+
+def train_only_slots(slots: Sequence[int]) -> optax.GradientTransformation:
+    """An optax transformation that zeroes every update outside ``slots``.
+
+    Put it last in the chain (after weight decay) and pass ``wrt=nnx.LoRAParam``: every
+    LoRA stack has the slot as its first axis, so the adapters in the other slots keep
+    their exact values while one is trained.
+
+    Example:
+        >>> tx = optax.chain(optax.adamw(1e-3), train_only_slots([1]))
+        >>> opt = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)  # doctest: +SKIP
+    """
+    given = slots
+    if isinstance(slots, jax.Array | np.ndarray):
+        slots = slots.tolist() if slots.ndim == 1 else None
+    if isinstance(slots, str | bytes) or not isinstance(slots, Iterable):
+        raise ValueError(f"train_only_slots: slots must be a list of ints, got {given!r}")
+    slots = list(slots)
+    bad = [
+        s for s in slots if isinstance(s, bool | np.bool_) or not isinstance(s, int | np.integer)
+    ]
+    if bad:
+        raise ValueError(f"train_only_slots: slots must be ints, got {bad!r} in {slots!r}")
+    keep_slots = tuple(int(s) for s in slots)
+    if not keep_slots:
+        raise ValueError("train_only_slots: name at least one slot")
+
+    def update(updates, state, params=None):
+        del params
+
+        def mask(u):
+            if u is None or jnp.ndim(u) == 0:
+                return u
+            if max(keep_slots) >= u.shape[0] or min(keep_slots) < -u.shape[0]:
+                raise ValueError(
+                    f"train_only_slots: slots {list(keep_slots)} outside the {u.shape[0]} "
+                    "slots of a LoRA stack"
+                )
+            keep = jnp.zeros(u.shape[0], bool).at[jnp.asarray(keep_slots)].set(True)
+            return jnp.where(keep.reshape((-1,) + (1,) * (u.ndim - 1)), u, jnp.zeros_like(u))
+
+        return jax.tree.map(mask, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def tie_kv_replicas(model) -> optax.GradientTransformation:
+    """An optax transformation that trains the replicas of a kv head's B as one parameter.
+
+    With more tensor shards than kv heads, a QKV layer's B stacks hold each kv head's
+    rows once per replica (`num_kv_head_replicas`), and each replica gets its own gradient;
+    the adapter (PEFT's, the tp=1 model's) has one B per kv head, whose gradient is the sum
+    of its replicas'. This puts that sum in every replica. Put it first in the chain,
+    before the optimizer: replicas that start equal (as `init_lora_slot` and `set_lora`
+    write them) then stay equal under elementwise optimizers (SGD, Adam, weight decay),
+    and training follows the unsharded model's. (Transforms that read across entries, such
+    as `clip_by_global_norm`, still count a tied row once per replica.) On a model without
+    kv replicas it changes nothing.
+
+    Example:
+        >>> tied = tie_kv_replicas(model)  # doctest: +SKIP
+        >>> tx = optax.chain(tied, optax.adamw(1e-3), train_only_slots([1]))  # doctest: +SKIP
+        >>> opt = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)  # doctest: +SKIP
+    """
+    if not lora_layers(model):
+        raise ValueError("tie_kv_replicas: the model has no LoRA layers (wrap_model it first)")
+    ties = _kv_replica_ties(model)
+
+    def update(updates, state, params=None):
+        del params
+        if not ties:
+            return updates, state
+        seen = set()
+
+        def tie(path, u):
+            key = tuple(_path_key(k) for k in path)
+            if key and key[-1] == "value" and key not in ties:  # `nnx.split` state: Variables
+                key = key[:-1]
+            found = ties.get(key)
+            if found is None:
+                return u
+            name, rows, shape, rules, axes = found
+            if u.shape != shape:
+                raise ValueError(
+                    f"tie_kv_replicas: the update at {'.'.join(map(str, key))} has shape "
+                    f"{u.shape}, but {name}'s B there is {shape}: build it with the model "
+                    "the optimizer trains"
+                )
+            seen.add(key)
+            return _tie_rows(u, rows, rules, axes)
+
+        out = jax.tree_util.tree_map_with_path(tie, updates)
+        missing = sorted(".".join(map(str, k)) for k in ties.keys() - seen)
+        if missing:
+            raise ValueError(
+                f"tie_kv_replicas: the updates hold no B stack at {missing}: it takes the "
+                "gradients of the model it was built with, over wrt=nnx.LoRAParam"
+            )
+        return out, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def _kv_replica_ties(model) -> dict[tuple, tuple]:
+    """Per B stack holding kv replicas, by its state path: (layer name, the logical row of
+    each physical row, the stack's shape, the layer's rules, B's logical axes)."""
+    paths = {
+        id(node): tuple(path)
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.LoRAParam)
+    }
+    ties = {}
+    for name, layer in lora_layers(model).items():
+        if not is_linear(layer) or getattr(layer.base_layer, "num_kv_head_replicas", 1) < 2:
+            continue
+        axes = layer.lora_axes()[1]
+        for s, var in enumerate(layer.lora_b):
+            n = layer.logical_slice_sizes[s]
+            # the layer's own logical → physical layout, applied to row numbers
+            rows = np.asarray(layer._physical_b(s, np.arange(n)[:, None]))[:, 0]  # [out_s]
+            if len(rows) > n:
+                ties[paths[id(var)]] = (name, rows, var.shape, layer.base_layer.rules, axes)
+    return ties
+
+
+def _path_key(entry):
+    for attr in ("key", "idx", "name"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return entry
+
+
+def _tie_rows(u: jax.Array, rows: np.ndarray, rules, axes) -> jax.Array:
+    """Every physical row of B's update `[L, out_s, R]` set to the sum over the rows that
+    hold the same logical row."""
+    # replicas of a head sit on different tensor shards: sum on one replicated copy
+    full = rules.constrain(u, *(None,) * u.ndim)
+    n = int(rows.max()) + 1
+    summed = jnp.zeros((u.shape[0], n, *u.shape[2:]), u.dtype).at[:, rows].add(full)
+    return rules.constrain(summed[:, rows], *axes)
