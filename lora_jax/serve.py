@@ -42,6 +42,11 @@ from lora_jax.serve_default import (  # noqa: F401  (the CLI's names, as before)
     write_default_adapter,
     write_default_model,
 )
+from lora_jax.serve_memory import _cache_bytes as _cache_bytes
+from lora_jax.serve_memory import _cache_error as _cache_error
+from lora_jax.serve_memory import _memory_bytes as _memory_bytes  # tests patch it here
+from lora_jax.serve_rank import _fused_w13_rank as _fused_w13_rank
+from lora_jax.serve_rank import _max_rank as _max_rank
 from lora_jax.serve_text import (  # noqa: F401
     TOKENIZER_FILES,
     ByteTokenizer,
@@ -128,57 +133,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.adapter and not args.model:
         p.error("--adapter needs --model (the default model comes with its own adapters)")
     return args
-
-
-def _max_rank(adapter_dirs: dict[str, str], model_type: str | None, fused_experts: bool) -> int:
-    """The smallest supported max_lora_rank that fits every adapter: the largest rank its
-    config gives (r, rank_pattern), and with `fused_experts` the rank r1 + r3 that the
-    loader gives per-expert gate + up LoRAs fused into one w13 LoRA."""
-    from lora_jax.serving.peft import PEFTConfig
-
-    need, needed_by = 1, None
-    for name, d in adapter_dirs.items():
-        cfg = PEFTConfig.from_dir(d)
-        r = max([cfg.r, *(r for _, r in cfg.rank_pattern)])
-        if fused_experts:
-            r = max(r, _fused_w13_rank(d, cfg.for_model_type(model_type)))
-        if r > need:
-            need, needed_by = r, name
-    fits = [r for r in SUPPORTED_MAX_LORA_RANKS if r >= need]
-    if not fits:
-        raise ValueError(
-            f"--adapter {needed_by}={adapter_dirs[needed_by]}: needs max_lora_rank >= {need}, "
-            f"more than the largest supported, {SUPPORTED_MAX_LORA_RANKS[-1]}"
-        )
-    return fits[0]
-
-
-def _fused_w13_rank(adapter_dir: str, cfg) -> int:
-    """The largest r1 + r3 over the adapter's per-expert (`experts.{j}.w1` / `w3`, or
-    `gate_proj` / `up_proj`) modules, each member's rank its largest expert's, as
-    `per_expert_lora` stacks them for `FusedMoE3DWithLoRA`; 0 without such modules."""
-    from safetensors import safe_open
-
-    from lora_jax.serving.peft import WEIGHTS_NAME
-    from lora_jax.serving.peft_experts import EXPERT_MEMBERS, PER_EXPERT
-    from lora_jax.serving.peft_keys import KEY_KINDS, parse_key
-
-    try:  # the header only: the names
-        with safe_open(os.path.join(adapter_dir, WEIGHTS_NAME), framework="numpy") as f:
-            keys = list(f.keys())
-    except Exception:  # missing or unreadable: the loader names the problem
-        return 0
-    ranks: dict[str, dict[str, int]] = {}  # experts module → w1 / w3 → largest rank
-    for key in keys:
-        if not key.endswith(tuple(KEY_KINDS)):
-            continue
-        _, raw, _ = parse_key(key, adapter_dir, None)
-        m = PER_EXPERT.fullmatch(raw)
-        proj = None if m is None else EXPERT_MEMBERS[m["member"]]
-        if proj in ("w1", "w3") and cfg.targets(raw):
-            by_proj = ranks.setdefault(m["owner"], {})
-            by_proj[proj] = max(by_proj.get(proj, 0), cfg.rank_for(raw))
-    return max((sum(by.values()) for by in ranks.values()), default=0)
 
 
 def _cpu_devices_for(tp: int) -> None:
@@ -288,46 +242,6 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
         toks = tuple(int(t) for t in toks)
         results.append(RequestResult(name, text, toks, tokenizer.decode(toks)))
     return results
-
-
-def _cache_bytes(model, batch: int, length: int) -> int:
-    """Bytes of `generate`'s KV cache for `batch` rows of `length` positions, before its
-    padding to buckets."""
-    from lora_jax.models.kv_cache import physical_kv_heads
-
-    c = model.config
-    itemsize = np.dtype(getattr(model, "dtype", None) or np.float32).itemsize
-    per_position = 2 * c.num_hidden_layers * physical_kv_heads(c, model.rules) * c.head_dim
-    return batch * length * per_position * itemsize
-
-
-def _memory_bytes(model) -> tuple[int | None, str]:
-    """The memory the model's arrays can take, and whose it is: the devices' allocator
-    limits together (a GPU), else the host's RAM (the CPU backend); None if unknown."""
-    import jax
-
-    mesh = model.rules.mesh
-    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
-    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
-    if None not in limits:
-        return sum(limits), "the devices'"
-    if all(d.platform == "cpu" for d in devices) and hasattr(os, "sysconf"):
-        try:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the host's"
-        except (ValueError, OSError):
-            pass
-    return None, ""
-
-
-def _cache_error(model, args, token_prompts, what: str) -> ValueError:
-    """The CLI error for a KV cache larger than ``what`` (the devices' memory)."""
-    longest = max(len(p) for p in token_prompts)
-    gib = _cache_bytes(model, len(token_prompts), longest + args.max_new_tokens) / 2**30
-    return ValueError(
-        f"--max-new-tokens {args.max_new_tokens}: {len(token_prompts)} requests of up to "
-        f"{longest} prompt + {args.max_new_tokens} new tokens need a KV cache of at least "
-        f"{gib:.3g} GiB, more than {what}; lower --max-new-tokens"
-    )
 
 
 def _sampling(args):
