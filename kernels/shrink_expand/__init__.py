@@ -1,7 +1,8 @@
 """Punica's two batched per-token adapter ops: shrink (x @ A.T) and expand (y += h @ B.T).
 
 One folder per op, Tokamax style: ``reference.py`` is the jnp oracle,
-``pallas_triton.py`` the Pallas Triton backend's shared pieces and expand,
+``pallas_triton.py`` the Pallas Triton backend's expand (``pallas_triton_common.py`` what
+its kernels share),
 ``pallas_triton_shrink.py`` its shrink over a work list, ``pallas_triton_rect.py`` its
 shrink over rectangles of x (prompts), ``pallas_triton_bgmv.py`` the per-token
 (Punica BGMV) shrink and expand for steps where tokens have adapters of their own,
@@ -11,8 +12,9 @@ GPU expand for tiles of y wholly of one slot, ``block_sizes.py`` the tile
 config, ``tuning.py`` its H200 tuning table (``tuning_per_token.py`` the per-token
 kernels' tiles and when a step runs them, ``tuning_long_shrink.py`` the long-prompt
 shrink's), ``work_list.py`` the (slot, token block)
-schedule shared by backends, ``api.py`` the jitted public functions, ``checks.py`` their
-argument checks, and ``routing.py`` which tokens go to the Mosaic GPU kernels.
+schedule shared by backends, ``api.py`` the jitted public functions (``api_expand.py`` the
+expand), ``checks.py`` their argument checks, and ``routing.py`` which tokens go to the
+Mosaic GPU kernels.
 ``pallas_triton_fused.py`` holds the fused decode op `lora_shrink_expand`
 (shrink and expand of every slice in one launch) with its own jitted entry.
 """
