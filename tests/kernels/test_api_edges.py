@@ -193,7 +193,9 @@ def test_the_references_gather_a_chunk_of_tokens_at_a_time(monkeypatch):
     and ranked tokens among them) still give the float64 loop's answer (session 51: at
     16384 tokens, rank 128 the references formed 32 GiB of per-token weights at once and
     ran an 80 GB GPU out of memory)."""
-    from kernels.shrink_expand import reference
+    import jax
+
+    from lora_jax.kernels.shrink_expand import reference
 
     rng = np.random.default_rng(1)
     T, H, R, L = 50, 24, 16, 4
@@ -204,6 +206,10 @@ def test_the_references_gather_a_chunk_of_tokens_at_a_time(monkeypatch):
     b = jnp.asarray(rng.normal(size=(L, H, R)), jnp.float32)
     x = jnp.asarray(rng.normal(size=(T, H)), jnp.float32)
     h = lora_shrink_reference(x, (a,), token_lora_indices=jnp.asarray(idx), slot_ranks=ranks)
+    chunked = jax.make_jaxpr(
+        lambda x: lora_shrink_reference(x, (a,), token_lora_indices=jnp.asarray(idx))
+    )(x)
+    assert "scan" in str(chunked)  # lax.map over the chunks, not one gather of 50 tokens
     want_h = np.zeros((1, T, R))
     for t, i in enumerate(idx):
         if i >= 0:
