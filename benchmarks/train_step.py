@@ -11,15 +11,15 @@ Variants, each one jitted program:
                  weight: the backward through every layer's activations and no weight
                  gradient of a projection, the floor a LoRA grad cannot go under
 * {be}/fwd       the wrapped model's forward, ops on backend ``be``
-* {be}/grad      `jax.value_and_grad` of the loss w.r.t. the `nnx.LoRAParam` stacks: the
-                 forward on ``be``, the backward always XLA's VJP (the kernels' backward
-                 pass is the XLA backend's)
+* {be}/grad      `jax.value_and_grad` of the loss w.r.t. the `nnx.LoRAParam` stacks
 * {be}/step      the grad plus an Adam update of slot 0 (`train_only_slots`)
 
-with ``be`` in {xla, pallas} (pallas only where the kernels run, i.e. on a GPU). A call
+with ``be`` xla (XLA forward, its autodiff backward), and where the kernels run (a GPU)
+pallas (the kernels forward and backward: `lora_jax.ops_grad`) and pallas_xvjp (the
+kernels forward, XLA's VJP backward: `ops.KERNEL_BACKWARD` off, as before session 52). A call
 takes milliseconds, so the ~50-80 us host dispatch of one jitted call is ~1 % of it: the
 figure is the median wall time of ``--reps`` calls after one warm-up (compile) call. The
-pallas grad is checked against the xla grad (max relative error of the slot's stacks).
+pallas grads are checked against the xla grad (max relative error of the slot's stacks).
 
 With ``--profile DIR`` each grad program (base and LoRA) also runs ``--reps`` calls
 under `jax.profiler`; the JSON gets its GPU busy time per call and its longest kernels
@@ -176,7 +176,11 @@ def main(argv=None):
         args.batch, args.seq, args.reps, args.max_loras = 2, 32, 1, 4
     else:
         cfg, dtype = DecoderConfig.llama3_8b(num_hidden_layers=args.layers), jnp.bfloat16
-    backends = ["xla"] + (["pallas"] if jax.default_backend() == "gpu" else [])
+    # (name, ops backend, ops.KERNEL_BACKWARD): the kernels' forward with their own backward
+    # pass, and with XLA's VJP (as before session 52), on a GPU
+    backends = [("xla", "xla", True)]
+    if jax.default_backend() == "gpu":
+        backends += [("pallas", "pallas", True), ("pallas_xvjp", "pallas", False)]
     print(f"devices: {jax.devices()}; tokens {args.batch} x {args.seq}", flush=True)
     ids = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, cfg.vocab_size)
     pos = jnp.broadcast_to(jnp.arange(args.seq, dtype=jnp.int32), ids.shape)
@@ -219,8 +223,9 @@ def main(argv=None):
         nnx.update(model, lora)
         lj.set_lora_mapping(model, idx)
         grads, profiles = {}, []
-        for be in backends:
-            lj.ops.set_default_backend(be)
+        for be, ops_backend, kernel_backward in backends:
+            lj.ops.set_default_backend(ops_backend)
+            lj.ops.KERNEL_BACKWARD = kernel_backward  # read when the programs are traced
             try:
                 progs = programs(model, ids, pos)
                 for what, (fn, fargs) in progs.items():
@@ -243,11 +248,13 @@ def main(argv=None):
                     )
             finally:
                 lj.ops.set_default_backend(None)
+                lj.ops.KERNEL_BACKWARD = True
         rows += profiles
-        if "pallas" in grads:
-            err = max_rel_err(grads["pallas"], grads["xla"])
-            rows.append(dict(rank=rank, backend="pallas", what="grad_err_vs_xla", err=err))
-            print(f"r{rank} pallas grad vs xla grad: max rel err {err:.2e}", flush=True)
+        for be in grads:
+            if be != "xla":
+                err = max_rel_err(grads[be], grads["xla"])
+                rows.append(dict(rank=rank, backend=be, what="grad_err_vs_xla", err=err))
+                print(f"r{rank} {be} grad vs xla grad: max rel err {err:.2e}", flush=True)
 
     report(rows)
     if args.out:
@@ -257,11 +264,11 @@ def main(argv=None):
 
 def report(rows):
     base = next(r["ms"] for r in rows if r["backend"] == "base" and r["what"] == "fwd")
-    print(f"\n{'rank':>4} {'backend':>7} {'what':>5} {'ms':>9} {'x base fwd':>10}")
+    print(f"\n{'rank':>4} {'backend':>11} {'what':>5} {'ms':>9} {'x base fwd':>10}")
     for r in rows:
         if "ms" in r:
             print(
-                f"{r['rank']:>4} {r['backend']:>7} {r['what']:>5} {r['ms']:>9.3f} "
+                f"{r['rank']:>4} {r['backend']:>11} {r['what']:>5} {r['ms']:>9.3f} "
                 f"{r['ms'] / base:>10.2f}"
             )
 

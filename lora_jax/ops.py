@@ -44,6 +44,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from lora_jax import ops_grad
 from lora_jax.mapping import LoRAMapping
 from lora_jax.ops_checks import _check_expand as _check_expand
 from lora_jax.ops_checks import _check_float as _check_float
@@ -99,6 +100,19 @@ if _default_backend is not None and _default_backend not in BACKENDS:
     )
 PALLAS_INTERPRET = False
 """Run the Pallas backends in interpret mode (CPU tests of the kernel paths)."""
+KERNEL_BACKWARD = True
+"""The Pallas ops' backward pass runs the kernels (`ops_grad`: each token's own slot, and
+`lora_jax.kernels.lora_slot_outer` for the stacks); False: XLA's autodiff of the XLA
+backend (`ops_pallas._with_xla_vjp`), which multiplies against every slot once tokens
+outnumber slots. Read at trace time."""
+
+
+def _differentiable(kernel, xla, backward):
+    """``kernel`` with its backward pass: ``backward`` (through the kernels) or, with
+    ``KERNEL_BACKWARD`` off, the VJP of ``xla``."""
+    if KERNEL_BACKWARD:
+        return ops_grad.with_kernel_vjp(kernel, backward)
+    return _with_xla_vjp(kernel, xla)
 
 
 def set_default_backend(backend: str | None) -> None:
@@ -211,9 +225,11 @@ def lora_shrink(
                 interpret=PALLAS_INTERPRET,
             )
 
-        h = _with_xla_vjp(kernel, functools.partial(_shrink_xla, scale=kscale))(
-            (x, lora_a), (mapping, slot_ranks)
-        )
+        def backward(diff, rest, g):
+            return ops_grad.shrink_backward(*diff, *rest, g, scale=kscale)
+
+        xla = functools.partial(_shrink_xla, scale=kscale)
+        h = _differentiable(kernel, xla, backward)((x, lora_a), (mapping, slot_ranks))
         return h if static is not None else h * jnp.asarray(scale, jnp.float32)
     return _shrink_xla(x, lora_a, mapping, slot_ranks, scale=scale)
 
@@ -262,8 +278,12 @@ def lora_expand(
                 interpret=PALLAS_INTERPRET,
             )
 
+        def backward(diff, rest, g):
+            y, h, lora_b = diff
+            return ops_grad.expand_backward(y.dtype, h, lora_b, *rest, g, offsets=offsets)
+
         xla = functools.partial(_expand_xla, offsets=offsets)
-        return _with_xla_vjp(kernel, xla)((y, h, lora_b), (mapping, slot_ranks))
+        return _differentiable(kernel, xla, backward)((y, h, lora_b), (mapping, slot_ranks))
     return _expand_xla(y, h, lora_b, mapping, slot_ranks, offsets=offsets)
 
 
@@ -317,7 +337,11 @@ def add_lora_linear(
             h = _shrink_xla(x, lora_a, mapping, slot_ranks, scale=scale)
             return _expand_xla(y, h, lora_b, mapping, slot_ranks, offsets=offsets)
 
-        return _with_xla_vjp(kernel, xla)((y, x, lora_a, lora_b), (mapping, slot_ranks))
+        def backward(diff, rest, g):
+            return ops_grad.add_backward(*diff, *rest, g, scale=scale, offsets=offsets)
+
+        diff = (y, x, lora_a, lora_b)
+        return _differentiable(kernel, xla, backward)(diff, (mapping, slot_ranks))
     h = lora_shrink(x, lora_a, mapping, scale, slot_ranks=slot_ranks, backend=backend)
     return lora_expand(
         y, h, lora_b, mapping, offsets=offsets, slot_ranks=slot_ranks, backend=backend

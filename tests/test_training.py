@@ -1,9 +1,9 @@
 """Training an adapter in a slot: gradients on every backend, PEFT's initialisation, the
 optax slot mask, and exporting a slot as a PEFT adapter that loads back unchanged.
 
-Oracles: the XLA backend's autodiff for the kernels' gradients; the base model for a
-freshly initialised slot; the stacks before a step for the slots that must not move;
-the slot itself for the exported-and-reloaded adapter (`test_oracle_hf.py` checks the
+Oracles: the XLA backend's autodiff for the kernels' backward pass (`ops_grad`); the base
+model for a freshly initialised slot; the stacks before a step for the slots that must not
+move; the slot itself for the exported-and-reloaded adapter (`test_oracle_hf.py` checks the
 exported files against HF peft).
 """
 
@@ -56,12 +56,15 @@ def _op_inputs(T=16, H=32, N=(32, 16), R=16, L=4, seed=0):
 
 @pytest.mark.parametrize("backend", ["pallas", "pallas_fused"])
 @pytest.mark.parametrize("traced_scale", [False, True])
-def test_op_gradients_on_the_kernels_equal_xla(interpret, backend, traced_scale):
-    """The kernels have no autodiff; their backward pass is XLA's, so the gradient of a
-    forward that ran them is the XLA backend's (x, every A and B, and a traced scale)."""
-    x, a, b, m, ranks = _op_inputs()
+@pytest.mark.parametrize("tokens", [3, 16])
+def test_op_gradients_on_the_kernels_equal_xla(interpret, backend, traced_scale, tokens):
+    """The kernels' backward pass (`lora_jax.ops_grad`: the kernels against the transposed
+    stacks, `lora_slot_outer` for the stacks) equals XLA's autodiff of the XLA backend (x,
+    every A and B, y, and a traced scale), below and above one token a slot (the XLA
+    backend's gather and one-hot paths)."""
+    x, a, b, m, ranks = _op_inputs(T=tokens)
     N = sum(v.shape[1] for v in b)
-    y0 = jnp.linspace(-1, 1, 16 * N).reshape(16, N)
+    y0 = jnp.linspace(-1, 1, tokens * N).reshape(tokens, N)
 
     def loss(x, a, b, y0, scale, backend):
         y = ops.add_lora_linear(y0, x, a, b, m, scale, slot_ranks=ranks, backend=backend)
@@ -78,6 +81,55 @@ def test_op_gradients_on_the_kernels_equal_xla(interpret, backend, traced_scale)
     # rank columns past a slot's rank get no gradient
     da = got[1][0]
     np.testing.assert_array_equal(np.asarray(da[0, 3:]), 0.0)
+
+
+@pytest.mark.parametrize("backend", ["pallas", "pallas_fused"])
+def test_the_kernel_backward_walks_the_slots_and_the_knob_restores_xla_s(interpret, backend):
+    """With `ops.KERNEL_BACKWARD` the gradient program runs `lora_slot_outer` (no matmul
+    against every slot); turned off it is XLA's VJP again, with the same gradient."""
+    x, a, b, m, ranks = _op_inputs()
+
+    def loss(x, a, b):
+        y = ops.add_lora_linear(
+            jnp.zeros((16, 48)), x, a, b, m, 0.5, slot_ranks=ranks, backend=backend
+        )
+        return jnp.sum(y**2)
+
+    def grad():  # a new function each time: the knob is read when it is traced
+        return jax.grad(lambda *args: loss(*args), argnums=(0, 1, 2))
+
+    got = grad()(x, a, b)
+    assert "lora_slot_outer" in str(jax.make_jaxpr(grad())(x, a, b))
+    old = ops.KERNEL_BACKWARD
+    ops.KERNEL_BACKWARD = False
+    try:
+        assert "lora_slot_outer" not in str(jax.make_jaxpr(grad())(x, a, b))
+        want = grad()(x, a, b)
+    finally:
+        ops.KERNEL_BACKWARD = old
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_op_gradients_on_the_kernels_are_xla_s_to_bf16(interpret):
+    """bf16 activations and stacks: the kernels' backward rounds as the XLA backend's
+    autodiff does (operands in bf16, f32 sums), so they agree to bf16's precision."""
+    x, a, b, m, ranks = _op_inputs(T=40, H=64, N=(48, 32), L=4, seed=3)
+    x, a, b = jax.tree.map(lambda v: v.astype(jnp.bfloat16), (x, a, b))
+
+    def loss(x, a, b, backend):
+        y = ops.add_lora_linear(
+            jnp.zeros((40, 80), jnp.bfloat16), x, a, b, m, 0.5, slot_ranks=ranks,
+            backend=backend,
+        )  # fmt: skip
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
+
+    f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    want, got = f(x, a, b, "xla"), f(x, a, b, "pallas")
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        assert g.dtype == w.dtype == jnp.bfloat16
+        w, g = np.asarray(w, np.float32), np.asarray(g, np.float32)
+        np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * np.abs(w).max())
 
 
 def test_shrink_and_expand_gradients_on_the_kernels(interpret):
@@ -101,8 +153,8 @@ def test_shrink_and_expand_gradients_on_the_kernels(interpret):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["pallas", "pallas_fused"])
 def test_op_gradients_through_the_gpu_kernels(backend):
-    """On the GPU the forward pass runs the compiled kernels (Triton / Mosaic GPU); the
-    gradient is the XLA backend's at the kernels' output."""
+    """On the GPU the forward and the backward pass run the compiled kernels (Triton /
+    Mosaic GPU, `lora_slot_outer` for the stacks); the gradient is the XLA backend's."""
     x, a, b, m, ranks = _op_inputs(T=512, H=256, N=(256, 128), R=16, L=8)
     y0 = jnp.zeros((512, 384), jnp.float32)
 
@@ -608,7 +660,7 @@ def test_exported_targets_name_exactly_the_modules_when_others_share_their_leaf(
 @pytest.mark.parametrize("tokens", [256, 2048])
 def test_the_gradient_through_the_kernels_lowers_for_cuda(tokens):
     """The backward pass of a forward that ran the Triton (and, for prompts, Mosaic GPU)
-    kernels lowers for CUDA: the kernels forward, XLA's einsums backward."""
+    kernels lowers for CUDA, through the kernels: the stacks' gradient included."""
     from tests.kernels.shrink_expand_test_base import abstract_gpu_context
 
     hidden, rank, L = 1024, 64, 4
@@ -627,7 +679,7 @@ def test_the_gradient_through_the_kernels_lowers_for_cuda(tokens):
     with abstract_gpu_context():
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, a, b)
         text = lowered.lower(lowering_platforms=("cuda",)).as_text()
-    assert "triton" in text
+    assert "triton" in text and "lora_slot_outer" in text
 
 
 def test_slot_writes_leave_every_jit_compiled_for_the_model():

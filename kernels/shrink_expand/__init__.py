@@ -15,12 +15,15 @@ shrink's), ``work_list.py`` the (slot, token block)
 schedule shared by backends, ``api.py`` the jitted public functions (``api_expand.py`` the
 expand), ``checks.py`` their argument checks, and ``routing.py`` which tokens go to the
 Mosaic GPU kernels.
+``pallas_triton_grad.py`` the stacks' gradient `lora_slot_outer` (per slot, the sum of
+its tokens' outer products; jitted in ``api_grad.py``).
 ``pallas_triton_fused.py`` holds the fused decode op `lora_shrink_expand`
 (shrink and expand of every slice in one launch) with its own jitted entry.
 """
 
 from lora_jax.kernels.shrink_expand.api import lora_expand as lora_expand
 from lora_jax.kernels.shrink_expand.api import lora_shrink as lora_shrink
+from lora_jax.kernels.shrink_expand.api_grad import lora_slot_outer as lora_slot_outer
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes as BlockSizes
 from lora_jax.kernels.shrink_expand.pallas_triton_fused import (
     lora_shrink_expand as lora_shrink_expand,
@@ -34,6 +37,9 @@ from lora_jax.kernels.shrink_expand.reference import (
 from lora_jax.kernels.shrink_expand.reference import (
     lora_shrink_reference as lora_shrink_reference,
 )
+from lora_jax.kernels.shrink_expand.reference import (
+    lora_slot_outer_reference as lora_slot_outer_reference,
+)
 from lora_jax.kernels.shrink_expand.work_list import build_work_lists as build_work_lists
 
 __all__ = [
@@ -45,4 +51,6 @@ __all__ = [
     "lora_shrink_expand",
     "lora_shrink_expand_reference",
     "lora_shrink_reference",
+    "lora_slot_outer",
+    "lora_slot_outer_reference",
 ]

@@ -165,3 +165,17 @@ def lora_shrink_expand_reference(
     return lora_expand_reference(
         y, h, lora_b, offsets=offsets, token_lora_indices=token_lora_indices, slot_ranks=slot_ranks
     )
+
+
+def lora_slot_outer_reference(
+    a: jax.Array, b: jax.Array, *, token_lora_indices: jax.Array, num_slots: int, **_meta
+) -> jax.Array:
+    """f32 ``[num_slots, P, Q]``: per slot l, ``sum_{t : idx[t] = l} a[t]^T b[t]`` in
+    f32 (the LoRA stacks' gradient: dA from ``dh`` and ``x``, dB from ``dy`` and ``h``).
+    Tokens with index -1 (or past the slots) add nothing; the rest of ``_meta`` is
+    ignored, as in the other references."""
+    idx = token_lora_indices
+    valid = (idx >= 0) & (idx < num_slots)
+    one_hot = jax.nn.one_hot(jnp.where(valid, idx, num_slots), num_slots, dtype=jnp.float32)
+    weighted = one_hot[:, :, None] * a.astype(jnp.float32)[:, None, :]  # [T, L, P]
+    return jnp.einsum("tlp,tq->lpq", weighted, b.astype(jnp.float32), precision=_HIGHEST)

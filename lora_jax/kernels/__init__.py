@@ -15,6 +15,10 @@ from lora_jax.kernels.shrink_expand import (
     lora_shrink_expand_reference as lora_shrink_expand_reference,
 )
 from lora_jax.kernels.shrink_expand import lora_shrink_reference as lora_shrink_reference
+from lora_jax.kernels.shrink_expand import lora_slot_outer as lora_slot_outer
+from lora_jax.kernels.shrink_expand import (
+    lora_slot_outer_reference as lora_slot_outer_reference,
+)
 
 __all__ = [
     "BlockSizes",
@@ -25,4 +29,6 @@ __all__ = [
     "lora_shrink_expand",
     "lora_shrink_expand_reference",
     "lora_shrink_reference",
+    "lora_slot_outer",
+    "lora_slot_outer_reference",
 ]

@@ -1,0 +1,134 @@
+"""The backward pass of the Pallas ops through the kernels themselves.
+
+A shrink ``h_s = scale * mask_s * (x @ A_s[idx]^T)`` and an expand ``y += h_s @ B_s[idx]^T``
+(mask_s: the token has a slot and the rank column is below the slot's true rank) have as
+gradient two ops of the same kind and one new one:
+
+* the shrink's ``dx = sum_s (scale * mask_s * dh_s) @ A_s[idx]`` is an expand against the
+  transposed A stacks (slices side by side in rank, at most ``DX_CHUNK_RANK`` a call);
+* the expand's ``dh_s = mask_s * (dy_s @ B_s[idx])`` is a shrink against the transposed B;
+* each stack's gradient, per slot the sum over its tokens of ``dh^T x`` (dA) or
+  ``dy_s^T h_s`` (dB), is `lora_jax.kernels.lora_slot_outer`: each token counts once,
+  for its own slot.
+
+XLA's autodiff of the XLA backend (`ops_pallas._with_xla_vjp`) multiplies against every
+slot once tokens outnumber slots: on an H100, 4 Llama-3-8B layers of 4096 training tokens
+over 8 slots spent 19.5 ms of a 54 ms rank-64 step there (benchmarks/RESULTS.md,
+"training", session 52). The rounding follows the XLA backend's (operands in the
+stacks' bf16 / fp16, f32 accumulation), so the two backward passes agree to the dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from lora_jax.ops_pallas import _kernels
+from lora_jax.ops_xla import _within_rank
+
+DX_CHUNK_RANK = 128
+"""The most rank columns (slices side by side) of one expand call of the shrink's dx: the
+Mosaic GPU expand takes ranks up to 128."""
+
+
+def _interpret() -> bool:
+    from lora_jax import ops
+
+    return ops.PALLAS_INTERPRET
+
+
+def _half_or_f32(*dtypes):
+    """The dtype the products take: the operands' bf16 / fp16 when they share it, else f32."""
+    first = jnp.dtype(dtypes[0])
+    half = first in (jnp.bfloat16, jnp.float16)
+    return first if half and all(jnp.dtype(d) == first for d in dtypes) else jnp.float32
+
+
+def _masked(g, mapping, slot_ranks, s: int, rank: int):
+    """``g [T, R]`` (f32) zeroed where the forward's slice ``s`` was: unmapped tokens and
+    rank columns past the token's slot's rank."""
+    idx = mapping.token_lora_indices
+    keep = (idx >= 0)[:, None] & _within_rank(slot_ranks, s, idx, rank)
+    return jnp.where(keep, g.astype(jnp.float32), 0.0)
+
+
+def shrink_backward(x, lora_a, mapping, slot_ranks, g, *, scale: float):
+    """``(dx, dA)`` of the shrink at its output's cotangent ``g [S, T, R]`` (``scale``: the
+    kernels' static scale)."""
+    kernels, interpret = _kernels(), _interpret()
+    num_tokens = x.shape[0]
+    rank = lora_a[0].shape[1]
+    gm = jnp.stack(
+        [_masked(g[s], mapping, slot_ranks, s, rank) for s in range(len(lora_a))]
+    ) * jnp.float32(scale)  # [S, T, R]
+    cdt = _half_or_f32(x.dtype, *(a.dtype for a in lora_a))
+    flat = jnp.moveaxis(gm, 0, 1).reshape(num_tokens, -1)  # [T, S * R]: slices side by side
+    da = kernels.lora_slot_outer(
+        flat.astype(cdt), x, **mapping.kernel_kwargs(), interpret=interpret
+    )  # [L, S * R, H]
+    d_a = tuple(da[:, s * rank : (s + 1) * rank].astype(a.dtype) for s, a in enumerate(lora_a))
+    dx = jnp.zeros_like(x)
+    per = max(1, DX_CHUNK_RANK // rank)
+    for first in range(0, len(lora_a), per):
+        part = range(first, min(len(lora_a), first + per))
+        a_t = jnp.concatenate([jnp.swapaxes(lora_a[s], 1, 2) for s in part], axis=2)
+        h = gm[first : first + len(part)]
+        h = jnp.moveaxis(h, 0, 1).reshape(num_tokens, -1)[None]  # [1, T, k * R]
+        dx = kernels.lora_expand(
+            dx, h, (a_t.astype(cdt),), offsets=(0,), **mapping.expand_kwargs(),
+            interpret=interpret,
+        )  # fmt: skip
+    return dx, d_a
+
+
+def expand_backward(y_dtype, h, lora_b, mapping, slot_ranks, gy, *, offsets):
+    """``(dy, dh, dB)`` of the expand at its output's cotangent ``gy [T, N]``."""
+    kernels, interpret = _kernels(), _interpret()
+    rank = h.shape[-1]
+    dhs, dbs = [], []
+    for s, (b, off) in enumerate(zip(lora_b, offsets)):
+        # the expand's products take B's bf16 / fp16 unless y is f32 (ops_xla._expand_xla)
+        cdt = _half_or_f32(b.dtype, y_dtype)
+        g_s = gy[:, off : off + b.shape[1]].astype(cdt)  # [T, n_s]
+        ranks = None if slot_ranks is None else slot_ranks[s : s + 1]
+        dh = kernels.lora_shrink(
+            g_s, (jnp.swapaxes(b, 1, 2).astype(cdt),), scale=1.0, slot_ranks=ranks,
+            **mapping.shrink_kwargs(), interpret=interpret,
+        )  # fmt: skip
+        dhs.append(dh[0])
+        hm = _masked(h[s], mapping, slot_ranks, s, rank).astype(cdt)
+        db = kernels.lora_slot_outer(g_s, hm, **mapping.kernel_kwargs(), interpret=interpret)
+        dbs.append(db.astype(b.dtype))
+    return gy, jnp.stack(dhs).astype(h.dtype), tuple(dbs)
+
+
+def with_kernel_vjp(kernel, backward):
+    """``kernel(*diff, *rest)`` with ``backward(diff, rest, g) -> cotangents of diff`` as
+    its backward pass (``rest``: the mapping and the slots' ranks, no cotangent)."""
+
+    @jax.custom_vjp
+    def run(diff, rest):
+        return kernel(*diff, *rest)
+
+    def fwd(diff, rest):
+        return kernel(*diff, *rest), (diff, rest)
+
+    def bwd(res, g):
+        diff, rest = res
+        return backward(diff, rest, g), None
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
+def add_backward(y, x, lora_a, lora_b, mapping, slot_ranks, g, *, scale: float, offsets):
+    """``(dy, dx, dA, dB)`` of the fused shrink -> expand: h is recomputed by the shrink
+    kernel (the fused kernel keeps it on chip), then the expand's and the shrink's
+    backward passes."""
+    h = _kernels().lora_shrink(
+        x, lora_a, scale=scale, slot_ranks=slot_ranks, **mapping.shrink_kwargs(),
+        interpret=_interpret(),
+    )  # fmt: skip
+    dy, dh, d_b = expand_backward(y.dtype, h, lora_b, mapping, slot_ranks, g, offsets=offsets)
+    dx, d_a = shrink_backward(x, lora_a, mapping, slot_ranks, dh, scale=scale)
+    return dy, dx, d_a, d_b
