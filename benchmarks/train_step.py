@@ -16,7 +16,9 @@ Variants, each one jitted program:
 
 with ``be`` xla (XLA forward, its autodiff backward), and where the kernels run (a GPU)
 pallas (the kernels forward and backward: `lora_jax.ops_grad`) and pallas_xvjp (the
-kernels forward, XLA's VJP backward: `ops.KERNEL_BACKWARD` off, as before session 52). A call
+kernels forward, XLA's VJP backward: `ops.KERNEL_BACKWARD` off, as before session 52);
+``*_1slot``: the same with the mapping's ``single_slot=True`` hint (every token in one
+slot, so the backward is dense matmuls against that slot's weights). A call
 takes milliseconds, so the ~50-80 us host dispatch of one jitted call is ~1 % of it: the
 figure is the median wall time of ``--reps`` calls after one warm-up (compile) call. The
 pallas grads are checked against the xla grad (max relative error of the slot's stacks).
@@ -176,11 +178,14 @@ def main(argv=None):
         args.batch, args.seq, args.reps, args.max_loras = 2, 32, 1, 4
     else:
         cfg, dtype = DecoderConfig.llama3_8b(num_hidden_layers=args.layers), jnp.bfloat16
-    # (name, ops backend, ops.KERNEL_BACKWARD): the kernels' forward with their own backward
-    # pass, and with XLA's VJP (as before session 52), on a GPU
-    backends = [("xla", "xla", True)]
+    # (name, ops backend, ops.KERNEL_BACKWARD, the mapping's single_slot hint)
+    backends = [("xla", "xla", True, None), ("xla_1slot", "xla", True, True)]
     if jax.default_backend() == "gpu":
-        backends += [("pallas", "pallas", True), ("pallas_xvjp", "pallas", False)]
+        backends += [
+            ("pallas", "pallas", True, None),
+            ("pallas_1slot", "pallas", True, True),
+            ("pallas_xvjp", "pallas", False, None),
+        ]
     print(f"devices: {jax.devices()}; tokens {args.batch} x {args.seq}", flush=True)
     ids = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, cfg.vocab_size)
     pos = jnp.broadcast_to(jnp.arange(args.seq, dtype=jnp.int32), ids.shape)
@@ -221,9 +226,9 @@ def main(argv=None):
         ]
         lora = jax.tree.unflatten(treedef, leaves)
         nnx.update(model, lora)
-        lj.set_lora_mapping(model, idx)
         grads, profiles = {}, []
-        for be, ops_backend, kernel_backward in backends:
+        for be, ops_backend, kernel_backward, single_slot in backends:
+            lj.set_lora_mapping(model, idx, single_slot=single_slot)
             lj.ops.set_default_backend(ops_backend)
             lj.ops.KERNEL_BACKWARD = kernel_backward  # read when the programs are traced
             try:
@@ -264,11 +269,11 @@ def main(argv=None):
 
 def report(rows):
     base = next(r["ms"] for r in rows if r["backend"] == "base" and r["what"] == "fwd")
-    print(f"\n{'rank':>4} {'backend':>11} {'what':>5} {'ms':>9} {'x base fwd':>10}")
+    print(f"\n{'rank':>4} {'backend':>12} {'what':>5} {'ms':>9} {'x base fwd':>10}")
     for r in rows:
         if "ms" in r:
             print(
-                f"{r['rank']:>4} {r['backend']:>11} {r['what']:>5} {r['ms']:>9.3f} "
+                f"{r['rank']:>4} {r['backend']:>12} {r['what']:>5} {r['ms']:>9.3f} "
                 f"{r['ms'] / base:>10.2f}"
             )
 

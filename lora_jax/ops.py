@@ -101,18 +101,26 @@ if _default_backend is not None and _default_backend not in BACKENDS:
 PALLAS_INTERPRET = False
 """Run the Pallas backends in interpret mode (CPU tests of the kernel paths)."""
 KERNEL_BACKWARD = True
-"""The Pallas ops' backward pass runs the kernels (`ops_grad`: each token's own slot, and
-`lora_jax.kernels.lora_slot_outer` for the stacks); False: XLA's autodiff of the XLA
+"""The ops' own backward pass (`ops_grad`): on the Pallas backends through the kernels
+(each token's own slot; `lora_jax.kernels.lora_slot_outer` for the stacks), and on every
+backend, for a mapping whose tokens use one slot (`LoRAMapping.single_slot`, a training
+batch), dense matmuls against that slot's weights. False: XLA's autodiff of the XLA
 backend (`ops_pallas._with_xla_vjp`), which multiplies against every slot once tokens
 outnumber slots. Read at trace time."""
 
 
 def _differentiable(kernel, xla, backward):
-    """``kernel`` with its backward pass: ``backward`` (through the kernels) or, with
+    """``kernel`` with its backward pass: ``backward`` (`ops_grad`) or, with
     ``KERNEL_BACKWARD`` off, the VJP of ``xla``."""
     if KERNEL_BACKWARD:
         return ops_grad.with_kernel_vjp(kernel, backward)
     return _with_xla_vjp(kernel, xla)
+
+
+def _own_backward(pallas: bool, mapping: LoRAMapping) -> bool:
+    """Whether an op takes `ops_grad`'s backward pass: the kernels' forward always has it
+    (they have no autodiff), the XLA forward where the tokens use one slot."""
+    return pallas or (bool(mapping.single_slot) and KERNEL_BACKWARD)
 
 
 def set_default_backend(backend: str | None) -> None:
@@ -211,11 +219,16 @@ def lora_shrink(
     _check_scale("lora_shrink", scale)
     _check_shrink(x, lora_a, mapping, slot_ranks)
     rank = lora_a[0].shape[1]
-    if resolve_backend(backend, x.shape[0], _hinted(mapping, rank)) in ("pallas", "pallas_fused"):
+    chosen = resolve_backend(backend, x.shape[0], _hinted(mapping, rank))
+    pallas = chosen in ("pallas", "pallas_fused")
+    if _own_backward(pallas, mapping):
         static = _static_scale(scale)
         kscale = 1.0 if static is None else static
+        xla = functools.partial(_shrink_xla, scale=kscale)
 
         def kernel(x, lora_a, mapping, slot_ranks):
+            if not pallas:
+                return xla(x, lora_a, mapping, slot_ranks)
             return _kernels().lora_shrink(
                 x,
                 lora_a,
@@ -228,7 +241,6 @@ def lora_shrink(
         def backward(diff, rest, g):
             return ops_grad.shrink_backward(*diff, *rest, g, scale=kscale)
 
-        xla = functools.partial(_shrink_xla, scale=kscale)
         h = _differentiable(kernel, xla, backward)((x, lora_a), (mapping, slot_ranks))
         return h if static is not None else h * jnp.asarray(scale, jnp.float32)
     return _shrink_xla(x, lora_a, mapping, slot_ranks, scale=scale)
@@ -265,9 +277,13 @@ def lora_expand(
     _check_expand(y, h, lora_b, mapping, slot_ranks)
     offsets = _expand_offsets(y, lora_b, h.shape[0], offsets)
     hinted = _hinted(mapping, h.shape[-1])
-    if resolve_backend(backend, y.shape[0], hinted) in ("pallas", "pallas_fused"):
+    pallas = resolve_backend(backend, y.shape[0], hinted) in ("pallas", "pallas_fused")
+    if _own_backward(pallas, mapping):
+        xla = functools.partial(_expand_xla, offsets=offsets)
 
         def kernel(y, h, lora_b, mapping, slot_ranks):
+            if not pallas:
+                return xla(y, h, lora_b, mapping, slot_ranks)
             return _kernels().lora_expand(
                 y,
                 h,
@@ -282,7 +298,6 @@ def lora_expand(
             y, h, lora_b = diff
             return ops_grad.expand_backward(y.dtype, h, lora_b, *rest, g, offsets=offsets)
 
-        xla = functools.partial(_expand_xla, offsets=offsets)
         return _differentiable(kernel, xla, backward)((y, h, lora_b), (mapping, slot_ranks))
     return _expand_xla(y, h, lora_b, mapping, slot_ranks, offsets=offsets)
 

@@ -11,6 +11,10 @@ gradient two ops of the same kind and one new one:
   ``dy_s^T h_s`` (dB), is `lora_jax.kernels.lora_slot_outer`: each token counts once,
   for its own slot.
 
+Where every mapped token uses one slot (`LoRAMapping.single_slot`: a training batch) the
+four are dense matmuls against that slot's weights instead, on every backend (XLA's
+forward included): what PEFT's LoRA does for its one adapter.
+
 XLA's autodiff of the XLA backend (`ops_pallas._with_xla_vjp`) multiplies against every
 slot once tokens outnumber slots: on an H100, 4 Llama-3-8B layers of 4096 training tokens
 over 8 slots spent 19.5 ms of a 54 ms rank-64 step there (benchmarks/RESULTS.md,
@@ -24,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from lora_jax.ops_pallas import _kernels
-from lora_jax.ops_xla import _within_rank
+from lora_jax.ops_xla import _shrink_xla, _within_rank
 
 DX_CHUNK_RANK = 128
 """The most rank columns (slices side by side) of one expand call of the shrink's dx: the
@@ -52,16 +56,56 @@ def _masked(g, mapping, slot_ranks, s: int, rank: int):
     return jnp.where(keep, g.astype(jnp.float32), 0.0)
 
 
+def _one_slot(mapping):
+    """The slot every mapped token uses (`LoRAMapping.single_slot`; 0 where no token is
+    mapped: every row is masked then)."""
+    return jnp.maximum(mapping.active_slots[0], 0)
+
+
+def _slot_of(stack, slot):
+    """``stack[slot]`` (a dynamic slice: the slot is a device value)."""
+    return jax.lax.dynamic_index_in_dim(stack, slot, 0, keepdims=False)
+
+
+def _into_slot(grad, stack, slot):
+    """A cotangent of ``stack``: zeros but ``grad`` at ``slot``, in the stack's dtype."""
+    zeros = jnp.zeros(stack.shape, stack.dtype)
+    return jax.lax.dynamic_update_index_in_dim(zeros, grad.astype(stack.dtype), slot, 0)
+
+
+def _dot(a, b, cdt, dims):
+    precision = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+    return jax.lax.dot_general(
+        a.astype(cdt), b.astype(cdt), (dims, ((), ())), precision=precision,
+        preferred_element_type=jnp.float32,
+    )  # fmt: skip
+
+
+def _dense_shrink_backward(x, lora_a, mapping, gm, cdt):
+    """`shrink_backward` where the tokens use one slot: two matmuls against its A's, the
+    slices side by side (``gm``: the masked, scaled cotangent ``[S, T, R]``)."""
+    slot = _one_slot(mapping)
+    flat = jnp.moveaxis(gm, 0, 1).reshape(x.shape[0], -1)  # [T, S * R]
+    a_one = jnp.concatenate([_slot_of(a, slot) for a in lora_a])  # [S * R, H]
+    dx = _dot(flat, a_one, cdt, ((1,), (0,))).astype(x.dtype)  # [T, H]
+    da = _dot(flat, x, cdt, ((0,), (0,)))  # [S * R, H]
+    rank = lora_a[0].shape[1]
+    d_a = tuple(_into_slot(da[s * rank : (s + 1) * rank], a, slot) for s, a in enumerate(lora_a))
+    return dx, d_a
+
+
 def shrink_backward(x, lora_a, mapping, slot_ranks, g, *, scale: float):
     """``(dx, dA)`` of the shrink at its output's cotangent ``g [S, T, R]`` (``scale``: the
     kernels' static scale)."""
-    kernels, interpret = _kernels(), _interpret()
     num_tokens = x.shape[0]
     rank = lora_a[0].shape[1]
     gm = jnp.stack(
         [_masked(g[s], mapping, slot_ranks, s, rank) for s in range(len(lora_a))]
     ) * jnp.float32(scale)  # [S, T, R]
     cdt = _half_or_f32(x.dtype, *(a.dtype for a in lora_a))
+    if mapping.single_slot:
+        return _dense_shrink_backward(x, lora_a, mapping, gm, cdt)
+    kernels, interpret = _kernels(), _interpret()
     flat = jnp.moveaxis(gm, 0, 1).reshape(num_tokens, -1)  # [T, S * R]: slices side by side
     da = kernels.lora_slot_outer(
         flat.astype(cdt), x, **mapping.kernel_kwargs(), interpret=interpret
@@ -82,21 +126,28 @@ def shrink_backward(x, lora_a, mapping, slot_ranks, g, *, scale: float):
 
 
 def expand_backward(y_dtype, h, lora_b, mapping, slot_ranks, gy, *, offsets):
-    """``(dy, dh, dB)`` of the expand at its output's cotangent ``gy [T, N]``."""
-    kernels, interpret = _kernels(), _interpret()
+    """``(dy, dh, dB)`` of the expand at its output's cotangent ``gy [T, N]``: through the
+    kernels, or where the tokens use one slot two matmuls against its B a slice."""
     rank = h.shape[-1]
     dhs, dbs = [], []
+    slot = _one_slot(mapping) if mapping.single_slot else None
     for s, (b, off) in enumerate(zip(lora_b, offsets)):
         # the expand's products take B's bf16 / fp16 unless y is f32 (ops_xla._expand_xla)
         cdt = _half_or_f32(b.dtype, y_dtype)
         g_s = gy[:, off : off + b.shape[1]].astype(cdt)  # [T, n_s]
+        hm = _masked(h[s], mapping, slot_ranks, s, rank).astype(cdt)
+        if slot is not None:
+            dh = _dot(g_s, _slot_of(b, slot), cdt, ((1,), (0,)))  # [T, R]
+            dhs.append(_masked(dh, mapping, slot_ranks, s, rank))
+            dbs.append(_into_slot(_dot(g_s, hm, cdt, ((0,), (0,))), b, slot))  # [n_s, R]
+            continue
+        kernels, interpret = _kernels(), _interpret()
         ranks = None if slot_ranks is None else slot_ranks[s : s + 1]
         dh = kernels.lora_shrink(
             g_s, (jnp.swapaxes(b, 1, 2).astype(cdt),), scale=1.0, slot_ranks=ranks,
             **mapping.shrink_kwargs(), interpret=interpret,
         )  # fmt: skip
         dhs.append(dh[0])
-        hm = _masked(h[s], mapping, slot_ranks, s, rank).astype(cdt)
         db = kernels.lora_slot_outer(g_s, hm, **mapping.kernel_kwargs(), interpret=interpret)
         dbs.append(db.astype(b.dtype))
     return gy, jnp.stack(dhs).astype(h.dtype), tuple(dbs)
@@ -123,12 +174,15 @@ def with_kernel_vjp(kernel, backward):
 
 def add_backward(y, x, lora_a, lora_b, mapping, slot_ranks, g, *, scale: float, offsets):
     """``(dy, dx, dA, dB)`` of the fused shrink -> expand: h is recomputed by the shrink
-    kernel (the fused kernel keeps it on chip), then the expand's and the shrink's
-    backward passes."""
-    h = _kernels().lora_shrink(
-        x, lora_a, scale=scale, slot_ranks=slot_ranks, **mapping.shrink_kwargs(),
-        interpret=_interpret(),
-    )  # fmt: skip
+    kernel (the fused kernel keeps it on chip; the XLA backend where the tokens use one
+    slot), then the expand's and the shrink's backward passes."""
+    if mapping.single_slot:
+        h = _shrink_xla(x, lora_a, mapping, slot_ranks, scale=scale)
+    else:
+        h = _kernels().lora_shrink(
+            x, lora_a, scale=scale, slot_ranks=slot_ranks, **mapping.shrink_kwargs(),
+            interpret=_interpret(),
+        )  # fmt: skip
     dy, dh, d_b = expand_backward(y.dtype, h, lora_b, mapping, slot_ranks, g, offsets=offsets)
     dx, d_a = shrink_backward(x, lora_a, mapping, slot_ranks, dh, scale=scale)
     return dy, dx, d_a, d_b

@@ -200,6 +200,7 @@ class BaseLayerWithLoRA(SlotWriter, nnx.Module):
                     prompt_tiles=shard_tiles,
                     tokens_per_slot=mapping.tokens_per_slot,
                     whole_tiles=shard_whole,
+                    single_slot=mapping.single_slot,  # holds for any share of the tokens
                 )
             if SHARE_LAYER_INPUT:
                 xl = jax.lax.optimization_barrier(xl)

@@ -70,13 +70,16 @@ def set_lora_mapping(
     prompt_tiles: str | None = None,
     tokens_per_slot: int | None = None,
     whole_tiles: str | None = None,
+    single_slot: bool | None = None,
 ) -> LoRAMapping | None:
     """Sets the step's mapping on every LoRA layer of `model` (call inside your jit), until
     changed. Inside `nnx.jit` prefer `lora_mapping`'s block: a mapping left here is written
     back by `nnx.jit` and enters the next call's compile key.
     ``is_prefill=False`` marks a decode step (`LoRAMapping.is_prefill`); ``prompt_tiles``,
     ``whole_tiles`` and ``tokens_per_slot`` say what the caller knows of its prompts'
-    layout and of its tokens per adapter (`make_lora_mapping`).
+    layout and of its tokens per adapter, ``single_slot=True`` that every mapped token
+    uses one slot (a training batch: the backward pass then multiplies against that
+    slot's weights only; `make_lora_mapping`).
 
     Example:
         >>> set_lora_mapping(model, jnp.array([0, 0, -1, 2], jnp.int32))  # doctest: +SKIP
@@ -97,6 +100,7 @@ def set_lora_mapping(
             prompt_tiles=prompt_tiles,
             tokens_per_slot=tokens_per_slot,
             whole_tiles=whole_tiles,
+            single_slot=single_slot,
         )
     ctx.set_value(mapping)
     return mapping
