@@ -124,9 +124,9 @@ def test_writing_a_slot_leaves_other_slots_bit_identical(kind):
 )
 def test_dp_shards_keep_the_steps_flags(monkeypatch, tokens, want):
     """With tokens split over dp = 2, each shard rebuilds its mapping: it keeps the step's
-    ``is_prefill`` and ``tokens_per_slot`` (a hint; here 64 or 0: many tokens a slot), and its
-    ``prompt_tiles`` and ``whole_tiles`` where its share is whole 128-token tiles (else None:
-    not known); the output still matches the dense reference."""
+    ``is_prefill``, ``tokens_per_slot`` (a hint; here 64 or 0: many tokens a slot) and
+    ``single_slot``, and its ``prompt_tiles`` and ``whole_tiles`` where its share is whole
+    128-token tiles (else None: not known); the output still matches the dense reference."""
     import lora_jax.layers.base as base_mod
 
     kind = KINDS[1]  # column
@@ -152,7 +152,13 @@ def test_dp_shards_keep_the_steps_flags(monkeypatch, tokens, want):
     y = f(layer, x, mapping)
     per_slot = 64 if tokens // 4 >= 64 else 0  # the step's 3 mapped slots' tokens each
     assert seen == [
-        dict(is_prefill=True, prompt_tiles=want, tokens_per_slot=per_slot, whole_tiles=want)
+        dict(
+            is_prefill=True,
+            prompt_tiles=want,
+            tokens_per_slot=per_slot,
+            whole_tiles=want,
+            single_slot=False,  # 3 slots
+        )
     ]
     ref = dense_reference(layer, weights, adapters, x, idx)
     rtol, atol = TOL[jnp.float32]
