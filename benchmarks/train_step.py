@@ -12,7 +12,9 @@ Variants, each one jitted program:
                  gradient of a projection, the floor a LoRA grad cannot go under
 * {be}/fwd       the wrapped model's forward, ops on backend ``be``
 * {be}/grad      `jax.value_and_grad` of the loss w.r.t. the `nnx.LoRAParam` stacks
-* {be}/step      the grad plus an Adam update of slot 0 (`train_only_slots`)
+* {be}/step      the grad plus an Adam update of slot 0 (`train_only_slots`: Adam over
+                 every slot's stacks, then all but slot 0's update zeroed)
+* {be}/step1     the same with `train_slots`: Adam over slot 0's rows only
 
 with ``be`` xla (XLA forward, its autodiff backward), and where the kernels run (a GPU)
 pallas (the kernels forward and backward: `lora_jax.ops_grad`) and pallas_xvjp (the
@@ -48,7 +50,7 @@ from flax import nnx
 
 import lora_jax as lj
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
-from lora_jax.serving.training import init_lora_slot, train_only_slots
+from lora_jax.serving.training import init_lora_slot, train_only_slots, train_slots
 from lora_jax.serving.wrap import unwrap_model, wrap_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # profile_decode, with -P
@@ -93,19 +95,21 @@ def programs(model, ids, pos):
         return loss_of(nnx.merge(graphdef2, lora, rest), ids, pos)
 
     grad = jax.jit(jax.value_and_grad(loss2))
-    tx = optax.chain(optax.adam(1e-3), train_only_slots([0]))
-    opt_state = tx.init(lora)
 
-    @jax.jit
-    def step(lora, opt_state, rest, ids, pos):
-        loss, g = jax.value_and_grad(loss2)(lora, rest, ids, pos)
-        updates, opt_state = tx.update(g, opt_state, lora)
-        return optax.apply_updates(lora, updates), opt_state, loss
+    def stepper(tx):
+        @jax.jit
+        def step(lora, opt_state, rest, ids, pos):
+            loss, g = jax.value_and_grad(loss2)(lora, rest, ids, pos)
+            updates, opt_state = tx.update(g, opt_state, lora)
+            return optax.apply_updates(lora, updates), opt_state, loss
+
+        return step, (lora, tx.init(lora), rest, ids, pos)
 
     return {
         "fwd": (fwd, (state, ids, pos)),
         "grad": (grad, (lora, rest, ids, pos)),
-        "step": (step, (lora, opt_state, rest, ids, pos)),
+        "step": stepper(optax.chain(optax.adam(1e-3), train_only_slots([0]))),
+        "step1": stepper(train_slots(optax.adam(1e-3), [0])),
     }
 
 
@@ -169,7 +173,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--small", action="store_true", help="tiny f32 model for a CPU smoke test")
     p.add_argument("--profile", default=None, help="trace the grad programs into this dir")
-    p.add_argument("--programs", default="fwd,grad,step", help="the LoRA programs to time")
+    p.add_argument("--programs", default="fwd,grad,step,step1", help="the LoRA programs to time")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 

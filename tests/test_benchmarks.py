@@ -644,7 +644,7 @@ def test_rank64_long_prompt_defaults_are_the_measured_candidates(monkeypatch):
 
 def test_train_step_programs_match_the_nnx_gradient():
     """train_step.py's split-state grad equals `nnx.value_and_grad` on the model itself,
-    and its Adam step moves slot 0 only."""
+    and its Adam steps (over every slot, masked; over slot 0's rows) move slot 0 only."""
     import jax
     import jax.numpy as jnp
     import train_step
@@ -677,6 +677,11 @@ def test_train_step_programs_match_the_nnx_gradient():
     new, _, _ = progs["step"][0](*progs["step"][1])
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(progs["step"][1][0])):
         np.testing.assert_array_equal(a[1:], b[1:])
+    # step1 (`train_slots`: Adam on slot 0's rows only) takes the same step
+    new1, state1, _ = progs["step1"][0](*progs["step1"][1])
+    for a, b in zip(jax.tree.leaves(new1), jax.tree.leaves(new)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert all(m.shape[0] == 1 for m in jax.tree.leaves(state1) if m.ndim == 3)
 
 
 def test_train_step_base_grad_is_the_first_norm_s_gradient(tmp_path):

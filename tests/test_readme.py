@@ -68,7 +68,7 @@ def test_readme_plain_flax_example_runs():
 def test_readme_trains_a_slot_and_saves_it(tmp_path):
     from lora_jax.serving.peft import load_peft_adapter
 
-    src = _block("train_only_slots").replace("/tmp/lora_jax_tuned", str(tmp_path / "tuned"))
+    src = _block("train_slots(").replace("/tmp/lora_jax_tuned", str(tmp_path / "tuned"))
     ns: dict = {}
     exec(compile(src, "README.md:training", "exec"), ns)
     losses = ns["losses"]

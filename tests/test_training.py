@@ -27,6 +27,7 @@ from lora_jax.serving.training import (
     is_linear,
     tie_kv_replicas,
     train_only_slots,
+    train_slots,
     trainable_layers,
 )
 from lora_jax.serving.wrap import wrap_model
@@ -323,6 +324,52 @@ def test_train_only_slots_refuses_slots_outside_the_stacks():
     tx = train_only_slots([5])
     with pytest.raises(ValueError, match=r"slots \[5\] outside the 3 slots"):
         tx.update({"a": jnp.ones((3, 2, 2))}, tx.init(None))
+
+
+def test_train_slots_steps_as_the_masked_chain_with_state_for_its_slots_only():
+    """`train_slots(adamw, [1])` moves the model as ``chain(adamw, train_only_slots([1]))``
+    does (the same AdamW on slot 1's rows; every other slot exact), with Adam's moments
+    holding slot 1's rows alone."""
+    ids, pos = _batch()
+    slots = jnp.repeat(jnp.array([1, 1, 0, -1], jnp.int32), 8)
+    runs = []
+    for tx in (
+        optax.chain(optax.adamw(1e-2, weight_decay=0.1), train_only_slots([1])),
+        train_slots(optax.adamw(1e-2, weight_decay=0.1), [1]),
+    ):
+        model = _model()
+        init_lora_slot(model, 0, 8, seed=2)
+        init_lora_slot(model, 1, 4, seed=3)
+        before = _stacks(model)
+        opt = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+        losses = [float(_train_step(model, opt, ids, pos, slots)) for _ in range(3)]
+        runs.append((losses, before, _stacks(model), opt))
+    (want_loss, _, want, _), (got_loss, before, got, opt) = runs
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    for w, g, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), jax.tree.leaves(before)):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+        if b.ndim == 3:
+            np.testing.assert_array_equal(g[[0, 2]], b[[0, 2]])
+    moments = [v for v in jax.tree.leaves(nnx.state(opt, nnx.OptState)) if np.ndim(v) == 3]
+    stacks = [v for v in jax.tree.leaves(before) if v.ndim == 3]
+    assert moments and len(moments) == 2 * len(stacks)  # mu and nu of every stack
+    assert all(m.shape[0] == 1 for m in moments)  # slot 1's rows only
+    assert sorted(m.shape[1:] for m in moments) == sorted(2 * [s.shape[1:] for s in stacks])
+
+
+def test_train_slots_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="train_slots: tx must be an optax"):
+        train_slots(lambda g: g, [1])
+    with pytest.raises(ValueError, match="train_slots: name at least one slot"):
+        train_slots(optax.sgd(1.0), [])
+    with pytest.raises(ValueError, match="train_slots: slots must be ints"):
+        train_slots(optax.sgd(1.0), [1.5])
+    with pytest.raises(ValueError, match=r"train_slots: slots \[5\] outside the 3 slots"):
+        train_slots(optax.sgd(1.0), [5]).init({"a": jnp.ones((3, 2, 2))})
+    tx = train_slots(optax.sgd(1.0), [2, 0])
+    params = {"a": jnp.arange(12.0).reshape(3, 4), "n": jnp.float32(1.0)}
+    out, _ = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+    np.testing.assert_array_equal(out["a"], [[-1.0] * 4, [0.0] * 4, [-1.0] * 4])
 
 
 # -- export -----------------------------------------------------------------------------------

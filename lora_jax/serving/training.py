@@ -1,8 +1,7 @@
 """Training adapters in device slots, beside the ones being served.
 
-The LoRA stacks are `nnx.LoRAParam`s and every op has a gradient on every backend (the
-Pallas kernels' backward pass is the XLA backend's), so an adapter can be trained in a
-slot of a wrapped model while the other slots keep serving:
+The LoRA stacks are `nnx.LoRAParam`s and every op has a gradient on every backend, so an
+adapter can be trained in a slot of a wrapped model while the other slots keep serving:
 
 1. `init_lora_slot` writes a fresh adapter into one slot, as PEFT initialises one:
    linear layers, the lm_head and MoE experts get A kaiming-uniform (`U(±1/sqrt(in))`)
@@ -23,12 +22,18 @@ activates an adapter into it (nor counts it free) until `manager.release_slot(sl
 `init_lora_slot` refuses a slot in which a live manager of the model holds an adapter
 (whose requests would get the new weights); it cannot see an unreserved free slot being
 taken later, hence the reservation.
-An optax optimizer over `nnx.LoRAParam` keeps state for every slot (Adam: two copies of
-all the stacks): a large model trains best in a copy with few slots (`max_loras=1`),
-whose saved adapter the serving model then loads. On a GPU the forward pass runs the
-kernels and the backward pass XLA's gather einsums (the kernels have no autodiff):
-`benchmarks/train_step.py` (an H100, 4 Llama-3-8B layers, 4096 tokens, rank 16) measured
-the kernels' forward at 1.11 x the base forward, forward + backward at 2.96 x.
+`train_slots(optax.adamw(...), [slot])` does what the chain of step 2 does with the
+optimizer's state (Adam: two copies of the stacks) and work sized to the trained slot
+alone; `optax.chain(opt, train_only_slots([slot]))` keeps them for every slot. A large
+model still trains best in a copy with few slots (`max_loras=1`), whose saved adapter the
+serving model then loads.
+The ops have their own backward pass (`lora_jax.ops_grad`): on a GPU through the kernels,
+and where every mapped token uses one slot (`lj.lora_mapping(model, slots,
+single_slot=True)`, or numpy indices found so on the host) dense matmuls against that
+slot's weights on every backend. `benchmarks/train_step.py` (an H100, 4 Llama-3-8B layers,
+4096 tokens, 8 slots, rank 64) measured a step at 54.7 ms with XLA's VJP behind the
+kernels, 40.5 ms through the kernels' backward, 39.9 ms with ``single_slot``
+(benchmarks/RESULTS.md, "training").
 A functional loop (`nnx.split`, plain `jax.grad`) sets the token mapping before the split:
 Flax refuses to change a Variable (the mapping) inside `jax.grad`; `nnx.grad` /
 `nnx.value_and_grad`, as above, take `lj.lora_mapping` inside.
@@ -41,6 +46,7 @@ from lora_jax.serving.training_optax import _path_key as _path_key
 from lora_jax.serving.training_optax import _tie_rows as _tie_rows
 from lora_jax.serving.training_optax import tie_kv_replicas as tie_kv_replicas
 from lora_jax.serving.training_optax import train_only_slots as train_only_slots
+from lora_jax.serving.training_optax import train_slots as train_slots
 from lora_jax.serving.training_slots import WHOLE_LAYERS as WHOLE_LAYERS
 from lora_jax.serving.training_slots import _check_targets as _check_targets
 from lora_jax.serving.training_slots import _target_names as _target_names

@@ -1,7 +1,8 @@
 """The optax transformations that train one slot of a wrapped model.
 
 `train_only_slots` zeroes every update outside the slots being trained (put it last in
-the chain); `tie_kv_replicas` sums the gradients of the B rows that tp > kv heads stores
+the chain), `train_slots` runs an optimizer on those slots' rows only (its state sized to
+them); `tie_kv_replicas` sums the gradients of the B rows that tp > kv heads stores
 once per kv-head replica (put it first). The overview is in `lora_jax.serving.training`.
 """
 
@@ -19,31 +20,44 @@ from lora_jax.serving.training_slots import is_linear
 from lora_jax.serving.wrap import lora_layers
 
 
-def train_only_slots(slots: Sequence[int]) -> optax.GradientTransformation:
-    """An optax transformation that zeroes every update outside ``slots``.
-
-    Put it last in the chain (after weight decay) and pass ``wrt=nnx.LoRAParam``: every
-    LoRA stack has the slot as its first axis, so the adapters in the other slots keep
-    their exact values while one is trained.
-
-    Example:
-        >>> tx = optax.chain(optax.adamw(1e-3), train_only_slots([1]))
-        >>> opt = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)  # doctest: +SKIP
-    """
+def _slot_list(name: str, slots) -> tuple[int, ...]:
+    """``slots`` as a non-empty tuple of ints, or a ValueError naming ``name``."""
     given = slots
     if isinstance(slots, jax.Array | np.ndarray):
         slots = slots.tolist() if slots.ndim == 1 else None
     if isinstance(slots, str | bytes) or not isinstance(slots, Iterable):
-        raise ValueError(f"train_only_slots: slots must be a list of ints, got {given!r}")
+        raise ValueError(f"{name}: slots must be a list of ints, got {given!r}")
     slots = list(slots)
     bad = [
         s for s in slots if isinstance(s, bool | np.bool_) or not isinstance(s, int | np.integer)
     ]
     if bad:
-        raise ValueError(f"train_only_slots: slots must be ints, got {bad!r} in {slots!r}")
-    keep_slots = tuple(int(s) for s in slots)
-    if not keep_slots:
-        raise ValueError("train_only_slots: name at least one slot")
+        raise ValueError(f"{name}: slots must be ints, got {bad!r} in {slots!r}")
+    if not slots:
+        raise ValueError(f"{name}: name at least one slot")
+    return tuple(int(s) for s in slots)
+
+
+def _check_in_stack(name: str, slots: tuple[int, ...], u) -> None:
+    if max(slots) >= u.shape[0] or min(slots) < -u.shape[0]:
+        raise ValueError(
+            f"{name}: slots {list(slots)} outside the {u.shape[0]} slots of a LoRA stack"
+        )
+
+
+def train_only_slots(slots: Sequence[int]) -> optax.GradientTransformation:
+    """An optax transformation that zeroes every update outside ``slots``.
+
+    Put it last in the chain (after weight decay) and pass ``wrt=nnx.LoRAParam``: every
+    LoRA stack has the slot as its first axis, so the adapters in the other slots keep
+    their exact values while one is trained. The optimizer before it still keeps state
+    for (and updates) every slot: `train_slots` runs it on the trained slots' rows only.
+
+    Example:
+        >>> tx = optax.chain(optax.adamw(1e-3), train_only_slots([1]))
+        >>> opt = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)  # doctest: +SKIP
+    """
+    keep_slots = _slot_list("train_only_slots", slots)
 
     def update(updates, state, params=None):
         del params
@@ -51,17 +65,59 @@ def train_only_slots(slots: Sequence[int]) -> optax.GradientTransformation:
         def mask(u):
             if u is None or jnp.ndim(u) == 0:
                 return u
-            if max(keep_slots) >= u.shape[0] or min(keep_slots) < -u.shape[0]:
-                raise ValueError(
-                    f"train_only_slots: slots {list(keep_slots)} outside the {u.shape[0]} "
-                    "slots of a LoRA stack"
-                )
+            _check_in_stack("train_only_slots", keep_slots, u)
             keep = jnp.zeros(u.shape[0], bool).at[jnp.asarray(keep_slots)].set(True)
             return jnp.where(keep.reshape((-1,) + (1,) * (u.ndim - 1)), u, jnp.zeros_like(u))
 
         return jax.tree.map(mask, updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def train_slots(
+    tx: optax.GradientTransformation, slots: Sequence[int]
+) -> optax.GradientTransformation:
+    """``tx`` run on the rows of ``slots`` of every LoRA stack only; every other slot's
+    update is zero.
+
+    What ``optax.chain(tx, train_only_slots(slots))`` computes, but ``tx``'s state (Adam's
+    two moments) holds the trained slots' rows alone and its update touches only them: one
+    slot trained in 8 keeps 1/8 of the optimizer state and does 1/8 of its work. ``tx``
+    sees the slots' gradients and parameters, so a transform that reads across entries
+    (``clip_by_global_norm``) sees the trained slots'. Pass ``wrt=nnx.LoRAParam``.
+
+    Example:
+        >>> tx = train_slots(optax.adamw(1e-3), [1])
+        >>> opt = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)  # doctest: +SKIP
+    """
+    if not isinstance(tx, optax.GradientTransformation):
+        raise ValueError(f"train_slots: tx must be an optax GradientTransformation, got {tx!r}")
+    keep_slots = _slot_list("train_slots", slots)
+    rows = np.asarray(keep_slots)
+
+    def take(tree):
+        def one(u):
+            if u is None or jnp.ndim(u) == 0:
+                return u
+            _check_in_stack("train_slots", keep_slots, u)
+            return u[rows]
+
+        return jax.tree.map(one, tree)
+
+    def init(params):
+        return tx.init(take(params))
+
+    def update(updates, state, params=None):
+        inner, state = tx.update(take(updates), state, None if params is None else take(params))
+
+        def put(u, v):
+            if u is None or jnp.ndim(u) == 0:
+                return v
+            return jnp.zeros_like(u).at[rows].set(v.astype(u.dtype))
+
+        return jax.tree.map(put, updates, inner), state
+
+    return optax.GradientTransformation(init, update)
 
 
 def tie_kv_replicas(model) -> optax.GradientTransformation:
