@@ -29,10 +29,15 @@ prefills and adds the partial sums with atomics, so its f32 results may differ i
 bits from run to run (as vLLM's split-K shrink does). "xla" is bit-reproducible, and so is
 `lora_jax.kernels.lora_shrink` given ``BlockSizes(atomic_programs=0, ...)``.
 
+Gradients: the ops have their own backward pass (`ops_grad`, `KERNEL_BACKWARD`): behind
+the kernels it runs kernels too (each token's own slot), and where every mapped token
+uses one slot (`LoRAMapping.single_slot`) it is dense matmuls against that slot's weights
+on every backend; elsewhere the XLA backend's autodiff.
+
 This module holds the public ops and the dispatcher's settings (read at trace time, set
 or patched here); beside it are the input checks (`ops_checks`), the XLA backend
-(`ops_xla`) and the Pallas kernels' plumbing, their XLA-VJP gradient included
-(`ops_pallas`). Their names are importable from here too.
+(`ops_xla`), the Pallas kernels' plumbing with the XLA-VJP fallback (`ops_pallas`) and the
+backward pass (`ops_grad`). Their names are importable from here too.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from lora_jax.ops_checks import _expand_offsets as _expand_offsets
 from lora_jax.ops_checks import _offset as _offset
 from lora_jax.ops_pallas import _kernels as _kernels
 from lora_jax.ops_pallas import _static_scale as _static_scale
+from lora_jax.ops_pallas import _with_vjp as _with_vjp
 from lora_jax.ops_pallas import _with_xla_vjp as _with_xla_vjp
 from lora_jax.ops_xla import _expand_xla as _expand_xla
 from lora_jax.ops_xla import _gather_slot as _gather_slot
@@ -113,7 +119,7 @@ def _differentiable(kernel, xla, backward):
     """``kernel`` with its backward pass: ``backward`` (`ops_grad`) or, with
     ``KERNEL_BACKWARD`` off, the VJP of ``xla``."""
     if KERNEL_BACKWARD:
-        return ops_grad.with_kernel_vjp(kernel, backward)
+        return _with_vjp(kernel, backward)
     return _with_xla_vjp(kernel, xla)
 
 

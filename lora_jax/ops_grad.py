@@ -153,25 +153,6 @@ def expand_backward(y_dtype, h, lora_b, mapping, slot_ranks, gy, *, offsets):
     return gy, jnp.stack(dhs).astype(h.dtype), tuple(dbs)
 
 
-def with_kernel_vjp(kernel, backward):
-    """``kernel(*diff, *rest)`` with ``backward(diff, rest, g) -> cotangents of diff`` as
-    its backward pass (``rest``: the mapping and the slots' ranks, no cotangent)."""
-
-    @jax.custom_vjp
-    def run(diff, rest):
-        return kernel(*diff, *rest)
-
-    def fwd(diff, rest):
-        return kernel(*diff, *rest), (diff, rest)
-
-    def bwd(res, g):
-        diff, rest = res
-        return backward(diff, rest, g), None
-
-    run.defvjp(fwd, bwd)
-    return run
-
-
 def add_backward(y, x, lora_a, lora_b, mapping, slot_ranks, g, *, scale: float, offsets):
     """``(dy, dx, dA, dB)`` of the fused shrink -> expand: h is recomputed by the shrink
     kernel (the fused kernel keeps it on chip; the XLA backend where the tokens use one

@@ -1,5 +1,6 @@
 """Calling the Pallas kernels from `lora_jax.ops`: the kernels package (when present),
-the scale they take as a static argument, and the XLA VJP that is their gradient.
+the scale they take as a static argument, and the XLA VJP that is their gradient with
+`ops.KERNEL_BACKWARD` off (else `ops_grad`'s backward pass is).
 """
 
 from __future__ import annotations
@@ -28,15 +29,10 @@ def _static_scale(scale):
         return None
 
 
-def _with_xla_vjp(kernel, xla):
-    """``kernel(*diff, *rest)`` with the XLA backend's VJP as its backward pass.
-
-    Pallas calls have no autodiff (the kernels alias their outputs and add with atomics),
-    so the gradient of a forward that ran the kernels is that of `xla`, the same function
-    on XLA: training through the layers works on every backend. ``diff`` are the float
-    inputs (x, h, y, the A / B stacks), ``rest`` the integer ones (the mapping, the slots'
-    ranks), which get no cotangent.
-    """
+def _with_vjp(kernel, backward):
+    """``kernel(*diff, *rest)`` with ``backward(diff, rest, g) -> cotangents of diff`` as
+    its backward pass: ``diff`` are the float inputs (x, h, y, the A / B stacks), ``rest``
+    the integer ones (the mapping, the slots' ranks), which get no cotangent."""
 
     @jax.custom_vjp
     def run(diff, rest):
@@ -47,8 +43,23 @@ def _with_xla_vjp(kernel, xla):
 
     def bwd(res, g):
         diff, rest = res
-        _, vjp = jax.vjp(lambda *d: xla(*d, *rest), *diff)
-        return vjp(g), None
+        return backward(diff, rest, g), None
 
     run.defvjp(fwd, bwd)
     return run
+
+
+def _with_xla_vjp(kernel, xla):
+    """``kernel(*diff, *rest)`` with the XLA backend's VJP as its backward pass.
+
+    Pallas calls have no autodiff (the kernels alias their outputs and add with atomics);
+    with `ops.KERNEL_BACKWARD` off the gradient of a forward that ran the kernels is that
+    of `xla`, the same function on XLA (multiplied against every slot once tokens
+    outnumber slots; `ops_grad` is the default). See `_with_vjp` for ``diff`` / ``rest``.
+    """
+
+    def backward(diff, rest, g):
+        _, vjp = jax.vjp(lambda *d: xla(*d, *rest), *diff)
+        return vjp(g)
+
+    return _with_vjp(kernel, backward)
