@@ -69,10 +69,10 @@ class LoRAMapping:
     # work_list.whole_tiles), which the expand runs through its Mosaic GPU kernel on
     # Hopper; "all" skips the Triton launch for the other tokens. None: not known.
     whole_tiles: str | None = dataclasses.field(default=None, metadata=dict(static=True))
-    # Static, found on the host like ``prompt_tiles`` or said by the caller: True when
-    # every mapped token uses one slot (a training batch, one adapter's prompt). The
-    # backward pass then multiplies against that slot's weights alone (`lora_jax.ops_grad`,
-    # dense matmuls); the forward is unchanged. None: not known.
+    # Static, said by the caller (never looked for: a serving step would compile once more
+    # for it and gain nothing): True when every mapped token uses one slot, as a training
+    # batch's do. The backward pass then multiplies against that slot's weights alone
+    # (`lora_jax.ops_grad`, dense matmuls); the forward is unchanged. None: not said.
     single_slot: bool | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
@@ -180,10 +180,11 @@ def make_lora_mapping(
     whose length is a power of two of at least `PROMPT_TILE_TOKENS`). A wrong "all" in
     either hint computes tokens with another adapter's update (or none) on a GPU, or
     wherever the Pallas kernels run.
-    ``single_slot`` likewise (`LoRAMapping.single_slot`): True says every mapped token
-    uses one slot, as a training batch's do; it is checked where the indices are concrete
-    (numpy, or a jax array outside a trace). A wrong True under a trace gives the other
-    slots' tokens the gradient of the first active slot's weights.
+    ``single_slot=True`` (`LoRAMapping.single_slot`, never found on the host) says every
+    mapped token uses one slot, as a training batch's do: the backward pass is then dense
+    matmuls against that slot. It is checked where the indices are concrete (numpy, or a
+    jax array outside a trace); a wrong True under a trace gives the other slots' tokens
+    the gradient of the first active slot's weights.
 
     ``host_hints``: whether numpy indices give the hints above (they are static: each new
     value is a new trace of a jit the mapping is passed to). None: only where the ops
@@ -222,7 +223,7 @@ def make_lora_mapping(
     on_host = isinstance(token_lora_indices, np.ndarray) and host_hints
     if on_host and tokens_per_slot is None:
         tokens_per_slot = host_tokens_per_slot(token_lora_indices, max_loras)
-    single_slot = _single_slot(token_lora_indices, max_loras, single_slot, on_host)
+    single_slot = _single_slot(token_lora_indices, max_loras, single_slot)
     host = on_host and prompt_tiles is None
     idx = jnp.asarray(token_lora_indices)
     if idx.ndim != 1:
@@ -249,25 +250,23 @@ def make_lora_mapping(
     )
 
 
-def _single_slot(indices, max_loras: int, said: bool | None, on_host: bool) -> bool | None:
-    """`LoRAMapping.single_slot`: what the caller said (checked against concrete indices),
-    else, with the host's hints, whether the numpy indices map at most one slot."""
+def _single_slot(indices, max_loras: int, said: bool | None) -> bool | None:
+    """`LoRAMapping.single_slot` as the caller said it, checked against concrete indices
+    (numpy, or a jax array outside a trace)."""
     if said is not None and not isinstance(said, bool):
         raise ValueError(f"single_slot must be True, False or None, got {said!r}")
-    if said is False or (said is None and not on_host):
+    if not said:
         return said
-    try:  # concrete indices: numpy, or a jax array outside a trace
+    try:
         idx = np.asarray(indices).reshape(-1)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        idx = None
-    if idx is not None:
-        used = np.unique(idx[(idx >= 0) & (idx < max_loras)])
-        if said and used.size > 1:
-            raise ValueError(
-                f"single_slot=True, but the tokens map to {used.size} slots "
-                f"({used[:8].tolist()}{' ...' if used.size > 8 else ''}); it needs one."
-            )
-        return bool(used.size <= 1)
+        return said  # under a trace the caller's word is taken
+    used = np.unique(idx[(idx >= 0) & (idx < max_loras)])
+    if used.size > 1:
+        raise ValueError(
+            f"single_slot=True, but the tokens map to {used.size} slots "
+            f"({used[:8].tolist()}{' ...' if used.size > 8 else ''}); it needs one."
+        )
     return said
 
 

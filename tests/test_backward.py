@@ -41,7 +41,7 @@ def _inputs(T=24, H=32, N=(32, 16), R=16, L=4, slot=2, seed=0, dtype=jnp.float32
 def _pair(idx, L=4):
     """The same indices as a plain device mapping and as one that says single_slot."""
     plain = make_lora_mapping(jnp.asarray(idx), L)
-    one = make_lora_mapping(idx, L, host_hints=True)
+    one = make_lora_mapping(idx, L, single_slot=True)
     assert plain.single_slot is None and one.single_slot is True
     return plain, one
 
@@ -140,25 +140,23 @@ def test_bf16_single_slot_gradients_are_xla_s_to_bf16():
         np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * np.abs(w).max())
 
 
-def test_single_slot_is_found_on_the_host_and_checked_where_said():
+def test_single_slot_is_the_caller_s_and_checked_where_concrete():
     one = np.array([3, -1, 3, 3], np.int32)
     two = np.array([3, -1, 1, 3], np.int32)
-    assert make_lora_mapping(one, 4, host_hints=True).single_slot is True
-    assert make_lora_mapping(two, 4, host_hints=True).single_slot is False
-    assert make_lora_mapping(np.full(4, -1), 4, host_hints=True).single_slot is True
-    assert make_lora_mapping(one, 4, host_hints=False).single_slot is None
-    assert make_lora_mapping(jnp.asarray(one), 4).single_slot is None  # not looked for
+    # never looked for, even with the host's hints (a serving step would compile again)
+    assert make_lora_mapping(one, 4, host_hints=True).single_slot is None
+    assert make_lora_mapping(one, 4, single_slot=True).single_slot is True
     assert make_lora_mapping(jnp.asarray(one), 4, single_slot=True).single_slot is True
+    assert make_lora_mapping(np.full(4, -1), 4, single_slot=True).single_slot is True
     assert make_lora_mapping(two, 4, single_slot=False).single_slot is False
-    with pytest.raises(ValueError, match=r"single_slot=True, but the tokens map to 2 slots"):
-        make_lora_mapping(jnp.asarray(two), 4, single_slot=True)
+    for idx in (two, jnp.asarray(two)):
+        with pytest.raises(ValueError, match=r"single_slot=True, but the tokens map to 2"):
+            make_lora_mapping(idx, 4, single_slot=True)
     with pytest.raises(ValueError, match="single_slot must be True, False or None"):
         make_lora_mapping(one, 4, single_slot=1)
     # under a trace the caller's word is taken as it is
-    traced = jax.jit(
-        lambda i: make_lora_mapping(i, 4, single_slot=True).token_lora_indices
-    )  # fmt: skip
-    np.testing.assert_array_equal(traced(jnp.asarray(one)), one)
+    traced = jax.jit(lambda i: make_lora_mapping(i, 4, single_slot=True).token_lora_indices)
+    np.testing.assert_array_equal(traced(jnp.asarray(two)), two)
 
 
 def test_a_training_step_with_the_hint_takes_the_gradient_without_it():

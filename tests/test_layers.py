@@ -157,7 +157,7 @@ def test_dp_shards_keep_the_steps_flags(monkeypatch, tokens, want):
             prompt_tiles=want,
             tokens_per_slot=per_slot,
             whole_tiles=want,
-            single_slot=False,  # 3 slots
+            single_slot=None,  # not said
         )
     ]
     ref = dense_reference(layer, weights, adapters, x, idx)
