@@ -1,5 +1,6 @@
 """The benchmark scripts run on CPU (tiny model) and report what they claim to."""
 
+import json
 import os
 import sys
 
@@ -727,3 +728,19 @@ def test_train_step_base_grad_is_the_first_norm_s_gradient(tmp_path):
 
     whats = [r["what"] for r in json.loads(out.read_text())["rows"]]
     assert whats == ["fwd", "grad", "grad_profile"]
+
+
+def test_grad_ops_small_times_every_variant_and_checks_them(tmp_path):
+    """grad_ops.py on the CPU: the stacks' gradient op (interpret mode), the single-slot
+    dense matmul and the one-hot einsum for a dA and a dB cell, each within f32 rounding
+    of the one-hot form, in a table and JSON."""
+    import grad_ops
+
+    out = tmp_path / "g.json"
+    grad_ops.main(["--small", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["what"], r["impl"]) for r in rows} == {
+        ("dA", "kernel"), ("dA", "dense"), ("dA", "onehot"), ("dB", "kernel"), ("dB", "onehot"),
+    }  # fmt: skip
+    assert all(r["rel_err"] < 1e-5 and r["us"] > 0 for r in rows)
+    assert grad_ops.ideal_bytes(4096, 64, 4096, 8) == 4096 * 4160 * 2 + 8 * 64 * 4096 * 4
