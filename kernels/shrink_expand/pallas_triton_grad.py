@@ -39,12 +39,6 @@ def outer_tiles(p: int, q: int, num_tokens: int) -> tuple[int, int, int]:
     return block_t, min(BLOCK_PQ, max(16, next_pow2(p))), min(BLOCK_PQ, max(16, next_pow2(q)))
 
 
-def num_warps(tiles: tuple[int, int, int]) -> int:
-    """8 warps for a 128 x 128 f32 tile (64 KB of accumulator: 4 warps would spill it),
-    else 4."""
-    return 8 if tiles[1] * tiles[2] >= 128 * 128 else 4
-
-
 def _outer_kernel(
     tab_ref,  # [4 + block_m, NB] int32 (work_list.py)
     a_ref,  # [T, P]
@@ -111,7 +105,7 @@ def slot_outer(a, b, tab, *, num_slots: int, block_m: int, interpret: bool):
         out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
         grid=grid,
         input_output_aliases={3: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps(tiles), num_stages=3),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
         name="lora_slot_outer",
     )(tab, a, b, zeros)
