@@ -19,12 +19,19 @@ import functools
 import jax
 
 from lora_jax.kernels.shrink_expand import checks, pallas_triton_grad
+from lora_jax.kernels.shrink_expand.block_sizes import next_pow2
 from lora_jax.kernels.shrink_expand.work_list import build_work_list
 
 OUTER_BLOCK_M = 256
 """Tokens of one slot per program: each program adds its f32 tile into the output once,
 so fewer, longer blocks add fewer tiles (at 4096 tokens of one slot, dA of a rank-64,
 4096-wide layer adds 17 MB where 64-token blocks would add 67 MB)."""
+
+
+def outer_block_m(p: int, q: int) -> int:
+    """Tokens a program: 8 x the smaller output dim (the rank), 256 to 1024, so that the
+    f32 tiles added stay ~1/4 of the input bytes or less (2 x rank / block_m of them)."""
+    return min(1024, max(OUTER_BLOCK_M, 8 * next_pow2(min(p, q))))
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "interpret"))
@@ -39,7 +46,7 @@ def lora_slot_outer(
     active_slots: jax.Array | None = None,
     num_active: jax.Array | None = None,
     work_lists=None,
-    block_m: int = OUTER_BLOCK_M,
+    block_m: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """f32 ``[max_loras, P, Q]``: per slot l, ``sum_{t : idx[t] = l} a[t]^T b[t]``.
@@ -58,6 +65,8 @@ def lora_slot_outer(
         raise ValueError(
             f"lora_slot_outer: a has {a.shape[0]} tokens and b {b.shape[0]}; they must match."
         )
+    if block_m is None:
+        block_m = outer_block_m(a.shape[1], b.shape[1])
     if block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"lora_slot_outer: block_m={block_m}; expected a power of two >= 16.")
     max_loras = slot_token_counts.shape[0]
