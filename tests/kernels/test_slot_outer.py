@@ -122,3 +122,16 @@ def test_slot_outer_on_the_gpu(shape, kind):
     want = lora_slot_outer_reference(a, b, num_slots=shape[3], **meta)
     scale = float(jnp.max(jnp.abs(want)))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_tokens_a_program_grow_with_the_rank():
+    """`outer_block_m`: 8 x the smaller output dim (the rank), within 256-1024 tokens, so
+    the f32 tiles a program adds stay ~1/4 of the bytes it reads or less."""
+    from lora_jax.kernels.shrink_expand.api_grad import outer_block_m
+
+    assert [outer_block_m(r, 4096) for r in (8, 16, 32, 64, 128, 256)] == [
+        256, 256, 256, 512, 1024, 1024,
+    ]  # fmt: skip
+    assert outer_block_m(14336, 64) == outer_block_m(64, 14336) == 512
+    for r in (16, 64, 128):
+        assert 2 * r / outer_block_m(r, 4096) <= 0.25
