@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 import jax
@@ -83,22 +82,6 @@ def variants(t, p, q, n, slots):
     return out
 
 
-def busy_us(run, reps: int) -> float:
-    """GPU busy µs per ``run()`` from a profiler trace, or NaN where it has no GPU."""
-    from profile_decode import device_events, summarize
-
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            out = None
-            for _ in range(reps):
-                out = run()
-            jax.block_until_ready(out)
-        events = device_events(d)
-    if not events:
-        return float("nan")
-    return summarize(events, reps, 1)["busy_us"]
-
-
 def time_variant(fn, a_copies, b_copies, calls: int, reps: int) -> float:
     """µs per call of ``fn``: ``calls`` calls in one jit over the rotated copies."""
 
@@ -109,7 +92,9 @@ def time_variant(fn, a_copies, b_copies, calls: int, reps: int) -> float:
         return tuple(fn(a, b) for a, b in zip(a_copies, b_copies))
 
     jax.block_until_ready(many(a_copies, b_copies))  # compile + warm up
-    busy = busy_us(lambda: many(a_copies, b_copies), reps)
+    from ops import trace_busy_us  # benchmarks/ops.py: GPU busy µs from a trace, or NaN
+
+    busy = trace_busy_us(lambda: many(a_copies, b_copies), reps)
     if busy == busy:
         return busy / calls
     t0 = time.perf_counter()

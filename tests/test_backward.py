@@ -20,11 +20,8 @@ from lora_jax.serving.wrap import wrap_model
 
 
 @pytest.fixture
-def interpret():
-    old = ops.PALLAS_INTERPRET
-    ops.PALLAS_INTERPRET = True
-    yield
-    ops.PALLAS_INTERPRET = old
+def interpret(monkeypatch):
+    monkeypatch.setattr(ops, "PALLAS_INTERPRET", True)
 
 
 def _inputs(T=24, H=32, N=(32, 16), R=16, L=4, slot=2, seed=0, dtype=jnp.float32):
