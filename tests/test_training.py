@@ -84,6 +84,29 @@ def test_op_gradients_on_the_kernels_equal_xla(interpret, backend, traced_scale,
     np.testing.assert_array_equal(np.asarray(da[0, 3:]), 0.0)
 
 
+def test_kernel_gradients_of_prompts_with_the_host_s_hints_equal_xla(interpret):
+    """Prompts whose tiles the host found wholly of one slot (``prompt_tiles`` /
+    ``whole_tiles`` "all": the shrink reads x in rectangles, no work list): the backward's
+    shrink of dy and expand of dx take the same tiles, and the gradient is XLA's."""
+    T, H, L = 256, 64, 4
+    x, a, b, _, ranks = _op_inputs(T=T, H=H, N=(64, 32), L=L, seed=5)
+    idx = np.repeat(np.array([2, 0], np.int32), 128)  # two 128-token prompts
+    m = make_lora_mapping(idx, L, host_hints=True)
+    assert m.prompt_tiles == "all" and m.whole_tiles == "all"
+    plain = make_lora_mapping(jnp.asarray(idx), L)
+
+    def loss(x, a, b, mapping, backend):
+        y = ops.add_lora_linear(
+            jnp.zeros((T, 96)), x, a, b, mapping, 0.5, slot_ranks=ranks, backend=backend
+        )
+        return jnp.sum(jnp.sin(y))
+
+    f = jax.grad(loss, argnums=(0, 1, 2))
+    want, got = f(x, a, b, plain, "xla"), f(x, a, b, m, "pallas")
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("backend", ["pallas", "pallas_fused"])
 def test_the_kernel_backward_walks_the_slots_and_the_knob_restores_xla_s(interpret, backend):
     """With `ops.KERNEL_BACKWARD` the gradient program runs `lora_slot_outer` (no matmul
