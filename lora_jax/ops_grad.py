@@ -1,4 +1,4 @@
-"""The backward pass of the Pallas ops through the kernels themselves.
+"""The ops' own backward pass: through the kernels themselves, or dense for one slot.
 
 A shrink ``h_s = scale * mask_s * (x @ A_s[idx]^T)`` and an expand ``y += h_s @ B_s[idx]^T``
 (mask_s: the token has a slot and the rank column is below the slot's true rank) have as
@@ -17,9 +17,10 @@ forward included): what PEFT's LoRA does for its one adapter.
 
 XLA's autodiff of the XLA backend (`ops_pallas._with_xla_vjp`) multiplies against every
 slot once tokens outnumber slots: on an H100, 4 Llama-3-8B layers of 4096 training tokens
-over 8 slots spent 19.5 ms of a 54 ms rank-64 step there (benchmarks/RESULTS.md,
-"training", session 52). The rounding follows the XLA backend's (operands in the
-stacks' bf16 / fp16, f32 accumulation), so the two backward passes agree to the dtype.
+over 8 slots spent 19.5 ms of a 54.7 ms rank-64 step there; through this module the step
+took 40.5 ms, 39.9 with ``single_slot`` (benchmarks/RESULTS.md, "training", session 52).
+The rounding follows the XLA backend's (operands in the stacks' bf16 / fp16, f32
+accumulation), so the two backward passes agree to the dtype.
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ model still trains best in a copy with few slots (`max_loras=1`), whose saved ad
 serving model then loads.
 The ops have their own backward pass (`lora_jax.ops_grad`): on a GPU through the kernels,
 and where the caller says every mapped token uses one slot (`lj.lora_mapping(model,
-slots, single_slot=True)`) dense matmuls against that slot's weights on every backend. `benchmarks/train_step.py` (an H100, 4 Llama-3-8B layers,
-4096 tokens, 8 slots, rank 64) measured a step at 54.7 ms with XLA's VJP behind the
+slots, single_slot=True)`) dense matmuls against that slot's weights on every backend.
+`benchmarks/train_step.py` (an H100, 4 Llama-3-8B layers, 4096 tokens, 8 slots, rank 64)
+measured a step at 54.7 ms with XLA's VJP behind the
 kernels, 40.5 ms through the kernels' backward, 39.9 ms with ``single_slot``
 (benchmarks/RESULTS.md, "training").
 A functional loop (`nnx.split`, plain `jax.grad`) sets the token mapping before the split:
