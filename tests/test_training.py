@@ -598,6 +598,46 @@ def test_gradients_on_a_mesh_equal_the_unsharded_ones(mesh_shape):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
+@nnx.jit(static_argnums=4)
+def _grads_one_slot(model, ids, pos, slots, single_slot):
+    def loss(model, ids, pos, slots):
+        with lj.lora_mapping(model, slots, single_slot=single_slot):
+            logits = model(ids, pos)[0]
+        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], -1))
+
+    return nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, ids, pos, slots)
+
+
+@pytest.mark.parametrize("fully_sharded", [False, True])
+def test_single_slot_gradients_on_a_mesh_equal_the_unsharded_ones(fully_sharded):
+    """A training batch that says ``single_slot=True`` on a dp x tp mesh (each shard's
+    dense backward inside shard_map, S-LoRA on or off) gets the unsharded model's
+    gradient without the hint."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices")
+    ids, pos = _batch()
+    slots = jnp.repeat(jnp.array([1, 1, -1, 1], jnp.int32), 8)
+    grads = []
+    for rules, hint in (
+        (None, None),
+        (lj.ShardingRules(jax.make_mesh((2, 2), ("dp", "tp"))), True),
+    ):
+        cfg = DecoderConfig.tiny()
+        model = DecoderForCausalLM(cfg, rules=rules, rngs=nnx.Rngs(0))
+        wrap_model(model, lj.LoRAConfig(max_loras=3, max_lora_rank=MAX_RANK,
+                                         fully_sharded_loras=fully_sharded))  # fmt: skip
+        init_lora_slot(model, 1, 4, seed=2)
+        for layer in _linear(model).values():  # B != 0: A gets gradients too
+            for v in layer.lora_b:
+                v.set_value(v[...] + 0.05 * (v[...] == 0))
+        grads.append(jax.tree.map(np.asarray, _grads_one_slot(model, ids, pos, slots, hint)))
+    flat_want, flat_got = jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])
+    assert len(flat_want) == len(flat_got) and any(np.abs(g).max() > 1e-4 for g in flat_want)
+    for want, got in zip(flat_want, flat_got):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
 def test_init_lora_slot_resets_the_layers_it_does_not_target():
     """A slot re-initialised on fewer modules kept the old adapter in the others (logits
     0.55 off the base, and exported with the new one)."""
