@@ -300,8 +300,14 @@ def test_lora_through_the_kernels(monkeypatch, gated, layout, fused_w13, impl, m
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("layout,fused_w13", [("concat", False), ("interleaved", False),
-                                              ("concat", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout,fused_w13",
+    [
+        ("concat", False),
+        pytest.param("interleaved", False, marks=pytest.mark.slow),
+        pytest.param("concat", True, marks=pytest.mark.slow),
+    ],
+)
 def test_lora_gradients_through_the_kernels_equal_xla_s(monkeypatch, layout, fused_w13):
     """Training the experts' LoRA on the GPU path: the gradient of every stack through the
     kernels' own backward pass (interpret mode; the (token, expert) rows as L x E slots,

@@ -84,6 +84,7 @@ def test_op_gradients_on_the_kernels_equal_xla(interpret, backend, traced_scale,
     np.testing.assert_array_equal(np.asarray(da[0, 3:]), 0.0)
 
 
+@pytest.mark.slow
 def test_kernel_gradients_of_prompts_with_the_host_s_hints_equal_xla(interpret):
     """Prompts whose tiles the host found wholly of one slot (``prompt_tiles`` /
     ``whole_tiles`` "all": the shrink reads x in rectangles, no work list): the backward's
@@ -609,6 +610,7 @@ def _grads_one_slot(model, ids, pos, slots, single_slot):
     return nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model, ids, pos, slots)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fully_sharded", [False, True])
 def test_single_slot_gradients_on_a_mesh_equal_the_unsharded_ones(fully_sharded):
     """A training batch that says ``single_slot=True`` on a dp x tp mesh (each shard's
