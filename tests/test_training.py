@@ -878,7 +878,10 @@ def _train_slot(model, tx_first, opt, steps=3):
 
 @pytest.mark.parametrize(
     "opt",
-    [optax.adamw(1e-2, weight_decay=0.1), optax.sgd(0.5, momentum=0.9)],
+    [
+        optax.adamw(1e-2, weight_decay=0.1),
+        pytest.param(optax.sgd(0.5, momentum=0.9), marks=pytest.mark.slow),
+    ],
     ids=["adamw", "sgd"],
 )
 def test_kv_head_replicas_train_as_one_parameter(tmp_path, opt):
