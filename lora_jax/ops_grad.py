@@ -126,10 +126,42 @@ def shrink_backward(x, lora_a, mapping, slot_ranks, g, *, scale: float):
     return dx, d_a
 
 
+def _dense_expand_backward(h, lora_b, mapping, slot_ranks, gy, offsets, cdt):
+    """`expand_backward` where the tokens use one slot and the layer has several slices:
+    two matmuls over the whole of ``gy``, against that slot's B's laid block-diagonally
+    (slice s's rows at its columns of y, its rank columns at s * R), so that no slice of
+    ``gy`` is copied out first; the off-diagonal blocks cost S x the FLOPs of the slices'
+    products, which stay bound by reading ``gy`` at training ranks."""
+    num_slices, rank = len(lora_b), h.shape[-1]
+    slot = _one_slot(mapping)
+    blocks = jnp.zeros((gy.shape[1], num_slices * rank), cdt)
+    for s, (b, off) in enumerate(zip(lora_b, offsets)):
+        blocks = jax.lax.dynamic_update_slice(
+            blocks, _slot_of(b, slot).astype(cdt), (off, s * rank)
+        )
+    g = gy.astype(cdt)
+    dh = _dot(g, blocks, cdt, ((1,), (0,)))  # [T, S * R]
+    hm = jnp.concatenate(
+        [_masked(h[s], mapping, slot_ranks, s, rank) for s in range(num_slices)], axis=1
+    ).astype(cdt)  # [T, S * R]
+    full = _dot(g, hm, cdt, ((0,), (0,)))  # [N, S * R]: slice s's dB is its diagonal block
+    dhs, dbs = [], []
+    for s, (b, off) in enumerate(zip(lora_b, offsets)):
+        dhs.append(_masked(dh[:, s * rank : (s + 1) * rank], mapping, slot_ranks, s, rank))
+        db = full[off : off + b.shape[1], s * rank : (s + 1) * rank]
+        dbs.append(_into_slot(db, b, slot))
+    return jnp.stack(dhs), tuple(dbs)
+
+
 def expand_backward(y_dtype, h, lora_b, mapping, slot_ranks, gy, *, offsets):
     """``(dy, dh, dB)`` of the expand at its output's cotangent ``gy [T, N]``: through the
-    kernels, or where the tokens use one slot two matmuls against its B a slice."""
+    kernels, or where the tokens use one slot two matmuls against its B's (one pair a
+    slice where the slices' dtypes differ)."""
     rank = h.shape[-1]
+    cdts = {_half_or_f32(b.dtype, y_dtype) for b in lora_b}
+    if mapping.single_slot and len(lora_b) > 1 and len(cdts) == 1:
+        dh, d_b = _dense_expand_backward(h, lora_b, mapping, slot_ranks, gy, offsets, *cdts)
+        return gy, dh.astype(h.dtype), d_b
     dhs, dbs = [], []
     slot = _one_slot(mapping) if mapping.single_slot else None
     for s, (b, off) in enumerate(zip(lora_b, offsets)):

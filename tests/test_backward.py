@@ -137,6 +137,37 @@ def test_bf16_single_slot_gradients_are_xla_s_to_bf16():
         np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * np.abs(w).max())
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_single_slot_expand_of_slices_apart_in_y(interpret, backend):
+    """Three slices of different widths written apart in a wider y (columns before,
+    between and after them untouched; QKV's layout with gaps): the hinted backward's
+    block-diagonal products give each slice its own dh and dB, and y's cotangent whole."""
+    k = jax.random.split(jax.random.key(5), 5)
+    T, R, L, N, offsets = 24, 16, 4, (32, 8, 12), (4, 40, 50)
+    h = jax.random.normal(k[0], (3, T, R))
+    b = [jax.random.normal(k[1 + s], (L, n, R)) / 4 for s, n in enumerate(N)]
+    idx = np.full(T, 1, np.int32)
+    idx[::7] = -1
+    plain, one = _pair(idx)
+    ranks = jnp.asarray([[16, 5, 9, 16], [3, 16, 2, 8], [16, 12, 16, 1]])
+    y0 = jax.random.normal(k[4], (T, 64))
+
+    def loss(y0, h, b, mapping, backend):
+        y = ops.lora_expand(y0, h, b, mapping, offsets=offsets, slot_ranks=ranks, backend=backend)
+        return jnp.sum(jnp.sin(y) * jnp.arange(64.0))
+
+    f = jax.grad(loss, argnums=(0, 1, 2))
+    with jax.default_matmul_precision("highest"):
+        want = f(y0, h, b, plain, "xla")  # XLA's autodiff, no hint
+        got = f(y0, h, b, one, backend)
+    for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-4)
+    db = [np.asarray(d) for d in got[2]]
+    assert np.any(db[2][1]) and not np.any(db[2][[0, 2, 3]])  # slot 1's only
+    np.testing.assert_array_equal(db[2][1, :, 12:], 0.0)  # past slot 1's rank 12
+    np.testing.assert_array_equal(db[0][1, :, 5:], 0.0)  # past slot 1's rank 5
+
+
 def test_single_slot_is_the_caller_s_and_checked_where_concrete():
     one = np.array([3, -1, 3, 3], np.int32)
     two = np.array([3, -1, 1, 3], np.int32)
