@@ -1748,20 +1748,16 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--tb=line',
       tests/test_benchmarks.py::test_tp_small_lora_adds_no_collective_bytes \
       tests/test_export_per_expert.py
     grep -E "FAILED|ERROR|passed|failed" "$OUT/fix51c.log" | tail -12 ;;
-  s53b)  # session 53: the hinted backward of a layer's slices as one block-diagonal pair of
-    # matmuls over the whole dy (no column slice of dy copied out): the training step's grad
-    # at rank 64 before (a git archive of 6e4b56c unpacked in $BEFORE) and after, one call
+  s53b)  # session 53: the hinted backward of a merged layer's slices as one block-diagonal
+    # pair of matmuls over the whole dy (ops_grad.BLOCK_DIAGONAL_SLICES, off by default) vs
+    # a pair a slice over dy's column slices: its GPU tests, then the grads side by side
     JAX_DEFAULT_MATMUL_PRECISION=highest step tests53b 120 python3 -P -m pytest -q \
       -p no:cacheprovider tests/test_backward.py
-    (cd "$BEFORE" && python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-     timeout 200 python3 -P benchmarks/train_step.py --layers 4 --batch 8 --seq 512 --ranks 64 \
-       --reps 5 --programs grad --out "$OUT/before53/train.json" > "$OUT/before53.log" 2>&1
-     echo "== before53 rc=$?"; tail -12 "$OUT/before53.log")
-    python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-    step after53 260 python3 -P benchmarks/train_step.py --layers 4 --batch 8 --seq 512 \
-      --ranks 64 --reps 5 --programs grad --profile "$OUT/after53/prof" \
-      --out "$OUT/after53/train.json"
-    rm -rf "$OUT/after53/prof" ;;
+    step train53b 330 python3 -P benchmarks/train_step.py --layers 4 --batch 8 --seq 512 \
+      --ranks 64,128 --reps 5 --programs grad \
+      --backends xla_1slot,xla_1slot_bd,pallas_1slot,pallas_1slot_bd \
+      --profile "$OUT/train53b/prof" --out "$OUT/train53b/train.json"
+    rm -rf "$OUT/train53b/prof" ;;
   s53a)  # owed from session 52: the stacks' gradient kernel's GPU tests with its token block
     # by rank (outer_block_m, now the default), then the training step on that code
     JAX_DEFAULT_MATMUL_PRECISION=highest step tests53 200 python3 -P -m pytest -q \

@@ -20,7 +20,10 @@ with ``be`` xla (XLA forward, its autodiff backward), and where the kernels run 
 pallas (the kernels forward and backward: `lora_jax.ops_grad`) and pallas_xvjp (the
 kernels forward, XLA's VJP backward: `ops.KERNEL_BACKWARD` off, as before session 52);
 ``*_1slot``: the same with the mapping's ``single_slot=True`` hint (every token in one
-slot, so the backward is dense matmuls against that slot's weights). A call
+slot, so the backward is dense matmuls against that slot's weights); ``*_1slot_bd``: and
+a merged layer's slices as one block-diagonal pair of them (`ops_grad.BLOCK_DIAGONAL_SLICES`).
+``--backends`` picks some of them (xla always runs: the others' grads are checked against
+it). A call
 takes milliseconds, so the ~50-80 us host dispatch of one jitted call is ~1 % of it: the
 figure is the median wall time of ``--reps`` calls after one warm-up (compile) call. The
 pallas grads are checked against the xla grad (max relative error of the slot's stacks).
@@ -49,6 +52,7 @@ import optax
 from flax import nnx
 
 import lora_jax as lj
+from lora_jax import ops_grad
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
 from lora_jax.serving.training import init_lora_slot, train_only_slots, train_slots
 from lora_jax.serving.wrap import unwrap_model, wrap_model
@@ -174,6 +178,11 @@ def main(argv=None):
     p.add_argument("--small", action="store_true", help="tiny f32 model for a CPU smoke test")
     p.add_argument("--profile", default=None, help="trace the grad programs into this dir")
     p.add_argument("--programs", default="fwd,grad,step,step1", help="the LoRA programs to time")
+    p.add_argument(
+        "--backends",
+        default="",
+        help="comma-separated variants to time (default: all; xla always runs, the reference)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -182,14 +191,23 @@ def main(argv=None):
         args.batch, args.seq, args.reps, args.max_loras = 2, 32, 1, 4
     else:
         cfg, dtype = DecoderConfig.llama3_8b(num_hidden_layers=args.layers), jnp.bfloat16
-    # (name, ops backend, ops.KERNEL_BACKWARD, the mapping's single_slot hint)
-    backends = [("xla", "xla", True, None), ("xla_1slot", "xla", True, True)]
+    # (name, ops backend, ops.KERNEL_BACKWARD, the mapping's single_slot hint,
+    #  ops_grad.BLOCK_DIAGONAL_SLICES)
+    backends = [
+        ("xla", "xla", True, None, False),
+        ("xla_1slot", "xla", True, True, False),
+        ("xla_1slot_bd", "xla", True, True, True),
+    ]
     if jax.default_backend() == "gpu":
         backends += [
-            ("pallas", "pallas", True, None),
-            ("pallas_1slot", "pallas", True, True),
-            ("pallas_xvjp", "pallas", False, None),
+            ("pallas", "pallas", True, None, False),
+            ("pallas_1slot", "pallas", True, True, False),
+            ("pallas_1slot_bd", "pallas", True, True, True),
+            ("pallas_xvjp", "pallas", False, None, False),
         ]
+    if args.backends:
+        wanted = ["xla", *args.backends.split(",")]  # xla: the grads' reference
+        backends = [b for b in backends if b[0] in wanted]
     print(f"devices: {jax.devices()}; tokens {args.batch} x {args.seq}", flush=True)
     ids = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, cfg.vocab_size)
     pos = jnp.broadcast_to(jnp.arange(args.seq, dtype=jnp.int32), ids.shape)
@@ -231,10 +249,11 @@ def main(argv=None):
         lora = jax.tree.unflatten(treedef, leaves)
         nnx.update(model, lora)
         grads, profiles = {}, []
-        for be, ops_backend, kernel_backward, single_slot in backends:
+        for be, ops_backend, kernel_backward, single_slot, block_diagonal in backends:
             lj.set_lora_mapping(model, idx, single_slot=single_slot)
             lj.ops.set_default_backend(ops_backend)
             lj.ops.KERNEL_BACKWARD = kernel_backward  # read when the programs are traced
+            ops_grad.BLOCK_DIAGONAL_SLICES = block_diagonal
             try:
                 progs = programs(model, ids, pos)
                 for what, (fn, fargs) in progs.items():
@@ -258,6 +277,7 @@ def main(argv=None):
             finally:
                 lj.ops.set_default_backend(None)
                 lj.ops.KERNEL_BACKWARD = True
+                ops_grad.BLOCK_DIAGONAL_SLICES = False
         rows += profiles
         for be in grads:
             if be != "xla":

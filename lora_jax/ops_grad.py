@@ -31,6 +31,15 @@ import jax.numpy as jnp
 from lora_jax.ops_pallas import _kernels
 from lora_jax.ops_xla import _shrink_xla, _within_rank
 
+BLOCK_DIAGONAL_SLICES = False
+"""Where the tokens use one slot (`LoRAMapping.single_slot`), take a merged layer's
+(qkv, gate_up) dh and dB as one pair of matmuls over the whole of dy against the slot's B's
+laid block-diagonally, instead of a pair a slice over dy's column slices. It reads dy once
+with no slice of it copied out, at S x the FLOPs (the off-diagonal blocks are zeros).
+Off until measured on a GPU (`benchmarks/train_step.py`'s ``*_bd`` variants): whether it
+pays depends on whether XLA fuses the column slices into its GEMMs. Read when the backward
+is traced."""
+
 DX_CHUNK_RANK = 128
 """The most rank columns (slices side by side) of one expand call of the shrink's dx: the
 Mosaic GPU expand takes ranks up to 128."""
@@ -127,11 +136,10 @@ def shrink_backward(x, lora_a, mapping, slot_ranks, g, *, scale: float):
 
 
 def _dense_expand_backward(h, lora_b, mapping, slot_ranks, gy, offsets, cdt):
-    """`expand_backward` where the tokens use one slot and the layer has several slices:
-    two matmuls over the whole of ``gy``, against that slot's B's laid block-diagonally
-    (slice s's rows at its columns of y, its rank columns at s * R), so that no slice of
-    ``gy`` is copied out first; the off-diagonal blocks cost S x the FLOPs of the slices'
-    products, which stay bound by reading ``gy`` at training ranks."""
+    """`expand_backward` where the tokens use one slot and the layer has several slices
+    (`BLOCK_DIAGONAL_SLICES`): two matmuls over the whole of ``gy``, against that slot's
+    B's laid block-diagonally (slice s's rows at its columns of y, its rank columns at
+    s * R), so that no slice of ``gy`` is copied out first."""
     num_slices, rank = len(lora_b), h.shape[-1]
     slot = _one_slot(mapping)
     blocks = jnp.zeros((gy.shape[1], num_slices * rank), cdt)
@@ -155,11 +163,11 @@ def _dense_expand_backward(h, lora_b, mapping, slot_ranks, gy, offsets, cdt):
 
 def expand_backward(y_dtype, h, lora_b, mapping, slot_ranks, gy, *, offsets):
     """``(dy, dh, dB)`` of the expand at its output's cotangent ``gy [T, N]``: through the
-    kernels, or where the tokens use one slot two matmuls against its B's (one pair a
-    slice where the slices' dtypes differ)."""
+    kernels, or where the tokens use one slot two matmuls a slice against its B (all
+    slices at once with `BLOCK_DIAGONAL_SLICES`)."""
     rank = h.shape[-1]
     cdts = {_half_or_f32(b.dtype, y_dtype) for b in lora_b}
-    if mapping.single_slot and len(lora_b) > 1 and len(cdts) == 1:
+    if BLOCK_DIAGONAL_SLICES and mapping.single_slot and len(lora_b) > 1 and len(cdts) == 1:
         dh, d_b = _dense_expand_backward(h, lora_b, mapping, slot_ranks, gy, offsets, *cdts)
         return gy, dh.astype(h.dtype), d_b
     dhs, dbs = [], []

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import lora_jax as lj
-from lora_jax import ops
+from lora_jax import ops, ops_grad
 from lora_jax.mapping import make_lora_mapping
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
 from lora_jax.serving.training import init_lora_slot
@@ -43,9 +43,13 @@ def _pair(idx, L=4):
     return plain, one
 
 
+@pytest.mark.parametrize("block_diagonal", [False, True])
 @pytest.mark.parametrize("backend", ["xla", "pallas", "pallas_fused"])
 @pytest.mark.parametrize("traced_scale", [False, True])
-def test_single_slot_gradients_equal_xla_s_autodiff(interpret, backend, traced_scale):
+def test_single_slot_gradients_equal_xla_s_autodiff(
+    interpret, monkeypatch, backend, traced_scale, block_diagonal
+):
+    monkeypatch.setattr(ops_grad, "BLOCK_DIAGONAL_SLICES", block_diagonal)
     x, a, b, idx, ranks = _inputs()
     plain, one = _pair(idx)
     y0 = jnp.linspace(-1, 1, 24 * 48).reshape(24, 48)
@@ -137,11 +141,14 @@ def test_bf16_single_slot_gradients_are_xla_s_to_bf16():
         np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * np.abs(w).max())
 
 
+@pytest.mark.parametrize("block_diagonal", [False, True])
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_single_slot_expand_of_slices_apart_in_y(interpret, backend):
+def test_single_slot_expand_of_slices_apart_in_y(interpret, monkeypatch, backend, block_diagonal):
     """Three slices of different widths written apart in a wider y (columns before,
-    between and after them untouched; QKV's layout with gaps): the hinted backward's
-    block-diagonal products give each slice its own dh and dB, and y's cotangent whole."""
+    between and after them untouched; QKV's layout with gaps): the hinted backward, a pair
+    of matmuls a slice or one block-diagonal pair (`ops_grad.BLOCK_DIAGONAL_SLICES`), gives
+    each slice its own dh and dB, and y's cotangent whole."""
+    monkeypatch.setattr(ops_grad, "BLOCK_DIAGONAL_SLICES", block_diagonal)
     k = jax.random.split(jax.random.key(5), 5)
     T, R, L, N, offsets = 24, 16, 4, (32, 8, 12), (4, 40, 50)
     h = jax.random.normal(k[0], (3, T, R))
