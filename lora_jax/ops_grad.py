@@ -17,8 +17,9 @@ forward included): what PEFT's LoRA does for its one adapter.
 
 XLA's autodiff of the XLA backend (`ops_pallas._with_xla_vjp`) multiplies against every
 slot once tokens outnumber slots: on an H100, 4 Llama-3-8B layers of 4096 training tokens
-over 8 slots spent 19.5 ms of a 54.7 ms rank-64 step there; through this module the step
-took 40.5 ms, 39.9 with ``single_slot`` (benchmarks/RESULTS.md, "training", session 52).
+over 8 slots spent 19.5 ms of a 54.7 ms rank-64 step there (session 52); in session 53's run
+the step took 51.3 ms that way, 38.8 ms through this module, 37.0 with ``single_slot``
+(benchmarks/RESULTS.md, "training").
 The rounding follows the XLA backend's (operands in the stacks' bf16 / fp16, f32
 accumulation), so the two backward passes agree to the dtype.
 """

@@ -31,9 +31,9 @@ The ops have their own backward pass (`lora_jax.ops_grad`): on a GPU through the
 and where the caller says every mapped token uses one slot (`lj.lora_mapping(model,
 slots, single_slot=True)`) dense matmuls against that slot's weights on every backend.
 `benchmarks/train_step.py` (an H100, 4 Llama-3-8B layers, 4096 tokens, 8 slots, rank 64)
-measured a step at 54.7 ms with XLA's VJP behind the
-kernels, 40.5 ms through the kernels' backward, 39.9 ms with ``single_slot``
-(benchmarks/RESULTS.md, "training").
+measured a step at 51.3 ms with XLA's VJP behind the
+kernels, 38.8 ms through the kernels' backward, 37.0 ms with ``single_slot``
+(benchmarks/RESULTS.md, "training", session 53).
 A functional loop (`nnx.split`, plain `jax.grad`) sets the token mapping before the split:
 Flax refuses to change a Variable (the mapping) inside `jax.grad`; `nnx.grad` /
 `nnx.value_and_grad`, as above, take `lj.lora_mapping` inside.
