@@ -63,6 +63,33 @@ def mgpu_configs(rank: int):
     return out
 
 
+def own_variants(rank: int):
+    """`cluster_shrink.cluster_shrink` (slot 0 of the stacks, f32 out) with and without the
+    cluster, at the stages that fit shared memory and one or two WGMMA warpgroups."""
+    import cluster_shrink as cs
+
+    out = []
+    for stages in (4, 6) if rank <= 64 else (4, 5):
+        for wgs in (1, 2):
+            for cluster in (2, 1):
+
+                def f(x, a_t, a, stages=stages, wgs=wgs, cluster=cluster):
+                    pairs = x.shape[0] // (128 * cluster)
+                    split = max(1, 128 // (cluster * pairs))
+                    slot = jnp.zeros((1,), jnp.int32)
+                    return [
+                        cs.cluster_shrink(
+                            x, a[c], slot, split=split, stages=stages, wgs=wgs, cluster=cluster
+                        )
+                        for c in range(a.shape[0])
+                    ]
+
+                out.append(
+                    (f"own s{stages} wg{wgs} " + ("cluster2" if cluster > 1 else "no cluster"), f)
+                )
+    return out
+
+
 def variants(rank: int, mapping):
     import inspect
 
@@ -84,7 +111,7 @@ def variants(rank: int, mapping):
             return [hm.matmul(x, a_t[c], *extra, config=cfg) for c in range(a_t.shape[0])]
 
         out.append((name, f))
-    return out
+    return out + own_variants(rank)  # last: a kernel that hangs stops only its own rows
 
 
 def main(argv=None):

@@ -1751,8 +1751,10 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--tb=line',
   s54a)  # session 54: does a 2-CTA cluster sharing A's tile (TMA multicast) speed up the
     # one-adapter prefill shrink? jax's Hopper matmul with and without it, beside XLA's dot
     # and the library's shrink (benchmarks/cluster_probe.py)
-    step cluster54 240 python3 -P benchmarks/cluster_probe.py --tokens 4096,16384 \
-      --ranks 64,128 --out "$OUT/cluster54/probe.json" ;;
+    # (session 55: with benchmarks/cluster_shrink.py, our own one-adapter shrink with and
+    # without the cluster, last in each cell's list)
+    step cluster54 500 python3 -P benchmarks/cluster_probe.py --tokens 4096,16384 \
+      --ranks 128,64 --out "$OUT/cluster54/probe.json" ;;
   s53b)  # session 53: the hinted backward of a merged layer's slices as one block-diagonal
     # pair of matmuls over the whole dy (ops_grad.BLOCK_DIAGONAL_SLICES, off by default) vs
     # a pair a slice over dy's column slices: its GPU tests, then the grads side by side
