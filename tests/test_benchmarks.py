@@ -464,6 +464,27 @@ def test_stream_floor_kernels_lower_for_cuda():
         assert "mosaic_gpu" in text, variant
 
 
+def test_cluster_shrink_probe_lowers_for_cuda():
+    """benchmarks/cluster_shrink.py's probe kernel lowers for CUDA with and without its
+    2-CTA cluster (its numbers need a Hopper GPU: cluster_probe.py checks them against
+    x @ A.T there); only the cluster form asks for cluster block ids."""
+    import jax
+
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    import cluster_shrink
+
+    for cluster, wgs in ((2, 1), (1, 1), (2, 2)):
+        text = cluster_shrink.lower_for_cuda(
+            tokens=512, hidden=512, rank=64, cluster=cluster, wgs=wgs, split=2
+        )
+        assert "mosaic_gpu" in text
+        assert ("cluster_block_id" in text) == (cluster > 1), (cluster, wgs)
+    with pytest.raises(ValueError, match="multiple of cluster"):
+        cluster_shrink.lower_for_cuda(tokens=384, hidden=512, rank=64, cluster=2)
+
+
 def test_triton_stream_probes_lower_for_cuda():
     """stream_floor_triton's Triton variants (session 35's elementwise x stream and the
     atomic rectangle dots among them) lower for CUDA, one Triton kernel each; their
