@@ -213,6 +213,7 @@ def main(argv=None):
     pos = jnp.broadcast_to(jnp.arange(args.seq, dtype=jnp.int32), ids.shape)
     idx = jnp.zeros((args.batch * args.seq,), jnp.int32)  # every token trains slot 0
     rows = []
+    block_diagonal_default = ops_grad.BLOCK_DIAGONAL_SLICES  # each variant sets its own
 
     model = DecoderForCausalLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
     base_fwd = jax.jit(lambda m, ids, pos: loss_of(m, ids, pos))
@@ -277,7 +278,7 @@ def main(argv=None):
             finally:
                 lj.ops.set_default_backend(None)
                 lj.ops.KERNEL_BACKWARD = True
-                ops_grad.BLOCK_DIAGONAL_SLICES = False
+                ops_grad.BLOCK_DIAGONAL_SLICES = block_diagonal_default
         rows += profiles
         for be in grads:
             if be != "xla":
