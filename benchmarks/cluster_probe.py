@@ -122,6 +122,11 @@ def main(argv=None):
     p.add_argument("--copies", type=int, default=4)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--compile-budget", type=float, default=60.0)
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated substrings: run only the variants whose name has one of them",
+    )
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     bench_ops.TIMER = "trace"
@@ -137,7 +142,10 @@ def main(argv=None):
             a_t = jnp.swapaxes(stacks[:, 0], 1, 2)  # [copies, H, R]: slot 0's A, transposed
             ref = np.asarray(jnp.dot(x, a_t[0], preferred_element_type=jnp.float32))
             ideal_us = (T * H * 2 + R * H * 2 + T * R * 4) / HBM_BYTES_PER_S * 1e6
+            keep = [v for v in a.only.split(",") if v]
             for name, fn in variants(R, mapping):
+                if keep and not any(k in name for k in keep):
+                    continue
                 compiled, why = bench_ops.compile_with_budget(
                     fn, (x, a_t, stacks), a.compile_budget
                 )
