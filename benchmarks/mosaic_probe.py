@@ -9,6 +9,9 @@ call, ``calls`` different calls inside one jit, each with its own x and weights)
 * ``split``: `lora_shrink(mosaic=True)`, the library's Hopper default from 1024 tokens:
   the Triton kernel over the tokens outside pieces, then the Mosaic kernel;
 * ``triton``: `lora_shrink(mosaic=False)`, the Triton kernel alone (all tokens);
+* ``hinted``: `lora_shrink` with the host's hints (`work_list.prompt_tiles` and
+  `whole_tiles` of each call's indices), what a serving step runs: at ranks 16-64 with
+  every tile whole, the Triton rectangle shrink;
 * ``dense``: one plain XLA dot with slot 0's weights for every token (a floor, n = 1 only).
 
 Layouts: ``one`` (every token one adapter), ``runs8`` (prompts of 256-2048 tokens, each
@@ -71,7 +74,7 @@ def main():
     p.add_argument("--block-k", type=int, default=64)
     p.add_argument(
         "--impls",
-        default="mosaic,split,triton,dense",
+        default="mosaic,split,triton,hinted,dense",
         help="what to time (a tile sweep needs only mosaic); the others print nan",
     )
     p.add_argument("--split", type=int, default=0)
@@ -79,8 +82,9 @@ def main():
     p.add_argument(
         "--variants",
         default="",
-        help="comma-separated block_m:stages:split:programs tiles to time the Mosaic kernel "
-        "with, one row each (0: the default of each); the other impls run with the first only",
+        help="comma-separated block_m:stages:split:programs[:ws] tiles to time the Mosaic "
+        "kernel with, one row each (0: the default of each; ws 1: warp-specialized); the "
+        "other impls run with the first only",
     )
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -94,14 +98,16 @@ def main():
         )
         out = []
         for spec in specs:
-            bm, stages, split, programs = map(int, spec.split(":"))
+            bm, stages, split, programs, *flag = map(int, spec.split(":"))
+            ws = bool(flag and flag[0])
             out.append(
                 mg.MosaicTiles(
                     block_m=bm,
                     block_k=args.block_k,
-                    stages=stages or mg.default_tiles(rank, bm).stages,
+                    stages=stages or mg.default_tiles(rank, bm, warp_specialized=ws).stages,
                     split_k=split,
                     programs=programs,
+                    warp_specialized=ws,
                 )
             )
         return out
@@ -110,9 +116,10 @@ def main():
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}")
     print(
         "| T | R | layout | tiles (block_m:stages:split:programs) | mosaic rows "
-        "| max rel err (kernel / split) | mosaic µs | split µs | triton µs | dense µs |"
+        "| max rel err (kernel / split / hinted) | mosaic µs | split µs | triton µs "
+        "| hinted µs | dense µs |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for t in map(int, args.tokens.split(",")):
         for r in map(int, args.ranks.split(",")):
             for lay, (vi, tiles) in itertools.product(
@@ -165,9 +172,21 @@ def main():
                         jnp.max(jnp.abs(split - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30)
                     )
 
-                def timed(fn, *lists):
-                    f = jax.jit(lambda *ls: [fn(*z) for z in zip(*ls)]).lower(*lists).compile()
-                    return ops_bench.time_calls(f, lists, args.calls)
+                def timed(fn, *lists, per_call=None):
+                    per_call = per_call or [{}] * args.calls
+                    f = jax.jit(lambda *ls: [fn(*z, **k) for z, k in zip(zip(*ls), per_call)])
+                    return ops_bench.time_calls(f.lower(*lists).compile(), lists, args.calls)
+
+                hints = [
+                    dict(prompt_tiles=wl.prompt_tiles(i), whole_tiles=wl.whole_tiles(i))
+                    for i in idxs
+                ]
+                err_h = nan
+                if "hinted" in impls:
+                    hinted = lora_shrink(xs[0], (ws[0],), **metas[0], **hints[0])[0]
+                    err_h = float(
+                        jnp.max(jnp.abs(hinted - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30)
+                    )
 
                 us_m = timed(mosaic_one, xs, ws, items) if "mosaic" in impls else nan
                 us_s = (
@@ -178,6 +197,17 @@ def main():
                 us_t = (
                     timed(lambda x, a, m: lora_shrink(x, (a,), **m, mosaic=False), xs, ws, metas)
                     if "triton" in impls
+                    else nan
+                )
+                us_h = (
+                    timed(
+                        lambda x, a, m, **h: lora_shrink(x, (a,), **m, **h)[0],
+                        xs,
+                        ws,
+                        metas,
+                        per_call=hints,
+                    )
+                    if "hinted" in impls
                     else nan
                 )
                 us_d = (
@@ -200,15 +230,18 @@ def main():
                     mosaic_us=us_m,
                     split_us=us_s,
                     triton_us=us_t,
+                    hinted_us=us_h,
+                    hinted_err=err_h,
+                    hints=hints[0],
                     dense_us=us_d,
                     tiles=str(tiles),
                 )
                 rows.append(row)
                 print(
                     f"| {t} | {r} | {lay} | {tiles.block_m}:{tiles.stages}:"
-                    f"{tiles.split_k}:{tiles.programs} "
-                    f"| {n_mine} | {err:.1e} / {err_s:.1e} | {us_m:.1f} "
-                    f"| {us_s:.1f} | {us_t:.1f} | {us_d:.1f} |",
+                    f"{tiles.split_k}:{tiles.programs}{':ws' * tiles.warp_specialized} "
+                    f"| {n_mine} | {err:.1e} / {err_s:.1e} / {err_h:.1e} | {us_m:.1f} "
+                    f"| {us_s:.1f} | {us_t:.1f} | {us_h:.1f} | {us_d:.1f} |",
                     flush=True,
                 )
     ops_bench.write_json(args.out, rows)

@@ -87,6 +87,10 @@ class MosaicTiles:
     """Hidden splits per piece; 0 picks one from the tile count (`pick_split`)."""
     programs: int = 0
     """Programs of the persistent grid; 0: one per SM (`num_sms`)."""
+    warp_specialized: bool = False
+    """A warpgroup of its own issues the TMA copies while another runs the WGMMAs and the
+    stores (jax's warp-specialized pipeline, `_kernel_body_ws`), instead of one warpgroup
+    doing both. Its buffers and the f32 output tile are live together (`smem_bytes`)."""
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 256):
@@ -108,7 +112,15 @@ the rest is left to barriers and scratch)."""
 MAX_STAGES = 6
 
 
-def default_tiles(rank: int, block_m: int = 128) -> MosaicTiles:
+def smem_bytes(tiles: MosaicTiles, rank: int) -> int:
+    """Shared memory the kernel's scopes fill at once: the pipeline's buffers or the f32
+    output tile, one scope after the other; both together when warp-specialized."""
+    buffers = tiles.stages * (tiles.block_m + rank) * tiles.block_k * 2
+    out = tiles.block_m * rank * 4
+    return buffers + out if tiles.warp_specialized else max(buffers, out)
+
+
+def default_tiles(rank: int, block_m: int = 128, *, warp_specialized: bool = False) -> MosaicTiles:
     """The default tiles at this rank: the deepest pipeline, 4 to ``MAX_STAGES`` copies in
     flight, whose buffers fit ``SMEM_BUDGET``, and so does the f32 output tile: the two
     live in scopes one after the other (the pipeline's for the k steps, the tile's for the
@@ -119,12 +131,11 @@ def default_tiles(rank: int, block_m: int = 128) -> MosaicTiles:
     128-row tiles, which had 4 stages while the two scopes were counted together): T =
     8192 one adapter 25.9 -> 25.0 us, prompts over 8 adapters 29.5 -> 28.9; T = 16384 one
     adapter 43.5 -> 42.3 (session 38) and 44.5 -> 43.5, prompts over 8 52.8 -> 51.0."""
-    tiles = MosaicTiles(block_m=block_m)
-    per_stage = (block_m + rank) * tiles.block_k * 2
-    stages = MAX_STAGES
-    while stages > tiles.stages and max(stages * per_stage, block_m * rank * 4) > SMEM_BUDGET:
-        stages -= 1
-    return dataclasses.replace(tiles, stages=stages)
+    tiles = MosaicTiles(block_m=block_m, warp_specialized=warp_specialized)
+    deepest = dataclasses.replace(tiles, stages=MAX_STAGES)
+    while deepest.stages > tiles.stages and smem_bytes(deepest, rank) > SMEM_BUDGET:
+        deepest = dataclasses.replace(deepest, stages=deepest.stages - 1)
+    return deepest
 
 
 def supported(x_dtype, a_dtype, num_tokens: int, hidden: int, rank: int, tiles: MosaicTiles):
@@ -212,6 +223,50 @@ def stream_k_segment(i, start, end, first_job, *, job_steps: int):
     return job, lo - job * job_steps, steps, steps == job_steps
 
 
+def _store_piece(acc, o_smem, o_at, *, tile, first, count, whole, ranks_ref, s, slot, scale, bm):
+    """The piece's rows of a job's f32 tile ``acc`` (times ``scale``, rank columns past the
+    slot's true rank zeroed) through ``o_smem`` into ``o_at``: stored where the job is
+    ``whole``, added where other programs add the rest of its hidden range."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    acc = acc * jnp.float32(scale)
+    if ranks_ref is not None:  # rank columns past the slot's true rank are exactly 0
+        col = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 1)
+        acc = jnp.where(col < ranks_ref[s, slot], acc, jnp.float32(0))
+    o_smem[...] = acc
+    plgpu.commit_smem()
+    for add in (False, True):
+
+        @pl.when(whole != add)
+        def _(add=add):
+            _store_rows(o_smem, o_at, first - tile * bm, first, count, bm, add=add)
+
+
+def _jobs(items_ref, refs, *, num_slices, has_ranks, job_steps, unit_steps, programs):
+    """The refs by role, and this program's run of jobs (`stream_k_range`)."""
+    ranks_ref, refs = (refs[0], refs[1:]) if has_ranks else (None, refs)
+    x_ref, a_refs, o_ref = refs[0], refs[1 : 1 + num_slices], refs[-1]
+    run = stream_k_range(
+        jax.lax.axis_index("prog"),
+        items_ref[4, 0],
+        num_slices=num_slices,
+        job_steps=job_steps,
+        unit_steps=unit_steps,
+        programs=programs,
+    )
+    return ranks_ref, x_ref, a_refs, o_ref, run
+
+
+def _job(items_ref, i, run, *, num_slices, job_steps):
+    """The ``i``-th job of a run: (slice, tile, slot, first row, rows, k0, steps, whole)."""
+    start, end, first_job, _ = run
+    job, k0, steps, whole = stream_k_segment(i, start, end, first_job, job_steps=job_steps)
+    piece, sid = job // num_slices, job % num_slices
+    tile, slot = items_ref[0, piece], items_ref[1, piece]
+    first, count = items_ref[2, piece], items_ref[3, piece]
+    return sid, tile, slot, first, count, k0, steps, whole
+
+
 def _kernel_body(
     items_ref,  # [5, NI] int32 (work_list.segment_items): tile, slot, first, rows, live
     *refs,
@@ -226,24 +281,16 @@ def _kernel_body(
 ):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    ranks_ref, refs = (refs[0], refs[1:]) if has_ranks else (None, refs)
-    x_ref, a_refs, o_ref = refs[0], refs[1 : 1 + num_slices], refs[-1]
+    ranks_ref, x_ref, a_refs, o_ref, run = _jobs(
+        items_ref, refs, num_slices=num_slices, has_ranks=has_ranks, job_steps=job_steps,
+        unit_steps=unit_steps, programs=programs,
+    )  # fmt: skip
     bm, bk = tiles.block_m, tiles.block_k
-    start, end, first_job, num_jobs = stream_k_range(
-        jax.lax.axis_index("prog"),
-        items_ref[4, 0],
-        num_slices=num_slices,
-        job_steps=job_steps,
-        unit_steps=unit_steps,
-        programs=programs,
-    )
 
     def segment(i, carry):
-        job, k0, steps, whole = stream_k_segment(i, start, end, first_job, job_steps=job_steps)
-        piece, sid = job // num_slices, job % num_slices
-        tile, slot = items_ref[0, piece], items_ref[1, piece]
-        first, count = items_ref[2, piece], items_ref[3, piece]
-
+        sid, tile, slot, first, count, k0, steps, whole = _job(
+            items_ref, i, run, num_slices=num_slices, job_steps=job_steps
+        )
         for s in range(num_slices):
 
             @pl.when(sid == s)
@@ -263,27 +310,111 @@ def _kernel_body(
                     )(x_ref, a_refs[s].at[slot])
                     return acc_ref[...]
 
-                acc = pl.run_scoped(mma, plgpu.ACC((bm, rank), jnp.float32)) * jnp.float32(scale)
-                if has_ranks:  # rank columns past the slot's true rank are exactly 0
-                    col = jax.lax.broadcasted_iota(jnp.int32, (bm, rank), 1)
-                    acc = jnp.where(col < ranks_ref[s, slot], acc, jnp.float32(0))
+                acc = pl.run_scoped(mma, plgpu.ACC((bm, rank), jnp.float32))
 
                 def store(o_smem):
-                    o_smem[...] = acc
-                    plgpu.commit_smem()
-                    for add in (False, True):
-
-                        @pl.when(whole != add)
-                        def _(add=add):
-                            _store_rows(
-                                o_smem, o_ref.at[s], first - tile * bm, first, count, bm, add=add
-                            )
+                    _store_piece(
+                        acc, o_smem, o_ref.at[s], tile=tile, first=first, count=count,
+                        whole=whole, ranks_ref=ranks_ref, s=s, slot=slot, scale=scale, bm=bm,
+                    )  # fmt: skip
 
                 pl.run_scoped(store, plgpu.SMEM((bm, rank), jnp.float32))
 
         return carry
 
-    jax.lax.fori_loop(0, num_jobs, segment, jnp.int32(0))
+    jax.lax.fori_loop(0, run[3], segment, jnp.int32(0))
+
+
+MEMORY_REGISTERS = 40
+"""Registers a thread of the warp-specialized kernel's copy warpgroup keeps (jax's advice
+for Hopper); the WGMMA warpgroup gets the rest."""
+
+
+def _kernel_body_ws(
+    items_ref,
+    *refs,
+    num_slices: int,
+    has_ranks: bool,
+    rank: int,
+    scale: float,
+    job_steps: int,
+    unit_steps: int,
+    programs: int,
+    tiles: MosaicTiles,
+):
+    """`_kernel_body` on two warpgroups (axis "wg"): the last issues every TMA copy of the
+    run's jobs, the first runs the WGMMAs and stores each job's piece. Both walk the same
+    jobs; the pipeline's buffers are allocated once for the whole run."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    ranks_ref, x_ref, a_refs, o_ref, run = _jobs(
+        items_ref, refs, num_slices=num_slices, has_ranks=has_ranks, job_steps=job_steps,
+        unit_steps=unit_steps, programs=programs,
+    )  # fmt: skip
+    bm, bk = tiles.block_m, tiles.block_k
+
+    def pipeline(body, tile, k0, steps, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(steps,),
+            memory_registers=MEMORY_REGISTERS,
+            in_specs=[
+                plgpu.BlockSpec((bm, bk), lambda k: (tile, k0 + k), delay_release=1),
+                plgpu.BlockSpec((rank, bk), lambda k: (0, k0 + k), delay_release=1),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=1,
+            max_concurrent_steps=tiles.stages,
+            compute_context=compute_context,
+        )
+
+    def unused(*_, **__):
+        return None
+
+    zero = jnp.int32(0)  # a traced grid, as every job's: the same buffers
+    allocs = pipeline(unused, zero, zero, zero + job_steps, unused).get_allocations(
+        x_ref, a_refs[0].at[0]
+    )
+
+    def scope(pipeline_allocs, o_smem):
+        def segment(i, carry):
+            sid, tile, slot, first, count, k0, steps, whole = _job(
+                items_ref, i, run, num_slices=num_slices, job_steps=job_steps
+            )
+            for s in range(num_slices):
+
+                @pl.when(sid == s)
+                def _(s=s):
+                    def mma(_, x_smem, a_smem, acc_ref):
+                        plgpu.wgmma(acc_ref, x_smem, a_smem.transpose((1, 0)))
+                        plgpu.wgmma_wait(1)
+                        return acc_ref
+
+                    def compute_context(eval_pipeline):
+                        def acc_scope(acc_ref):
+                            eval_pipeline(acc_ref)
+                            _store_piece(
+                                acc_ref[...], o_smem, o_ref.at[s], tile=tile, first=first,
+                                count=count, whole=whole, ranks_ref=ranks_ref, s=s,
+                                slot=slot, scale=scale, bm=bm,
+                            )  # fmt: skip
+
+                        pl.run_scoped(acc_scope, plgpu.ACC((bm, rank), jnp.float32))
+
+                    pipeline(mma, tile, k0, steps, compute_context)(
+                        x_ref, a_refs[s].at[slot], allocations=pipeline_allocs
+                    )
+
+            return carry
+
+        jax.lax.fori_loop(0, run[3], segment, jnp.int32(0))
+
+    pl.run_scoped(
+        scope,
+        pipeline_allocs=allocs,
+        o_smem=plgpu.SMEM((bm, rank), jnp.float32),
+        collective_axes="wg",
+    )
 
 
 def shrink(
@@ -313,7 +444,7 @@ def shrink(
     programs = min(tiles.programs or num_sms(), num_pieces * num_slices * split)
     has_ranks = slot_ranks is not None
     body = functools.partial(
-        _kernel_body,
+        _kernel_body_ws if tiles.warp_specialized else _kernel_body,
         num_slices=num_slices,
         has_ranks=has_ranks,
         rank=rank,
@@ -324,24 +455,29 @@ def shrink(
         tiles=tiles,
     )
     inputs = [items] + ([slot_ranks] if has_ranks else []) + [x, *lora_a]
-    return run_in_place(body, inputs, out, programs, interpret)
+    threads = 2 if tiles.warp_specialized else 1
+    return run_in_place(body, inputs, out, programs, interpret, threads=threads)
 
 
-def run_in_place(body, inputs: list, target: jax.Array, programs: int, interpret=None) -> jax.Array:
+def run_in_place(
+    body, inputs: list, target: jax.Array, programs: int, interpret=None, *, threads: int = 1
+) -> jax.Array:
     """Runs ``body(*input_refs, target_ref)`` on a persistent grid of ``programs`` (axis
     "prog", warpgroup semantics) and returns ``target`` as the kernel left it.
 
     ``target`` goes in as a Ref, aliased in and out of the kernel (plgpu.kernel has no
     input_output_aliases): what the kernel does not store keeps its value. ``interpret``:
     Pallas's GPU interpreter params (``plgpu.InterpretGPUParams()``, jax >= 0.11: the
-    kernel runs on the CPU; for tests), None to compile for the GPU."""
+    kernel runs on the CPU; for tests), None to compile for the GPU. ``threads`` > 1:
+    warpgroups a program, on axis "wg"."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     ref = jax.new_ref(target)
+    wgs = dict(num_threads=threads, thread_name="wg") if threads > 1 else {}
     pl.kernel(
         body,
         out_type=(),
-        mesh=plgpu.Mesh(grid=(programs,), grid_names=("prog",)),
+        mesh=plgpu.Mesh(grid=(programs,), grid_names=("prog",), **wgs),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **({} if interpret is None else {"interpret": interpret}),
     )(*inputs, ref)

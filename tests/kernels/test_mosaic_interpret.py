@@ -145,8 +145,9 @@ def test_mosaic_expand_matches_reference_interpreted(
     ],
     ids=str,
 )
+@pytest.mark.parametrize("ws", [False, True], ids=["one_wg", "warp_specialized"])
 def test_segment_shrink_matches_reference_interpreted(
-    interpreter, num_tokens, hidden, rank, slices, layout, ranked
+    interpreter, num_tokens, hidden, rank, slices, layout, ranked, ws
 ):
     rng = np.random.default_rng(num_tokens + rank)
     max_loras = 8
@@ -165,7 +166,12 @@ def test_segment_shrink_matches_reference_interpreted(
     items, mine = segment_items(jnp.asarray(idx), block_m=64, max_pieces=4)
     # One program per (piece, slice) job and no hidden split: every job is stored whole.
     tiles = ms.MosaicTiles(
-        block_m=64, block_k=64, stages=2, split_k=1, programs=items.shape[1] * slices
+        block_m=64,
+        block_k=64,
+        stages=2,
+        split_k=1,
+        programs=items.shape[1] * slices,
+        warp_specialized=ws,
     )
     out = jnp.zeros((slices, num_tokens, rank), jnp.float32)
     got = ms.shrink(x, lora_a, items, out, ranks, scale=0.5, tiles=tiles, interpret=interpreter)

@@ -238,6 +238,31 @@ def test_segment_shrink_lowers_for_cuda(num_tokens, hidden, rank, slices, ranked
     assert "triton" in text  # the Triton kernel for the other tokens
 
 
+@pytest.mark.parametrize("rank,slices,ranked", [(64, 1, False), (128, 3, True)])
+def test_warp_specialized_segment_shrink_lowers_for_cuda(rank, slices, ranked):
+    """The two-warpgroup form (a copy warpgroup, a WGMMA one) lowers, with its default
+    tiles; on the GPU `test_few_programs_walk_many_jobs` checks its numbers."""
+    if not hasattr(jax.jit(lambda v: v), "trace"):
+        pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
+    num_tokens, hidden, max_loras = 4096, 4096, 8
+    idx = np.repeat(np.arange(max_loras), num_tokens // max_loras)
+    items, _ = work_list.segment_items(jnp.asarray(idx), block_m=128, max_pieces=4)
+    tiles = mosaic_gpu_shrink.default_tiles(rank, warp_specialized=True)
+    assert mosaic_gpu_shrink.smem_bytes(tiles, rank) <= mosaic_gpu_shrink.SMEM_BUDGET
+    sds = jax.ShapeDtypeStruct
+    x = sds((num_tokens, hidden), jnp.bfloat16)
+    lora_a = (sds((max_loras, rank, hidden), jnp.bfloat16),) * slices
+    ranks = jnp.full((slices, max_loras), rank // 2, jnp.int32) if ranked else None
+
+    def f(x, lora_a):
+        out = jnp.zeros((slices, num_tokens, rank), jnp.float32)
+        return mosaic_gpu_shrink.shrink(x, lora_a, items, out, ranks, scale=0.5, tiles=tiles)
+
+    with abstract_gpu_context():
+        text = jax.jit(f).trace(x, lora_a).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 def _check(num_tokens, hidden, rank, slices, dtype, layout, ranked, seed=0, host=False):
     """The split shrink (forced) against the oracle; ``host``: told what the host finds
     (`work_list.prompt_tiles`), so "all" runs the Mosaic kernel alone."""
@@ -404,7 +429,8 @@ def test_default_tiles_fill_shared_memory_but_not_past_it(rank, block_m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs,split", [(5, 0), (3, 2), (64, 1)], ids=str)
-def test_few_programs_walk_many_jobs(programs, split):
+@pytest.mark.parametrize("ws", [False, True], ids=["one_wg", "warp_specialized"])
+def test_few_programs_walk_many_jobs(programs, split, ws):
     """A persistent grid much smaller than the work: each program's run of k steps crosses
     several jobs (pieces x slices), whole ones stored, parts added."""
     if not mosaic_gpu_shrink.available():
@@ -421,7 +447,7 @@ def test_few_programs_walk_many_jobs(programs, split):
         for s in (1, 2)
     )
     items, mine = work_list.segment_items(jnp.asarray(idx), block_m=128, max_pieces=4)
-    tiles = mosaic_gpu_shrink.MosaicTiles(programs=programs, split_k=split)
+    tiles = mosaic_gpu_shrink.MosaicTiles(programs=programs, split_k=split, warp_specialized=ws)
     zeros = jnp.zeros((2, num_tokens, rank), jnp.float32)
     got = mosaic_gpu_shrink.shrink(x, lora_a, items, zeros, None, scale=0.5, tiles=tiles)
     ref = lora_shrink_reference(x, lora_a, token_lora_indices=jnp.asarray(idx), scale=0.5)
