@@ -13,7 +13,10 @@ with and without the cluster, at the same tiles, beside XLA's dot (cuBLAS) and t
 library's shrink (`lora_jax.ops.lora_shrink`, one adapter, f32 output).
 
 Each variant runs ``--copies`` different weight copies inside one jit (rotated, so L2 does
-not hold A across calls); µs per call from a profiler trace (`ops.time_calls`). jax's
+not hold A across calls); µs per call from a profiler trace (`ops.time_calls`). x is one
+array for every call, so at 4096 tokens (32 MB) it stays in an H100's 50 MB L2: compare
+kernels only within a run, never against `ops.py` or `mosaic_probe.py` (session 56: a
+kernel at 9.3 µs here took 17 µs with x cold). jax's
 kernel writes bf16 and has no hidden split, so it is a probe of the effect, not a
 candidate: a cluster that wins here would go into the Mosaic segment shrink. GPU (Hopper)
 only.

@@ -1760,7 +1760,8 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--tb=line',
     step ws56_h8192 80 python3 -P benchmarks/mosaic_probe.py --tokens 1024 --hidden 8192 \
       --ranks 64 --layouts one,even8 --impls mosaic,hinted,dense \
       --variants 64:0:0:0,64:0:0:0:1,128:0:0:0:1 --out "$OUT/ws56_h8192/probe.json" ;;
-  s55b)  # session 55's lead: on the H100 the probe's own Mosaic kernel (no cluster) ran the
+  s55b)  # moot (session 56: the lead was the probe's x staying in L2). Session 55's lead:
+    # on the H100 the probe's own Mosaic kernel (no cluster) ran the
     # one-adapter rank-64 shrink at 4096 tokens 1.8 x faster than the default (the Triton
     # rectangle kernel); is it so on the H200, where that cell is one of issue #3's misses?
     step own55 300 python3 -P benchmarks/cluster_probe.py --tokens 4096,8192,16384 \

@@ -90,7 +90,9 @@ class MosaicTiles:
     warp_specialized: bool = False
     """A warpgroup of its own issues the TMA copies while another runs the WGMMAs and the
     stores (jax's warp-specialized pipeline, `_kernel_body_ws`), instead of one warpgroup
-    doing both. Its buffers and the f32 output tile are live together (`smem_bytes`)."""
+    doing both. Its buffers and the f32 output tile are live together (`smem_bytes`).
+    Session 56 (H100, benchmarks/RESULTS.md): 3-8 % slower than one warpgroup at 1024 and
+    4096 tokens, ranks 64 and 128, 64- and 128-row tiles; so off by default."""
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 256):
