@@ -244,56 +244,71 @@ def _store_piece(acc, o_smem, o_at, *, tile, first, count, whole, ranks_ref, s, 
             _store_rows(o_smem, o_at, first - tile * bm, first, count, bm, add=add)
 
 
-def _jobs(items_ref, refs, *, num_slices, has_ranks, job_steps, unit_steps, programs):
-    """The refs by role, and this program's run of jobs (`stream_k_range`)."""
-    ranks_ref, refs = (refs[0], refs[1:]) if has_ranks else (None, refs)
-    x_ref, a_refs, o_ref = refs[0], refs[1 : 1 + num_slices], refs[-1]
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A launch's static shape: slices, whether slot ranks come, the rank, the scale, the
+    k steps of a job and of its ``1 / split`` share, the programs, the tiles."""
+
+    num_slices: int
+    has_ranks: bool
+    rank: int
+    scale: float
+    job_steps: int
+    unit_steps: int
+    programs: int
+    tiles: MosaicTiles
+
+
+def _jobs(items_ref, refs, plan: _Plan):
+    """The refs by role (slot ranks or None, x, the A slices, out), and this program's run
+    of jobs (`stream_k_range`)."""
+    ranks_ref, refs = (refs[0], refs[1:]) if plan.has_ranks else (None, refs)
+    x_ref, a_refs, o_ref = refs[0], refs[1 : 1 + plan.num_slices], refs[-1]
     run = stream_k_range(
         jax.lax.axis_index("prog"),
         items_ref[4, 0],
-        num_slices=num_slices,
-        job_steps=job_steps,
-        unit_steps=unit_steps,
-        programs=programs,
+        num_slices=plan.num_slices,
+        job_steps=plan.job_steps,
+        unit_steps=plan.unit_steps,
+        programs=plan.programs,
     )
     return ranks_ref, x_ref, a_refs, o_ref, run
 
 
-def _job(items_ref, i, run, *, num_slices, job_steps):
+def _job(items_ref, i, run, plan: _Plan):
     """The ``i``-th job of a run: (slice, tile, slot, first row, rows, k0, steps, whole)."""
     start, end, first_job, _ = run
-    job, k0, steps, whole = stream_k_segment(i, start, end, first_job, job_steps=job_steps)
-    piece, sid = job // num_slices, job % num_slices
+    job, k0, steps, whole = stream_k_segment(i, start, end, first_job, job_steps=plan.job_steps)
+    piece, sid = job // plan.num_slices, job % plan.num_slices
     tile, slot = items_ref[0, piece], items_ref[1, piece]
     first, count = items_ref[2, piece], items_ref[3, piece]
     return sid, tile, slot, first, count, k0, steps, whole
 
 
+def _in_specs(tile, k0, rank: int, tiles: MosaicTiles):
+    """The pipeline's TMA blocks: x's tile rows and A's rank rows over k steps from ``k0``."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bm, bk = tiles.block_m, tiles.block_k
+    return [
+        plgpu.BlockSpec((bm, bk), lambda k: (tile, k0 + k), delay_release=1),
+        plgpu.BlockSpec((rank, bk), lambda k: (0, k0 + k), delay_release=1),
+    ]
+
+
 def _kernel_body(
     items_ref,  # [5, NI] int32 (work_list.segment_items): tile, slot, first, rows, live
     *refs,
-    num_slices: int,
-    has_ranks: bool,
-    rank: int,
-    scale: float,
-    job_steps: int,
-    unit_steps: int,
-    programs: int,
-    tiles: MosaicTiles,
+    plan: _Plan,
 ):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    ranks_ref, x_ref, a_refs, o_ref, run = _jobs(
-        items_ref, refs, num_slices=num_slices, has_ranks=has_ranks, job_steps=job_steps,
-        unit_steps=unit_steps, programs=programs,
-    )  # fmt: skip
-    bm, bk = tiles.block_m, tiles.block_k
+    ranks_ref, x_ref, a_refs, o_ref, run = _jobs(items_ref, refs, plan)
+    rank, scale, tiles, bm = plan.rank, plan.scale, plan.tiles, plan.tiles.block_m
 
     def segment(i, carry):
-        sid, tile, slot, first, count, k0, steps, whole = _job(
-            items_ref, i, run, num_slices=num_slices, job_steps=job_steps
-        )
-        for s in range(num_slices):
+        sid, tile, slot, first, count, k0, steps, whole = _job(items_ref, i, run, plan)
+        for s in range(plan.num_slices):
 
             @pl.when(sid == s)
             def _(s=s):
@@ -304,10 +319,7 @@ def _kernel_body(
                             acc_ref, x_smem, a_smem.transpose((1, 0))
                         ),
                         grid=(steps,),
-                        in_specs=[
-                            plgpu.BlockSpec((bm, bk), lambda k: (tile, k0 + k), delay_release=1),
-                            plgpu.BlockSpec((rank, bk), lambda k: (0, k0 + k), delay_release=1),
-                        ],
+                        in_specs=_in_specs(tile, k0, rank, tiles),
                         max_concurrent_steps=tiles.stages,
                     )(x_ref, a_refs[s].at[slot])
                     return acc_ref[...]
@@ -335,35 +347,22 @@ for Hopper); the WGMMA warpgroup gets the rest."""
 def _kernel_body_ws(
     items_ref,
     *refs,
-    num_slices: int,
-    has_ranks: bool,
-    rank: int,
-    scale: float,
-    job_steps: int,
-    unit_steps: int,
-    programs: int,
-    tiles: MosaicTiles,
+    plan: _Plan,
 ):
     """`_kernel_body` on two warpgroups (axis "wg"): the last issues every TMA copy of the
     run's jobs, the first runs the WGMMAs and stores each job's piece. Both walk the same
     jobs; the pipeline's buffers are allocated once for the whole run."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    ranks_ref, x_ref, a_refs, o_ref, run = _jobs(
-        items_ref, refs, num_slices=num_slices, has_ranks=has_ranks, job_steps=job_steps,
-        unit_steps=unit_steps, programs=programs,
-    )  # fmt: skip
-    bm, bk = tiles.block_m, tiles.block_k
+    ranks_ref, x_ref, a_refs, o_ref, run = _jobs(items_ref, refs, plan)
+    rank, scale, tiles, bm = plan.rank, plan.scale, plan.tiles, plan.tiles.block_m
 
     def pipeline(body, tile, k0, steps, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(steps,),
             memory_registers=MEMORY_REGISTERS,
-            in_specs=[
-                plgpu.BlockSpec((bm, bk), lambda k: (tile, k0 + k), delay_release=1),
-                plgpu.BlockSpec((rank, bk), lambda k: (0, k0 + k), delay_release=1),
-            ],
+            in_specs=_in_specs(tile, k0, rank, tiles),
             wg_axis="wg",
             num_compute_wgs=1,
             max_concurrent_steps=tiles.stages,
@@ -374,16 +373,14 @@ def _kernel_body_ws(
         return None
 
     zero = jnp.int32(0)  # a traced grid, as every job's: the same buffers
-    allocs = pipeline(unused, zero, zero, zero + job_steps, unused).get_allocations(
+    allocs = pipeline(unused, zero, zero, zero + plan.job_steps, unused).get_allocations(
         x_ref, a_refs[0].at[0]
     )
 
     def scope(pipeline_allocs, o_smem):
         def segment(i, carry):
-            sid, tile, slot, first, count, k0, steps, whole = _job(
-                items_ref, i, run, num_slices=num_slices, job_steps=job_steps
-            )
-            for s in range(num_slices):
+            sid, tile, slot, first, count, k0, steps, whole = _job(items_ref, i, run, plan)
+            for s in range(plan.num_slices):
 
                 @pl.when(sid == s)
                 def _(s=s):
@@ -445,8 +442,7 @@ def shrink(
     job_steps = hidden // tiles.block_k
     programs = min(tiles.programs or num_sms(), num_pieces * num_slices * split)
     has_ranks = slot_ranks is not None
-    body = functools.partial(
-        _kernel_body_ws if tiles.warp_specialized else _kernel_body,
+    plan = _Plan(
         num_slices=num_slices,
         has_ranks=has_ranks,
         rank=rank,
@@ -456,6 +452,7 @@ def shrink(
         programs=programs,
         tiles=tiles,
     )
+    body = functools.partial(_kernel_body_ws if tiles.warp_specialized else _kernel_body, plan=plan)
     inputs = [items] + ([slot_ranks] if has_ranks else []) + [x, *lora_a]
     threads = 2 if tiles.warp_specialized else 1
     return run_in_place(body, inputs, out, programs, interpret, threads=threads)
