@@ -83,8 +83,8 @@ def main():
         "--variants",
         default="",
         help="comma-separated block_m:stages:split:programs[:ws] tiles to time the Mosaic "
-        "kernel with, one row each (0: the default of each; ws 1: warp-specialized); the "
-        "other impls run with the first only",
+        "kernel with, one row each (0: the default of each; ws 1 or 2: warp-specialized, "
+        "with that many WGMMA warpgroups); the other impls run with the first only",
     )
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -99,7 +99,8 @@ def main():
         out = []
         for spec in specs:
             bm, stages, split, programs, *flag = map(int, spec.split(":"))
-            ws = bool(flag and flag[0])
+            wgs = flag[0] if flag else 0  # WGMMA warpgroups of the warp-specialized form
+            ws = wgs > 0
             out.append(
                 mg.MosaicTiles(
                     block_m=bm,
@@ -108,6 +109,7 @@ def main():
                     split_k=split,
                     programs=programs,
                     warp_specialized=ws,
+                    compute_wgs=max(wgs, 1),
                 )
             )
         return out
@@ -237,9 +239,10 @@ def main():
                     tiles=str(tiles),
                 )
                 rows.append(row)
+                ws_tag = f":ws{tiles.compute_wgs}" if tiles.warp_specialized else ""
                 print(
                     f"| {t} | {r} | {lay} | {tiles.block_m}:{tiles.stages}:"
-                    f"{tiles.split_k}:{tiles.programs}{':ws' * tiles.warp_specialized} "
+                    f"{tiles.split_k}:{tiles.programs}{ws_tag} "
                     f"| {n_mine} | {err:.1e} / {err_s:.1e} / {err_h:.1e} | {us_m:.1f} "
                     f"| {us_s:.1f} | {us_t:.1f} | {us_h:.1f} | {us_d:.1f} |",
                     flush=True,

@@ -93,6 +93,9 @@ class MosaicTiles:
     doing both. Its buffers and the f32 output tile are live together (`smem_bytes`).
     Session 56 (H100, benchmarks/RESULTS.md): 3-8 % slower than one warpgroup at 1024 and
     4096 tokens, ranks 64 and 128, 64- and 128-row tiles; so off by default."""
+    compute_wgs: int = 1
+    """WGMMA warpgroups of the warp-specialized form: 2 give each 64-row half of a 128- or
+    256-row tile to one of them (each keeps half the accumulator in its registers)."""
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 256):
@@ -105,6 +108,14 @@ class MosaicTiles:
             raise ValueError(f"MosaicTiles.split_k={self.split_k}: must be >= 0 (0: auto).")
         if self.programs < 0:
             raise ValueError(f"MosaicTiles.programs={self.programs}: must be >= 0 (0: auto).")
+        if self.compute_wgs not in (1, 2) or (
+            self.compute_wgs == 2 and (not self.warp_specialized or self.block_m < 128)
+        ):
+            raise ValueError(
+                f"MosaicTiles.compute_wgs={self.compute_wgs}: use 1, or 2 with "
+                f"warp_specialized=True and block_m >= 128 (got {self.warp_specialized}, "
+                f"{self.block_m})."
+            )
 
 
 SMEM_BUDGET = 200 * 1024
@@ -225,11 +236,22 @@ def stream_k_segment(i, start, end, first_job, *, job_steps: int):
     return job, lo - job * job_steps, steps, steps == job_steps
 
 
-def _store_piece(acc, o_smem, o_at, *, tile, first, count, whole, ranks_ref, s, slot, scale, bm):
+def _store_piece(
+    acc, o_smem, o_at, *, tile, first, count, whole, ranks_ref, s, slot, scale, bm, row0=None
+):
     """The piece's rows of a job's f32 tile ``acc`` (times ``scale``, rank columns past the
     slot's true rank zeroed) through ``o_smem`` into ``o_at``: stored where the job is
-    ``whole``, added where other programs add the rest of its hidden range."""
+    ``whole``, added where other programs add the rest of its hidden range. ``row0``: acc
+    holds only the tile's rows [row0, row0 + len(acc)) (one warpgroup's share), and only
+    the piece's rows among them are written."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    src, dst = first - tile * bm, first
+    rows = acc.shape[0]
+    if row0 is not None:  # the piece's rows within [row0, row0 + rows) of the tile
+        lo = jnp.maximum(src, row0)
+        count = jnp.maximum(jnp.minimum(src + count, row0 + rows) - lo, 0)
+        src, dst = lo - row0, tile * bm + lo
 
     acc = acc * jnp.float32(scale)
     if ranks_ref is not None:  # rank columns past the slot's true rank are exactly 0
@@ -241,7 +263,7 @@ def _store_piece(acc, o_smem, o_at, *, tile, first, count, whole, ranks_ref, s, 
 
         @pl.when(whole != add)
         def _(add=add):
-            _store_rows(o_smem, o_at, first - tile * bm, first, count, bm, add=add)
+            _store_rows(o_smem, o_at, src, dst, count, rows, add=add)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,13 +371,17 @@ def _kernel_body_ws(
     *refs,
     plan: _Plan,
 ):
-    """`_kernel_body` on two warpgroups (axis "wg"): the last issues every TMA copy of the
-    run's jobs, the first runs the WGMMAs and stores each job's piece. Both walk the same
-    jobs; the pipeline's buffers are allocated once for the whole run."""
+    """`_kernel_body` on warpgroups of axis "wg": the last issues every TMA copy of the
+    run's jobs, the others (``tiles.compute_wgs``, each a share of the tile's rows) run the
+    WGMMAs and store their rows of each job's piece. All walk the same jobs; the
+    pipeline's buffers are allocated once for the whole run."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     ranks_ref, x_ref, a_refs, o_ref, run = _jobs(items_ref, refs, plan)
     rank, scale, tiles, bm = plan.rank, plan.scale, plan.tiles, plan.tiles.block_m
+    wgs = tiles.compute_wgs
+    hb = bm // wgs  # rows a WGMMA warpgroup takes
+    wg = jax.lax.axis_index("wg")
 
     def pipeline(body, tile, k0, steps, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -364,7 +390,7 @@ def _kernel_body_ws(
             memory_registers=MEMORY_REGISTERS,
             in_specs=_in_specs(tile, k0, rank, tiles),
             wg_axis="wg",
-            num_compute_wgs=1,
+            num_compute_wgs=wgs,
             max_concurrent_steps=tiles.stages,
             compute_context=compute_context,
         )
@@ -385,7 +411,8 @@ def _kernel_body_ws(
                 @pl.when(sid == s)
                 def _(s=s):
                     def mma(_, x_smem, a_smem, acc_ref):
-                        plgpu.wgmma(acc_ref, x_smem, a_smem.transpose((1, 0)))
+                        rows = x_smem if wgs == 1 else x_smem.at[pl.ds(wg * hb, hb)]
+                        plgpu.wgmma(acc_ref, rows, a_smem.transpose((1, 0)))
                         plgpu.wgmma_wait(1)
                         return acc_ref
 
@@ -393,12 +420,13 @@ def _kernel_body_ws(
                         def acc_scope(acc_ref):
                             eval_pipeline(acc_ref)
                             _store_piece(
-                                acc_ref[...], o_smem, o_ref.at[s], tile=tile, first=first,
-                                count=count, whole=whole, ranks_ref=ranks_ref, s=s,
-                                slot=slot, scale=scale, bm=bm,
+                                acc_ref[...], o_smem.at[wg] if wgs > 1 else o_smem,
+                                o_ref.at[s], tile=tile, first=first, count=count,
+                                whole=whole, ranks_ref=ranks_ref, s=s, slot=slot,
+                                scale=scale, bm=bm, row0=wg * hb if wgs > 1 else None,
                             )  # fmt: skip
 
-                        pl.run_scoped(acc_scope, plgpu.ACC((bm, rank), jnp.float32))
+                        pl.run_scoped(acc_scope, plgpu.ACC((hb, rank), jnp.float32))
 
                     pipeline(mma, tile, k0, steps, compute_context)(
                         x_ref, a_refs[s].at[slot], allocations=pipeline_allocs
@@ -411,7 +439,7 @@ def _kernel_body_ws(
     pl.run_scoped(
         scope,
         pipeline_allocs=allocs,
-        o_smem=plgpu.SMEM((bm, rank), jnp.float32),
+        o_smem=plgpu.SMEM((bm, rank) if wgs == 1 else (wgs, hb, rank), jnp.float32),
         collective_axes="wg",
     )
 
@@ -454,7 +482,7 @@ def shrink(
     )
     body = functools.partial(_kernel_body_ws if tiles.warp_specialized else _kernel_body, plan=plan)
     inputs = [items] + ([slot_ranks] if has_ranks else []) + [x, *lora_a]
-    threads = 2 if tiles.warp_specialized else 1
+    threads = tiles.compute_wgs + 1 if tiles.warp_specialized else 1
     return run_in_place(body, inputs, out, programs, interpret, threads=threads)
 
 

@@ -145,9 +145,11 @@ def test_mosaic_expand_matches_reference_interpreted(
     ],
     ids=str,
 )
-@pytest.mark.parametrize("ws", [False, True], ids=["one_wg", "warp_specialized"])
+@pytest.mark.parametrize(
+    "ws,compute_wgs", [(False, 1), (True, 1), (True, 2)], ids=["one_wg", "ws", "ws_two_mma_wgs"]
+)
 def test_segment_shrink_matches_reference_interpreted(
-    interpreter, num_tokens, hidden, rank, slices, layout, ranked, ws
+    interpreter, num_tokens, hidden, rank, slices, layout, ranked, ws, compute_wgs
 ):
     rng = np.random.default_rng(num_tokens + rank)
     max_loras = 8
@@ -163,15 +165,18 @@ def test_segment_shrink_matches_reference_interpreted(
     ranks = (
         jnp.asarray(rng.integers(1, rank + 1, (slices, max_loras)), jnp.int32) if ranked else None
     )
-    items, mine = segment_items(jnp.asarray(idx), block_m=64, max_pieces=4)
+    # two WGMMA warpgroups: each a 64-row half of 128-row tiles (pieces cross the halves)
+    block_m = 64 * compute_wgs
+    items, mine = segment_items(jnp.asarray(idx), block_m=block_m, max_pieces=4)
     # One program per (piece, slice) job and no hidden split: every job is stored whole.
     tiles = ms.MosaicTiles(
-        block_m=64,
+        block_m=block_m,
         block_k=64,
         stages=2,
         split_k=1,
         programs=items.shape[1] * slices,
         warp_specialized=ws,
+        compute_wgs=compute_wgs,
     )
     out = jnp.zeros((slices, num_tokens, rank), jnp.float32)
     got = ms.shrink(x, lora_a, items, out, ranks, scale=0.5, tiles=tiles, interpret=interpreter)

@@ -3,6 +3,8 @@ CPU), and the Mosaic GPU kernel against the jnp oracle (on a Hopper GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -238,16 +240,19 @@ def test_segment_shrink_lowers_for_cuda(num_tokens, hidden, rank, slices, ranked
     assert "triton" in text  # the Triton kernel for the other tokens
 
 
-@pytest.mark.parametrize("rank,slices,ranked", [(64, 1, False), (128, 3, True)])
-def test_warp_specialized_segment_shrink_lowers_for_cuda(rank, slices, ranked):
-    """The two-warpgroup form (a copy warpgroup, a WGMMA one) lowers, with its default
-    tiles; on the GPU `test_few_programs_walk_many_jobs` checks its numbers."""
+@pytest.mark.parametrize(
+    "rank,slices,ranked,compute_wgs", [(64, 1, False, 1), (128, 3, True, 1), (128, 1, True, 2)]
+)
+def test_warp_specialized_segment_shrink_lowers_for_cuda(rank, slices, ranked, compute_wgs):
+    """The warp-specialized form (a copy warpgroup, one or two WGMMA ones) lowers, with its
+    default tiles; on the GPU `test_few_programs_walk_many_jobs` checks its numbers."""
     if not hasattr(jax.jit(lambda v: v), "trace"):
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
     num_tokens, hidden, max_loras = 4096, 4096, 8
     idx = np.repeat(np.arange(max_loras), num_tokens // max_loras)
     items, _ = work_list.segment_items(jnp.asarray(idx), block_m=128, max_pieces=4)
     tiles = mosaic_gpu_shrink.default_tiles(rank, warp_specialized=True)
+    tiles = dataclasses.replace(tiles, compute_wgs=compute_wgs)
     assert mosaic_gpu_shrink.smem_bytes(tiles, rank) <= mosaic_gpu_shrink.SMEM_BUDGET
     sds = jax.ShapeDtypeStruct
     x = sds((num_tokens, hidden), jnp.bfloat16)
@@ -261,6 +266,19 @@ def test_warp_specialized_segment_shrink_lowers_for_cuda(rank, slices, ranked):
     with abstract_gpu_context():
         text = jax.jit(f).trace(x, lora_a).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(compute_wgs=3),
+        dict(compute_wgs=2),
+        dict(compute_wgs=2, warp_specialized=True, block_m=64),
+    ],
+)
+def test_mosaic_tiles_name_what_two_mma_warpgroups_need(kw):
+    with pytest.raises(ValueError, match="compute_wgs"):
+        mosaic_gpu_shrink.MosaicTiles(**kw)
 
 
 def _check(num_tokens, hidden, rank, slices, dtype, layout, ranked, seed=0, host=False):
@@ -429,7 +447,7 @@ def test_default_tiles_fill_shared_memory_but_not_past_it(rank, block_m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("programs,split", [(5, 0), (3, 2), (64, 1)], ids=str)
-@pytest.mark.parametrize("ws", [False, True], ids=["one_wg", "warp_specialized"])
+@pytest.mark.parametrize("ws", [0, 1, 2], ids=["one_wg", "ws", "ws_two_mma_wgs"])
 def test_few_programs_walk_many_jobs(programs, split, ws):
     """A persistent grid much smaller than the work: each program's run of k steps crosses
     several jobs (pieces x slices), whole ones stored, parts added."""
@@ -447,7 +465,9 @@ def test_few_programs_walk_many_jobs(programs, split, ws):
         for s in (1, 2)
     )
     items, mine = work_list.segment_items(jnp.asarray(idx), block_m=128, max_pieces=4)
-    tiles = mosaic_gpu_shrink.MosaicTiles(programs=programs, split_k=split, warp_specialized=ws)
+    tiles = mosaic_gpu_shrink.MosaicTiles(
+        programs=programs, split_k=split, warp_specialized=ws > 0, compute_wgs=max(ws, 1)
+    )
     zeros = jnp.zeros((2, num_tokens, rank), jnp.float32)
     got = mosaic_gpu_shrink.shrink(x, lora_a, items, zeros, None, scale=0.5, tiles=tiles)
     ref = lora_shrink_reference(x, lora_a, token_lora_indices=jnp.asarray(idx), scale=0.5)
