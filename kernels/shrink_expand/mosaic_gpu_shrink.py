@@ -96,7 +96,7 @@ class MosaicTiles:
     compute_wgs: int = 1
     """WGMMA warpgroups of the warp-specialized form: 2 give each half of a 128- or 256-row
     tile to one of them (each keeps half the accumulator in its registers). Session 56
-    (H100): within 3 % of one, both slower than the one-warpgroup kernel."""
+    (H100): within 3.5 % of one, both slower than the one-warpgroup kernel."""
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 256):
