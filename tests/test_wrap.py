@@ -12,8 +12,8 @@ from lora_jax.linear import MergedColumnParallelLinear, QKVParallelLinear, RowPa
 from lora_jax.serving.merge import merge_adapter, merged_slot, unmerge_adapter
 from lora_jax.serving.wrap import LORA_LAYER_CLASSES, lora_layers, unwrap_model, wrap_model
 
-# jax 0.10.2 segfaulted writing some of these tests' programs to the compile cache (conftest)
-pytestmark = pytest.mark.no_cache_write
+# jax 0.10.2 segfaulted in the compile cache on these tests' programs (tests/conftest.py)
+pytestmark = pytest.mark.no_compile_cache
 
 CFG = lj.LoRAConfig(max_loras=3, max_lora_rank=8)
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
