@@ -7,7 +7,9 @@ its kernels share),
 shrink over rectangles of x (prompts), ``pallas_triton_bgmv.py`` the per-token
 (Punica BGMV) shrink and expand for steps where tokens have adapters of their own,
 ``mosaic_gpu_shrink.py`` the Mosaic GPU
-(Hopper TMA + WGMMA) shrink for prompts' tiles of x, ``mosaic_gpu_expand.py`` the Mosaic
+(Hopper TMA + WGMMA) shrink for prompts' tiles of x (``mosaic_gpu_shrink_ws.py`` its
+warp-specialized form, ``mosaic_gpu_jobs.py`` the persistent job walk the Mosaic GPU
+kernels share), ``mosaic_gpu_expand.py`` the Mosaic
 GPU expand for tiles of y wholly of one slot, ``block_sizes.py`` the tile
 config, ``tuning.py`` its H200 tuning table (``tuning_per_token.py`` the per-token
 kernels' tiles and when a step runs them, ``tuning_long_shrink.py`` the long-prompt

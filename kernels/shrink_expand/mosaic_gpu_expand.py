@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lora_jax.kernels.shrink_expand.mosaic_gpu_shrink import (
+from lora_jax.kernels.shrink_expand.mosaic_gpu_jobs import (
     available,
     num_sms,
     run_in_place,
@@ -286,7 +286,7 @@ def expand(
     of y is left as it was. h: [S, T, R] float; lora_b: S arrays [L, n_s, R].
     ``item_rows``: the rows of the listed tiles (their ``block_m``; default
     ``tiles.block_m``), a multiple of ``tiles.block_m``. ``interpret``: as
-    `mosaic_gpu_shrink.run_in_place` (the interpreter's WGMMA reads its left operand from
+    `mosaic_gpu_jobs.run_in_place` (the interpreter's WGMMA reads its left operand from
     shared memory only: ``tiles.h_in="smem"``)."""
 
     num_slices = len(lora_b)

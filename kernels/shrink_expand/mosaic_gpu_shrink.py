@@ -27,11 +27,40 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from lora_jax.kernels.shrink_expand import mosaic_gpu_shrink_ws
+from lora_jax.kernels.shrink_expand.mosaic_gpu_jobs import (
+    Plan,
+    available,
+    in_specs,
+    job_at,
+    num_sms,
+    run_in_place,
+    run_jobs,
+    store_piece,
+    stream_k_range,
+    stream_k_segment,
+)
+
+__all__ = [
+    "MAX_STAGES",
+    "SMEM_BUDGET",
+    "MosaicTiles",
+    "available",
+    "default_tiles",
+    "num_sms",
+    "pick_split",
+    "run_in_place",
+    "shrink",
+    "smem_bytes",
+    "stream_k_range",
+    "stream_k_segment",
+    "supported",
+]
 
 TARGET_ITEMS = 132
 """Job shares (piece x slice x hidden split) to aim for at one piece per tile: one per SM
@@ -39,31 +68,6 @@ of an H200 (132 SMs; a program's 192 KiB of shared memory at rank 128 leaves roo
 one). Session 10: tiles x split = 128
 ran T = 1024 / 2048 / 4096 at splits 16 / 8 / 4; T = 4096, rank 128, split 2 or 8 instead
 of 4: 19.3 or 21.7 us instead of 16.2."""
-
-
-@functools.cache
-def num_sms() -> int:
-    """Programs of the persistent grid: the first GPU's SM count (``TARGET_ITEMS`` where
-    jax does not say, or off a GPU, as when lowering for CUDA on a CPU)."""
-    try:
-        return int(jax.devices("gpu")[0].core_count)
-    except Exception:  # noqa: BLE001 - no GPU backend, or no core_count on this device
-        return TARGET_ITEMS
-
-
-@functools.cache
-def available() -> bool:
-    """Whether the default path may use this kernel: Mosaic GPU imports, the first GPU is
-    a Hopper (WGMMA; compute capability 9.x), and ``LORA_JAX_MOSAIC_GPU`` is not "0"."""
-    if os.environ.get("LORA_JAX_MOSAIC_GPU", "1") == "0":
-        return False
-    try:
-        from jax.experimental.pallas import mosaic_gpu  # noqa: F401
-
-        cc = str(jax.devices("gpu")[0].compute_capability)
-    except Exception:  # noqa: BLE001 - no GPU backend, or no Mosaic GPU in this jaxlib
-        return False
-    return cc.split(".")[0] == "9"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,7 +93,7 @@ class MosaicTiles:
     """Programs of the persistent grid; 0: one per SM (`num_sms`)."""
     warp_specialized: bool = False
     """A warpgroup of its own issues the TMA copies while another runs the WGMMAs and the
-    stores (jax's warp-specialized pipeline, `_kernel_body_ws`), instead of one warpgroup
+    stores (jax's warp-specialized pipeline, `mosaic_gpu_shrink_ws`), instead of one warpgroup
     doing both. Its buffers and the f32 output tile are live together (`smem_bytes`).
     Session 56 (H100, benchmarks/RESULTS.md): 3-8 % slower than one warpgroup at 1024 and
     4096 tokens, ranks 64 and 128, 64- and 128-row tiles; so off by default."""
@@ -185,152 +189,18 @@ def pick_split(num_tiles: int, num_slices: int, hidden: int, tiles: MosaicTiles)
     return split
 
 
-def _store_rows(
-    o_smem, out_at, src: jax.Array, dst: jax.Array, count: jax.Array, block_m: int, add: bool
-):
-    """Copies tile rows [src, src + count) to ``out_at`` rows [dst, dst + count): one TMA
-    copy per set bit of ``count``, largest first (a TMA box has a static row count)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    done = jnp.int32(0)
-    size = block_m
-    while size >= 1:
-
-        @pl.when((count & size) != 0)
-        def _(size=size, done=done):
-            plgpu.copy_smem_to_gmem(
-                o_smem.at[pl.ds(src + done, size)],
-                out_at.at[pl.ds(dst + done, size)],
-                reduction_op="add" if add else None,
-            )
-
-        done = done + (count & size)
-        size //= 2
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def stream_k_range(
-    prog, num_pieces, *, num_slices: int, job_steps: int, unit_steps: int, programs: int
-):
-    """Program ``prog``'s run of the step's k steps: (start, end, first job, job count).
-
-    A job is one (piece, slice) = ``piece * num_slices + slice``, ``job_steps`` k steps
-    long; the jobs' steps are laid end to end and each program takes an equal run of
-    them, never shorter than ``unit_steps`` (a job's ``1 / split`` share), so while the
-    work fits the programs every run is exactly one such share.
-    """
-    work = num_pieces * (num_slices * job_steps)
-    per = jnp.maximum(jnp.int32(unit_steps), (work + programs - 1) // programs)
-    start = jnp.minimum(prog * per, work)
-    end = jnp.minimum(start + per, work)
-    first_job = start // job_steps
-    num_jobs = jnp.where(end > start, (end - 1) // job_steps - first_job + 1, 0)
-    return start, end, first_job, num_jobs
-
-
-def stream_k_segment(i, start, end, first_job, *, job_steps: int):
-    """The ``i``-th job a run [start, end) touches: (job, first k step, k steps, whole).
-    ``whole``: the run covers the job, so no other program adds to its rows."""
-    job = first_job + i
-    lo = jnp.maximum(start, job * job_steps)
-    steps = jnp.minimum(end, job * job_steps + job_steps) - lo
-    return job, lo - job * job_steps, steps, steps == job_steps
-
-
-def _store_piece(
-    acc, o_smem, o_at, *, tile, first, count, whole, ranks_ref, s, slot, scale, bm, row0=None
-):
-    """The piece's rows of a job's f32 tile ``acc`` (times ``scale``, rank columns past the
-    slot's true rank zeroed) through ``o_smem`` into ``o_at``: stored where the job is
-    ``whole``, added where other programs add the rest of its hidden range. ``row0``: acc
-    holds only the tile's rows [row0, row0 + len(acc)) (one warpgroup's share), and only
-    the piece's rows among them are written."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    src, dst = first - tile * bm, first
-    rows = acc.shape[0]
-    if row0 is not None:  # the piece's rows within [row0, row0 + rows) of the tile
-        lo = jnp.maximum(src, row0)
-        count = jnp.maximum(jnp.minimum(src + count, row0 + rows) - lo, 0)
-        src, dst = lo - row0, tile * bm + lo
-
-    acc = acc * jnp.float32(scale)
-    if ranks_ref is not None:  # rank columns past the slot's true rank are exactly 0
-        col = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 1)
-        acc = jnp.where(col < ranks_ref[s, slot], acc, jnp.float32(0))
-    o_smem[...] = acc
-    plgpu.commit_smem()
-    for add in (False, True):
-
-        @pl.when(whole != add)
-        def _(add=add):
-            _store_rows(o_smem, o_at, src, dst, count, rows, add=add)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """A launch's static shape: slices, whether slot ranks come, the rank, the scale, the
-    k steps of a job and of its ``1 / split`` share, the programs, the tiles."""
-
-    num_slices: int
-    has_ranks: bool
-    rank: int
-    scale: float
-    job_steps: int
-    unit_steps: int
-    programs: int
-    tiles: MosaicTiles
-
-
-def _jobs(items_ref, refs, plan: _Plan):
-    """The refs by role (slot ranks or None, x, the A slices, out), and this program's run
-    of jobs (`stream_k_range`)."""
-    ranks_ref, refs = (refs[0], refs[1:]) if plan.has_ranks else (None, refs)
-    x_ref, a_refs, o_ref = refs[0], refs[1 : 1 + plan.num_slices], refs[-1]
-    run = stream_k_range(
-        jax.lax.axis_index("prog"),
-        items_ref[4, 0],
-        num_slices=plan.num_slices,
-        job_steps=plan.job_steps,
-        unit_steps=plan.unit_steps,
-        programs=plan.programs,
-    )
-    return ranks_ref, x_ref, a_refs, o_ref, run
-
-
-def _job(items_ref, i, run, plan: _Plan):
-    """The ``i``-th job of a run: (slice, tile, slot, first row, rows, k0, steps, whole)."""
-    start, end, first_job, _ = run
-    job, k0, steps, whole = stream_k_segment(i, start, end, first_job, job_steps=plan.job_steps)
-    piece, sid = job // plan.num_slices, job % plan.num_slices
-    tile, slot = items_ref[0, piece], items_ref[1, piece]
-    first, count = items_ref[2, piece], items_ref[3, piece]
-    return sid, tile, slot, first, count, k0, steps, whole
-
-
-def _in_specs(tile, k0, rank: int, tiles: MosaicTiles):
-    """The pipeline's TMA blocks: x's tile rows and A's rank rows over k steps from ``k0``."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    bm, bk = tiles.block_m, tiles.block_k
-    return [
-        plgpu.BlockSpec((bm, bk), lambda k: (tile, k0 + k), delay_release=1),
-        plgpu.BlockSpec((rank, bk), lambda k: (0, k0 + k), delay_release=1),
-    ]
-
-
 def _kernel_body(
     items_ref,  # [5, NI] int32 (work_list.segment_items): tile, slot, first, rows, live
     *refs,
-    plan: _Plan,
+    plan: Plan,
 ):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    ranks_ref, x_ref, a_refs, o_ref, run = _jobs(items_ref, refs, plan)
+    ranks_ref, x_ref, a_refs, o_ref, run = run_jobs(items_ref, refs, plan)
     rank, scale, tiles, bm = plan.rank, plan.scale, plan.tiles, plan.tiles.block_m
 
     def segment(i, carry):
-        sid, tile, slot, first, count, k0, steps, whole = _job(items_ref, i, run, plan)
+        sid, tile, slot, first, count, k0, steps, whole = job_at(items_ref, i, run, plan)
         for s in range(plan.num_slices):
 
             @pl.when(sid == s)
@@ -342,7 +212,7 @@ def _kernel_body(
                             acc_ref, x_smem, a_smem.transpose((1, 0))
                         ),
                         grid=(steps,),
-                        in_specs=_in_specs(tile, k0, rank, tiles),
+                        in_specs=in_specs(tile, k0, rank, tiles),
                         max_concurrent_steps=tiles.stages,
                     )(x_ref, a_refs[s].at[slot])
                     return acc_ref[...]
@@ -350,7 +220,7 @@ def _kernel_body(
                 acc = pl.run_scoped(mma, plgpu.ACC((bm, rank), jnp.float32))
 
                 def store(o_smem):
-                    _store_piece(
+                    store_piece(
                         acc, o_smem, o_ref.at[s], tile=tile, first=first, count=count,
                         whole=whole, ranks_ref=ranks_ref, s=s, slot=slot, scale=scale, bm=bm,
                     )  # fmt: skip
@@ -360,89 +230,6 @@ def _kernel_body(
         return carry
 
     jax.lax.fori_loop(0, run[3], segment, jnp.int32(0))
-
-
-MEMORY_REGISTERS = 40
-"""Registers a thread of the warp-specialized kernel's copy warpgroup keeps (jax's advice
-for Hopper); the WGMMA warpgroup gets the rest."""
-
-
-def _kernel_body_ws(
-    items_ref,
-    *refs,
-    plan: _Plan,
-):
-    """`_kernel_body` on warpgroups of axis "wg": the last issues every TMA copy of the
-    run's jobs, the others (``tiles.compute_wgs``, each a share of the tile's rows) run the
-    WGMMAs and store their rows of each job's piece. All walk the same jobs; the
-    pipeline's buffers are allocated once for the whole run."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    ranks_ref, x_ref, a_refs, o_ref, run = _jobs(items_ref, refs, plan)
-    rank, scale, tiles, bm = plan.rank, plan.scale, plan.tiles, plan.tiles.block_m
-    wgs = tiles.compute_wgs
-    hb = bm // wgs  # rows a WGMMA warpgroup takes
-    wg = jax.lax.axis_index("wg")
-
-    def pipeline(body, tile, k0, steps, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(steps,),
-            memory_registers=MEMORY_REGISTERS,
-            in_specs=_in_specs(tile, k0, rank, tiles),
-            wg_axis="wg",
-            num_compute_wgs=wgs,
-            max_concurrent_steps=tiles.stages,
-            compute_context=compute_context,
-        )
-
-    def unused(*_, **__):
-        return None
-
-    zero = jnp.int32(0)  # a traced grid, as every job's: the same buffers
-    allocs = pipeline(unused, zero, zero, zero + plan.job_steps, unused).get_allocations(
-        x_ref, a_refs[0].at[0]
-    )
-
-    def scope(pipeline_allocs, o_smem):
-        def segment(i, carry):
-            sid, tile, slot, first, count, k0, steps, whole = _job(items_ref, i, run, plan)
-            for s in range(plan.num_slices):
-
-                @pl.when(sid == s)
-                def _(s=s):
-                    def mma(_, x_smem, a_smem, acc_ref):
-                        rows = x_smem if wgs == 1 else x_smem.at[pl.ds(wg * hb, hb)]
-                        plgpu.wgmma(acc_ref, rows, a_smem.transpose((1, 0)))
-                        plgpu.wgmma_wait(1)
-                        return acc_ref
-
-                    def compute_context(eval_pipeline):
-                        def acc_scope(acc_ref):
-                            eval_pipeline(acc_ref)
-                            _store_piece(
-                                acc_ref[...], o_smem.at[wg] if wgs > 1 else o_smem,
-                                o_ref.at[s], tile=tile, first=first, count=count,
-                                whole=whole, ranks_ref=ranks_ref, s=s, slot=slot,
-                                scale=scale, bm=bm, row0=wg * hb if wgs > 1 else None,
-                            )  # fmt: skip
-
-                        pl.run_scoped(acc_scope, plgpu.ACC((hb, rank), jnp.float32))
-
-                    pipeline(mma, tile, k0, steps, compute_context)(
-                        x_ref, a_refs[s].at[slot], allocations=pipeline_allocs
-                    )
-
-            return carry
-
-        jax.lax.fori_loop(0, run[3], segment, jnp.int32(0))
-
-    pl.run_scoped(
-        scope,
-        pipeline_allocs=allocs,
-        o_smem=plgpu.SMEM((bm, rank) if wgs == 1 else (wgs, hb, rank), jnp.float32),
-        collective_axes="wg",
-    )
 
 
 def shrink(
@@ -471,7 +258,7 @@ def shrink(
     job_steps = hidden // tiles.block_k
     programs = min(tiles.programs or num_sms(), num_pieces * num_slices * split)
     has_ranks = slot_ranks is not None
-    plan = _Plan(
+    plan = Plan(
         num_slices=num_slices,
         has_ranks=has_ranks,
         rank=rank,
@@ -481,32 +268,8 @@ def shrink(
         programs=programs,
         tiles=tiles,
     )
-    body = functools.partial(_kernel_body_ws if tiles.warp_specialized else _kernel_body, plan=plan)
+    kernel = mosaic_gpu_shrink_ws.kernel_body if tiles.warp_specialized else _kernel_body
+    body = functools.partial(kernel, plan=plan)
     inputs = [items] + ([slot_ranks] if has_ranks else []) + [x, *lora_a]
     threads = tiles.compute_wgs + 1 if tiles.warp_specialized else 1
     return run_in_place(body, inputs, out, programs, interpret, threads=threads)
-
-
-def run_in_place(
-    body, inputs: list, target: jax.Array, programs: int, interpret=None, *, threads: int = 1
-) -> jax.Array:
-    """Runs ``body(*input_refs, target_ref)`` on a persistent grid of ``programs`` (axis
-    "prog", warpgroup semantics) and returns ``target`` as the kernel left it.
-
-    ``target`` goes in as a Ref, aliased in and out of the kernel (plgpu.kernel has no
-    input_output_aliases): what the kernel does not store keeps its value. ``interpret``:
-    Pallas's GPU interpreter params (``plgpu.InterpretGPUParams()``, jax >= 0.11: the
-    kernel runs on the CPU; for tests), None to compile for the GPU. ``threads`` > 1:
-    warpgroups a program, on axis "wg"."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    ref = jax.new_ref(target)
-    wgs = dict(num_threads=threads, thread_name="wg") if threads > 1 else {}
-    pl.kernel(
-        body,
-        out_type=(),
-        mesh=plgpu.Mesh(grid=(programs,), grid_names=("prog",), **wgs),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **({} if interpret is None else {"interpret": interpret}),
-    )(*inputs, ref)
-    return jax.freeze(ref)
