@@ -693,8 +693,14 @@ def test_train_step_programs_match_the_nnx_gradient():
         train_step.loss_of, argnums=nnx.DiffState(0, nnx.LoRAParam)
     )(model, ids, pos)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
-    # f32, two programs summing in their own orders (3e-5 apart on jax 0.12)
-    assert train_step.max_rel_err(grads, nnx.state(want, nnx.LoRAParam)) < 1e-4
+    # f32, two programs summing in their own orders. q's and k's grads come through the
+    # softmax's backward (a difference of near-equal terms) ~100 x smaller than the other
+    # stacks', so their error is set against the largest stack's size: 2.3e-4 of their own
+    # size, 1e-7 absolute like the rest (jax 0.12.1); 1e-6 of the largest stack elsewhere.
+    got, ref = jax.tree.leaves(grads), jax.tree.leaves(nnx.state(want, nnx.LoRAParam))
+    size = max(float(np.abs(r[0]).max()) for r in ref)
+    for g, r in zip(got, ref, strict=True):
+        np.testing.assert_allclose(g[0], r[0], rtol=1e-4, atol=1e-5 * size)
     assert any(float(jnp.abs(g[0]).max()) > 0 for g in jax.tree.leaves(grads))
     new, _, _ = progs["step"][0](*progs["step"][1])
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(progs["step"][1][0])):
