@@ -1749,7 +1749,8 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--tb=line',
       tests/test_export_per_expert.py
     grep -E "FAILED|ERROR|passed|failed" "$OUT/fix51c.log" | tail -12 ;;
   s57a)  # session 57: issue #3's 6 cells under 70 % and its one 5 x miss (session 44's
-    # numbers, H200), re-measured side by side on the current code (an H200 only)
+    # numbers, H200), re-measured side by side on the current code (an H200 only; session 57
+    # ran it on an H100, run 3, and an H200, run 4: session 44's figures stand)
     step miss57_s 200 "${OPS[@]}" --layout runs --ops shrink --tokens 1024,4096 \
       --hiddens 4096 --ranks 16,64,128 --adapters 1,8,64 --impls ours,gather,onehot \
       --time-budget 185 --out "$OUT/miss57_s"
@@ -1761,6 +1762,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--tb=line',
       --adapters 64 --impls ours,gather,onehot --out "$OUT/miss57_d" ;;
   s56b)  # session 56: the warp-specialized segment shrink with two WGMMA warpgroups (each a
     # 64-row half of 128-row tiles: MosaicTiles.compute_wgs) beside one, and the defaults
+    # (session 57 ran ws56b_probe's 4096-token rows on an H200, run 5: ws 1-5 % slower)
     JAX_DEFAULT_MATMUL_PRECISION=highest step ws56b_tests 120 python3 -P -m pytest -q \
       -p no:cacheprovider tests/kernels/test_shrink_mosaic_gpu.py -k "few_programs"
     step ws56b_probe 260 python3 -P benchmarks/mosaic_probe.py --tokens 4096,1024 \

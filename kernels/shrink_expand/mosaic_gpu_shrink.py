@@ -96,11 +96,12 @@ class MosaicTiles:
     stores (jax's warp-specialized pipeline, `mosaic_gpu_shrink_ws`), instead of one warpgroup
     doing both. Its buffers and the f32 output tile are live together (`smem_bytes`).
     Session 56 (H100, benchmarks/RESULTS.md): 3-8 % slower than one warpgroup at 1024 and
-    4096 tokens, ranks 64 and 128, 64- and 128-row tiles; so off by default."""
+    4096 tokens, ranks 64 and 128, 64- and 128-row tiles; session 57 (H200, 4096 tokens):
+    1-5 % slower at 128-row tiles. So off by default."""
     compute_wgs: int = 1
     """WGMMA warpgroups of the warp-specialized form: 2 give each half of a 128- or 256-row
-    tile to one of them (each keeps half the accumulator in its registers). Session 56
-    (H100): within 3.5 % of one, both slower than the one-warpgroup kernel."""
+    tile to one of them (each keeps half the accumulator in its registers). Sessions 56-57
+    (H100, H200): within 3.5 % of one, both slower than the one-warpgroup kernel."""
 
     def __post_init__(self):
         if self.block_m not in (64, 128, 256):
