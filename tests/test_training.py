@@ -7,6 +7,7 @@ move; the slot itself for the exported-and-reloaded adapter (`test_oracle_hf.py`
 exported files against HF peft).
 """
 
+import contextlib
 import json
 
 import jax
@@ -379,6 +380,40 @@ def test_train_slots_steps_as_the_masked_chain_with_state_for_its_slots_only():
     assert moments and len(moments) == 2 * len(stacks)  # mu and nu of every stack
     assert all(m.shape[0] == 1 for m in moments)  # slot 1's rows only
     assert sorted(m.shape[1:] for m in moments) == sorted(2 * [s.shape[1:] for s in stacks])
+
+
+def test_an_optimizer_built_under_the_mesh_compiles_its_step_once():
+    """The training recipe on a mesh (`lora_jax.serving.training`): optax's step counts and
+    `nnx.Optimizer`'s step are made by ``jnp.zeros([])``; built under
+    ``jax.set_mesh(mesh)`` they live on the mesh as the first step's outputs do, so the
+    step compiles once (off the mesh, the second step's inputs differ and it compiles
+    again). `train_slots`, `tie_kv_replicas` and `train_only_slots` build there."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices")
+    mesh = jax.make_mesh((1, 2), ("dp", "tp"), devices=jax.devices()[:2])
+    model = _model(lj.ShardingRules(mesh))
+    init_lora_slot(model, 1, 4, seed=3)
+    with jax.set_mesh(mesh):
+        tx = optax.chain(tie_kv_replicas(model), train_slots(optax.adam(1e-2), [1]))
+        opt = nnx.Optimizer(model, optax.chain(tx, train_only_slots([1])), wrt=nnx.LoRAParam)
+    scalars = [v for v in jax.tree.leaves(nnx.state(opt, nnx.OptState)) if np.ndim(v) == 0]
+    assert len(scalars) == 2 and all(c.sharding.mesh == mesh for c in scalars)
+    traces = []
+
+    @nnx.jit
+    def step(model, opt, ids, pos, slots):
+        traces.append(1)
+        loss, grads = nnx.value_and_grad(_loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(
+            model, ids, pos, slots
+        )
+        opt.update(model, grads)
+        return loss
+
+    ids, pos = _batch()
+    slots = jnp.full(ids.size, 1, jnp.int32)
+    losses = [float(step(model, opt, ids, pos, slots)) for _ in range(3)]
+    assert len(traces) == 1
+    assert losses[2] < losses[0]
 
 
 def test_train_slots_refuses_what_it_cannot_run():
@@ -863,14 +898,15 @@ def test_a_slot_a_manager_serves_is_not_trained_and_a_reserved_one_is_not_taken(
     np.testing.assert_array_equal(logits(mgr.slot_of(3)), want)
 
 
-def _train_slot(model, tx_first, opt, steps=3):
+def _train_slot(model, tx_first, opt, steps=3, mesh=None):
     """Trains slot 1 (all-linear, rank 4, from PEFT's init) a few steps on one batch;
-    returns the logits after."""
+    returns the logits after. The optimizer is built under the model's ``mesh``."""
     init_lora_slot(model, 1, 4, seed=3)
     ids, pos = _batch()
     slots = jnp.repeat(jnp.array([1, 1, 0, 1], jnp.int32), 8)
     tx = optax.chain(*tx_first, opt, train_only_slots([1]))
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
     for _ in range(steps):
         _train_step(model, optimizer, ids, pos, slots)
     return np.asarray(_logits(model, ids, pos, slots))
@@ -897,7 +933,7 @@ def test_kv_head_replicas_train_as_one_parameter(tmp_path, opt):
     qkvs = [layer.self_attn.qkv_proj for layer in model.model.layers]
     assert {q.base_layer.num_kv_head_replicas for q in qkvs} == {2}
     spec = qkvs[0].lora_b[1][...].sharding.spec
-    got_logits = _train_slot(model, [tie_kv_replicas(model)], opt)
+    got_logits = _train_slot(model, [tie_kv_replicas(model)], opt, mesh=rules.mesh)
     for qkv in qkvs:
         for s in (1, 2):  # k, v: [L, kv * replicas * head_size, R], each head's copies side by side
             b = np.asarray(qkv.lora_b[s][...])[1].reshape(2, 2, 16, MAX_RANK)
@@ -921,7 +957,7 @@ def test_kv_head_replicas_train_as_one_parameter(tmp_path, opt):
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4)
 
     untied = _model(rules)  # without it the copies part, and the export says what to use
-    _train_slot(untied, [], opt)
+    _train_slot(untied, [], opt, mesh=rules.mesh)
     with pytest.raises(ValueError, match="replicas of a kv head's B differ.*tie_kv_replicas"):
         save_peft_adapter(untied, 1, tmp_path / "untied")
 

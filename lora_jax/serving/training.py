@@ -11,7 +11,10 @@ adapter can be trained in a slot of a wrapped model while the other slots keep s
    wrt=nnx.LoRAParam)` updates that slot only: the other slots' adapters, even under
    weight decay, and every rank column past the slot's rank stay as they were;
    `tie_kv_replicas` (the identity unless tp > kv heads) trains the B rows that the
-   stacks hold once per kv-head replica as the one parameter the adapter has;
+   stacks hold once per kv-head replica as the one parameter the adapter has. On a mesh,
+   build the optimizer under ``jax.set_mesh(mesh)``: optax's and `nnx.Optimizer`'s step
+   counts are then made on the mesh, where the first step leaves them, and the jitted
+   step compiles once rather than again at the second step;
 3. `lora_jax.serving.export.save_peft_adapter` writes the slot as a PEFT adapter
    directory that PEFT, vLLM and `load_peft_adapter` load.
 
