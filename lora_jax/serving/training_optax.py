@@ -113,7 +113,13 @@ def train_slots(
         def put(u, v):
             if u is None or jnp.ndim(u) == 0:
                 return v
-            return jnp.zeros_like(u).at[rows].set(v.astype(u.dtype))
+            # slot i takes row `at[i]` of v where `hit[i]`, else zero: a gather over the
+            # slot axis keeps v's sharding of the other axes (a scatter into zeros_like(u)
+            # lost it under jax 0.11's Explicit meshes and was refused)
+            at, hit = np.zeros(u.shape[0], np.int32), np.zeros(u.shape[0], bool)
+            at[rows % u.shape[0]], hit[rows % u.shape[0]] = np.arange(len(rows)), True
+            full = jnp.take(v.astype(u.dtype), at, axis=0)
+            return jnp.where(hit.reshape((-1,) + (1,) * (u.ndim - 1)), full, 0).astype(u.dtype)
 
         return jax.tree.map(put, updates, inner), state
 
