@@ -46,8 +46,8 @@ def _no_compile_cache(request):
     compilation cache: nothing read from it, nothing written. CI on jax 0.10.2 lost an
     xdist worker to a segfault inside the cache five times in sessions 53-56, serializing
     an executable (`put_executable_and_time`) or deserializing one
-    (`get_executable_and_time`), each time in tests/test_wrap.py, and three times in
-    session 57 in tests/test_training.py's tie_kv tests; those tests never crashed
+    (`get_executable_and_time`), each time in tests/test_wrap.py, and four times in
+    sessions 57-58 in tests/test_training.py's mesh tests; those tests never crashed
     alone. jax decides once per process whether the cache is used, so the switch goes
     with `reset_cache`, and back after the test."""
     if request.node.get_closest_marker("no_compile_cache") is None or not _CACHE or _CUDA:
