@@ -79,6 +79,7 @@ from lora_jax.kernels import (
 )
 from lora_jax.kernels.shrink_expand import tuning_long_shrink
 from lora_jax.kernels.shrink_expand.block_sizes import next_pow2
+from lora_jax.kernels.shrink_expand.pallas_triton_fused_split import SplitTiles
 from lora_jax.kernels.shrink_expand.work_list import prompt_tiles, whole_tiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -704,6 +705,18 @@ def model_case(tokens: int, hidden: int, rank: int, adapters: int, layers: int, 
             )
         return y
 
+    split = True
+    if impl.startswith("split["):  # split[chunk_k:block_n:programs:num_warps]
+        chunk_k, block_n, programs, warps = (int(v) for v in impl[6:-1].split(":"))
+        split = SplitTiles(chunk_k=chunk_k, block_n=block_n, programs=programs, num_warps=warps)
+
+    def split_fn(y, a, b, meta):
+        for i in range(layers):
+            y = lora_shrink_expand(
+                y, y, (a[i],), (b[i],), offsets=(0,), **meta, split=split, interpret=INTERPRET
+            )
+        return y
+
     def gather_fn(y, a, b, meta):
         valid, safe = _valid(meta)
         for i in range(layers):
@@ -723,7 +736,8 @@ def model_case(tokens: int, hidden: int, rank: int, adapters: int, layers: int, 
         "fused": fused_fn,
         "fused/2": fused_fn,
         "fused*2": fused_fn,
-    }[impl]
+        "split": split_fn,
+    }[impl if not impl.startswith("split[") else "split"]
     return fn, (y, a, b, meta)
 
 
@@ -732,6 +746,9 @@ def model_main(a):
     impls = ["ours", "shrink", "expand", "old", "gather"]
     if a.fused:  # the fused kernel next to the 3-launch pair and gather+einsum
         impls = ["fused", "fused/2", "fused*2", "ours", "shrink", "expand", "gather"]
+    if a.split:  # the fused kernel with the grid-wide split beside the pair
+        impls = ["split", "ours", "fused", "gather"]
+        impls += [f"split[{v}]" for v in a.split_tiles.split(",") if v]
     if a.decode_sweep:  # decode tile candidates, each op alone over K layers
         impls = ["shrink", "expand", "gather"]
         impls += [f"{op}[{i}]" for op in ("shrink", "expand") for i in range(len(DECODE_SWEEP[op]))]
@@ -759,15 +776,16 @@ def model_main(a):
                         continue
                     try:
                         res[impl] = time_calls(compiled, args, a.model)
-                        if impl in ("fused", "ours") and a.fused:  # fused vs pair, last layer's y
+                        if impl in ("fused", "ours", "split"):  # against the pair, last layer's y
                             outs[impl] = np.asarray(compiled(*args), np.float32)
                     except Exception as e:  # noqa: BLE001 - report the cell, keep the run going
                         res[impl] = f"run: {type(e).__name__}: {str(e)[:100]}"
                     del args
-                if "fused" in outs and "ours" in outs:
-                    ref = outs["ours"]
-                    err = np.max(np.abs(outs["fused"] - ref)) / max(np.max(np.abs(ref)), 1e-30)
-                    res["fused_vs_pair_rel_err"] = float(err)
+                for name in ("fused", "split"):
+                    if name in outs and "ours" in outs:
+                        ref = outs["ours"]
+                        err = np.max(np.abs(outs[name] - ref)) / max(np.max(np.abs(ref)), 1e-30)
+                        res[f"{name}_vs_pair_rel_err"] = float(err)
                 rows.append(res)
                 print(res, flush=True)
                 with open(os.path.join(a.out, "ops_model.json"), "w") as f:
@@ -781,6 +799,7 @@ def model_main(a):
         "fused": "fused µs",
         "fused/2": "fused split_n/2 µs",
         "fused*2": "fused split_n*2 µs",
+        "split": "fused, grid split µs",
     }
     titles.update({k: f"{k} µs" for k in impls if k not in titles})
     head = (
@@ -856,6 +875,18 @@ def main(argv=None):
         "--fused",
         action="store_true",
         help="with --model: also time the fused one-launch kernel lora_shrink_expand",
+    )
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="with --model: time lora_shrink_expand(split=True) (the hidden dim split over "
+        "the grid, a grid-wide barrier) beside the pair and the fused kernel",
+    )
+    p.add_argument(
+        "--split-tiles",
+        default="",
+        help="with --split: also these SplitTiles, comma-separated "
+        "chunk_k:block_n:programs:num_warps (e.g. 1024:512:132:4)",
     )
     p.add_argument(
         "--decode-sweep",

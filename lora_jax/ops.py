@@ -71,6 +71,10 @@ from lora_jax.ops_xla import _within_rank as _within_rank
 from lora_jax.ops_xla import set_columns as set_columns
 
 BACKENDS = ("xla", "pallas", "pallas_fused")
+FUSED_SPLIT = os.environ.get("LORA_JAX_FUSED_SPLIT", "0") == "1"
+"""Whether "pallas_fused" runs the kernel that splits the shrink's hidden dim over the grid
+(`lora_shrink_expand(split=True)`: one launch with a grid-wide barrier) rather than the
+one that recomputes each block's shrink per column group."""
 # Below this many tokens (per shard) the GPU default is XLA: at decode a kernel call has a
 # floor of ~2.5-3 us of GPU time, and on an H200 XLA's gather einsum was still faster for
 # the shrink at 1-16 tokens and at 64 tokens with 64 adapters (benchmarks/RESULTS.md, ops,
@@ -351,6 +355,7 @@ def add_lora_linear(
                 scale=scale,
                 slot_ranks=slot_ranks,
                 **mapping.kernel_kwargs(),
+                split=FUSED_SPLIT,
                 interpret=PALLAS_INTERPRET,
             )
 

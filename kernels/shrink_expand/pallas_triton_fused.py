@@ -54,12 +54,17 @@ from jax.experimental.pallas import triton as plgpu
 
 from lora_jax.kernels.shrink_expand import checks
 from lora_jax.kernels.shrink_expand.block_sizes import BlockSizes, next_pow2
+from lora_jax.kernels.shrink_expand.mosaic_gpu_jobs import num_sms
 from lora_jax.kernels.shrink_expand.pallas_triton import (
     SMEM_BUDGET,
     _block_rows,
     _dot_precision,
     _true_rank,
     expand_tile,
+)
+from lora_jax.kernels.shrink_expand.pallas_triton_fused_split import (
+    SplitTiles,
+    shrink_expand_split,
 )
 from lora_jax.kernels.shrink_expand.pallas_triton_shrink import _shrink_tile
 from lora_jax.kernels.shrink_expand.pallas_triton_shrink import shrink_dtype as dot_dtype
@@ -223,7 +228,9 @@ def shrink_expand(
 
 
 @checks.static_args
-@functools.partial(jax.jit, static_argnames=("offsets", "scale", "block_sizes", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("offsets", "scale", "block_sizes", "split", "interpret")
+)
 def lora_shrink_expand(
     x: jax.Array,
     y: jax.Array,
@@ -241,6 +248,7 @@ def lora_shrink_expand(
     slot_ranks: jax.Array | None = None,
     work_lists: Mapping[int, jax.Array] | None = None,
     block_sizes: BlockSizes | None = None,
+    split: bool | SplitTiles = False,
     interpret: bool = False,
 ) -> jax.Array:
     """``y[t, off_s:off_s+n_s] += scale * (x[t] @ A_s[idx[t]].T) @ B_s[idx[t]].T``, one launch.
@@ -253,6 +261,10 @@ def lora_shrink_expand(
     (T <= 256): the shrink is recomputed per column group (module docstring);
     for prefill use `lora_shrink` + `lora_expand`. Donate ``y`` under an outer
     jit to update it in place.
+
+    ``split`` (True, or its `SplitTiles`): the kernel of pallas_triton_fused_split.py
+    instead, which splits the shrink's hidden dim over a persistent grid and joins the
+    two halves by a grid-wide barrier (``block_sizes`` then unused).
 
     Example::
 
@@ -293,6 +305,30 @@ def lora_shrink_expand(
     )
     if num_tokens == 0:  # an empty batch: nothing to add
         return y
+    if split:
+        tiles = split if isinstance(split, SplitTiles) else SplitTiles(programs=num_sms())
+        tab = get_work_list(
+            work_lists,
+            slot_token_counts,
+            slot_token_starts,
+            sorted_token_ids,
+            block_m=tiles.block_m,
+        )
+        shrink_dtype, expand_dtype = _compute_dtypes(x, lora_a, lora_b, y)
+        return shrink_expand_split(
+            x,
+            y,
+            lora_a,
+            lora_b,
+            tab,
+            None if slot_ranks is None else slot_ranks.astype(jnp.int32),
+            offsets=offsets,
+            scale=float(scale),
+            shrink_dtype=shrink_dtype,
+            expand_dtype=expand_dtype,
+            tiles=tiles,
+            interpret=interpret,
+        )
     if block_sizes is None:
         block_sizes = BlockSizes.get_default(
             "fused",

@@ -7,6 +7,8 @@ against the XLA backend.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,7 @@ from lora_jax.kernels import BlockSizes, lora_shrink_expand, lora_shrink_expand_
 from lora_jax.kernels.shrink_expand.block_sizes import next_pow2
 from lora_jax.kernels.shrink_expand.pallas_triton import SMEM_BUDGET
 from lora_jax.kernels.shrink_expand.pallas_triton_fused import fit_fused_tiles, fused_smem_bytes
+from lora_jax.kernels.shrink_expand.pallas_triton_fused_split import SplitTiles
 
 # Several column tiles per program (split_n 2 over 3 tiles: the second group's
 # second tile lies past the slice) and a short k step (several k iterations).
@@ -50,6 +53,7 @@ class FusedTestBase:
     """Subclass and set `interpret`; reuses the shared base's inputs."""
 
     interpret: bool = True
+    split: bool | SplitTiles = False
     _inputs = ShrinkExpandTestBase._inputs
 
     def check(self, case: Case, scale: float = 0.5):
@@ -58,7 +62,14 @@ class FusedTestBase:
         lora_b = tuple((b / np.sqrt(case.rank)).astype(b.dtype) for b in lora_b)
         kw = dict(meta, offsets=offsets, scale=scale, slot_ranks=slot_ranks)
         out = lora_shrink_expand(
-            x, y, lora_a, lora_b, **kw, block_sizes=case.block_sizes, interpret=self.interpret
+            x,
+            y,
+            lora_a,
+            lora_b,
+            **kw,
+            block_sizes=case.block_sizes,
+            split=self.split,
+            interpret=self.interpret,
         )
         ref = lora_shrink_expand_reference(x, y, lora_a, lora_b, **kw)
         assert out.shape == y.shape and out.dtype == y.dtype
@@ -114,6 +125,63 @@ class TestFusedGpu(FusedTestBase):
         self.check(case)
 
 
+# The split kernel: small tiles so that a case has several chunks, column tiles and items
+# per program (5 programs), a hidden size off the chunk (masked), and 3 slices.
+_SPLIT = SplitTiles(block_m=16, block_k=16, chunk_k=32, block_n=16, programs=5)
+
+
+class TestSplitInterpret(FusedTestBase):
+    """Interpret mode runs the two halves as two launches (no program may wait there)."""
+
+    split = _SPLIT
+
+    @pytest.mark.parametrize("case", FUSED_PARAMS, ids=str)
+    def test_fused(self, case: Case):
+        self.check(case)
+
+
+@pytest.mark.gpu
+class TestSplitGpu(FusedTestBase):
+    """The one launch with the grid-wide barrier, at the model's decode shapes."""
+
+    interpret = False
+    split = True
+
+    @pytest.mark.parametrize(
+        "case",
+        [
+            Case(64, 4096, 16, (4096, 1024, 1024), jnp.bfloat16, "unsorted", max_loras=64),
+            Case(64, 14336, 16, (4096,), jnp.bfloat16, "distinct", max_loras=64),
+            Case(256, 4096, 64, (14336, 14336), jnp.bfloat16, "unsorted", max_loras=16),
+            Case(16, 2049, 8, (1000, 300), jnp.float16, "one", max_loras=8, ranked=True),
+            Case(64, 1000, 16, (300,), jnp.float32, "unsorted", max_loras=8),
+        ],
+        ids=str,
+    )
+    def test_large(self, case):
+        self.check(case)
+
+    def test_repeated_calls_in_one_jit(self):
+        """Eight launches back to back, each the previous one's y: every barrier's flags
+        start at zero and no launch reads another's partials."""
+        case = Case(64, 4096, 16, (4096,), jnp.bfloat16, "unsorted", max_loras=64)
+        idx, meta, x, lora_a, lora_b, y, offsets, _, _ = self._inputs(case, seed=3)
+        lora_b = tuple((b / np.sqrt(case.rank)).astype(b.dtype) for b in lora_b)
+        kw = dict(meta, offsets=offsets, scale=0.25)
+
+        def chain(y, split):
+            for i in range(8):
+                y = lora_shrink_expand(x * (i + 1), y, lora_a, lora_b, **kw, split=split)
+            return y
+
+        got = jax.jit(functools.partial(chain, split=True))(y)
+        want = jax.jit(functools.partial(chain, split=False))(y)
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0.05, atol=0.05
+        )
+        assert not np.array_equal(np.asarray(got), np.asarray(y))
+
+
 def test_tiles_fit_shared_memory():
     for rank in (8, 16, 32, 64, 128, 256):
         for num_tokens in (1, 64, 256, 4096):
@@ -148,8 +216,9 @@ def test_bad_shapes_are_named():
         lora_shrink_expand(x, y, (a,), (b,), offsets=(0, 0), **meta, interpret=True)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["per_group", "grid_split"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_lowers_for_cuda(dtype):
+def test_lowers_for_cuda(dtype, split):
     if not hasattr(jax.jit(lambda v: v), "trace"):
         pytest.skip(f"jax {jax.__version__} has no jit(f).trace(...).lower(lowering_platforms=)")
     from shrink_expand_test_base import abstract_gpu_context
@@ -165,7 +234,15 @@ def test_lowers_for_cuda(dtype):
 
     def step(x, lora_a, lora_b, y, meta):
         return lora_shrink_expand(
-            x, y, lora_a, lora_b, offsets=(0, 1000, 1300), **meta, slot_ranks=ranks, scale=0.5
+            x,
+            y,
+            lora_a,
+            lora_b,
+            offsets=(0, 1000, 1300),
+            **meta,
+            slot_ranks=ranks,
+            scale=0.5,
+            split=split,
         )
 
     with abstract_gpu_context():
@@ -176,7 +253,7 @@ def test_lowers_for_cuda(dtype):
             .as_text()
         )
     assert text.count("triton") >= 1
-    assert "lora_shrink_expand" in text
+    assert ("lora_shrink_expand_split_both" if split else "lora_shrink_expand") in text
 
 
 @pytest.mark.parametrize("backend", ["pallas", "pallas_fused"])
