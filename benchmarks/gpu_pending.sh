@@ -1778,13 +1778,19 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--tb=line',
       --batches 64 --hinted-batches 64 --fused-batches 64 --rank 16 --prefill "" --no-sharded \
       --reps 3 --variants base,lora --out "$OUT/split59_tp/tp.json" ;;
   s59b)  # session 59: the split kernel's tiles (SplitTiles chunk_k:block_n:programs:warps,
-    # fewer and larger items a program), K = 32 layers in one jit beside the pair
+    # fewer and larger items a program), K = 32 layers in one jit beside the pair; then
+    # DESIGN §5's model with two of them under "pallas_fused"
     JAX_DEFAULT_MATMUL_PRECISION=highest step split59b_tests 110 python3 -P -m pytest -q \
       -p no:cacheprovider tests/kernels/test_shrink_expand_fused.py -m gpu -k "Split"
-    step split59b_sweep 200 python3 -P benchmarks/ops.py --timer wall --compile-budget 15 \
+    step split59b_sweep 130 python3 -P benchmarks/ops.py --timer wall --compile-budget 15 \
       --model 32 --split --split-tiles 512:256:132:4,1024:256:132:4,1024:512:132:4,1024:512:132:8,2048:512:66:4 \
-      --tokens 16,64,256 --hiddens 4096 --ranks 16 --adapters 8 --time-budget 170 \
-      --out "$OUT/split59b_sweep" ;;
+      --tokens 16,64 --hiddens 4096 --ranks 16 --adapters 8 --time-budget 110 \
+      --out "$OUT/split59b_sweep"
+    for t in 1024:512:132:4 2048:512:66:4; do
+      LORA_JAX_FUSED_SPLIT=$t step "split59b_tp_${t//:/_}" 90 python3 -P benchmarks/tp.py \
+        --tp 1 --batches 64 --hinted-batches 64 --fused-batches 64 --rank 16 --prefill "" \
+        --no-sharded --reps 3 --variants lora --out "$OUT/split59b_tp_${t//:/_}/tp.json"
+    done ;;
   s56b)  # session 56: the warp-specialized segment shrink with two WGMMA warpgroups (each a
     # 64-row half of 128-row tiles: MosaicTiles.compute_wgs) beside one, and the defaults
     # (session 57 ran ws56b_probe's 4096-token rows on an H200, run 5: ws 1-5 % slower)

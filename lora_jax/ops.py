@@ -71,10 +71,31 @@ from lora_jax.ops_xla import _within_rank as _within_rank
 from lora_jax.ops_xla import set_columns as set_columns
 
 BACKENDS = ("xla", "pallas", "pallas_fused")
-FUSED_SPLIT = os.environ.get("LORA_JAX_FUSED_SPLIT", "0") == "1"
+
+
+def _fused_split(value: str):
+    """``LORA_JAX_FUSED_SPLIT``: "0" (off), "1" (on, default tiles), or the tiles as
+    ``chunk_k:block_n:programs:num_warps``."""
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    from lora_jax.kernels.shrink_expand.pallas_triton_fused_split import SplitTiles
+
+    try:
+        chunk_k, block_n, programs, num_warps = (int(v) for v in value.split(":"))
+    except ValueError:
+        raise ValueError(
+            f"LORA_JAX_FUSED_SPLIT={value!r}: use 0, 1 or chunk_k:block_n:programs:num_warps"
+        ) from None
+    return SplitTiles(chunk_k=chunk_k, block_n=block_n, programs=programs, num_warps=num_warps)
+
+
+FUSED_SPLIT = _fused_split(os.environ.get("LORA_JAX_FUSED_SPLIT", "0"))
 """Whether "pallas_fused" runs the kernel that splits the shrink's hidden dim over the grid
-(`lora_shrink_expand(split=True)`: one launch with a grid-wide barrier) rather than the
-one that recomputes each block's shrink per column group."""
+(`lora_shrink_expand(split=True)`, or its `SplitTiles`: one launch with a grid-wide
+barrier) rather than the one that recomputes each block's shrink per column group.
+Opt-in: slower than the two-kernel pair at decode (benchmarks/RESULTS.md, session 59)."""
 # Below this many tokens (per shard) the GPU default is XLA: at decode a kernel call has a
 # floor of ~2.5-3 us of GPU time, and on an H200 XLA's gather einsum was still faster for
 # the shrink at 1-16 tokens and at 64 tokens with 64 adapters (benchmarks/RESULTS.md, ops,
