@@ -386,3 +386,18 @@ def test_layer_default_backend_on_gpu_matches_xla(monkeypatch, layout):
     ops.set_default_backend("xla")
     want = np.asarray(run(layer, x, mapping), np.float32)
     np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2)
+
+
+def test_fused_split_setting_is_parsed():
+    """``LORA_JAX_FUSED_SPLIT``: off, on with the default tiles, or tiles spelled out; a bad
+    value names the variable and what it takes."""
+    from lora_jax import ops
+
+    assert ops._fused_split("0") is False and ops._fused_split("") is False
+    assert ops._fused_split("1") is True
+    tiles = ops._fused_split("1024:512:66:8")
+    assert (tiles.chunk_k, tiles.block_n, tiles.programs, tiles.num_warps) == (1024, 512, 66, 8)
+    with pytest.raises(ValueError, match="LORA_JAX_FUSED_SPLIT='fast'"):
+        ops._fused_split("fast")
+    with pytest.raises(ValueError, match="chunk_k"):
+        ops._fused_split("100:512:66:8")  # not a multiple of block_k
