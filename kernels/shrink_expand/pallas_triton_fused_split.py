@@ -28,6 +28,13 @@ Interpret mode runs programs one after another, so a program waiting for the oth
 would wait forever: there (``split_phases``) the two halves run as two launches of the
 same kernel, the second reading the first's partials.
 
+Measured (H100, benchmarks/RESULTS.md, session 59): correct, but slower than the pair it
+would replace. 32 square 4096 layers at 64 tokens over 8 adapters, rank 16: 17.7 µs a
+layer against 13.9 (GPU busy 12.9 against 7.0: each program's items are chains of
+dependent loads, and the barrier waits for the slowest program); the Llama-shaped decode
+step over 8 adapters 12.6 ms against 9.9. So it is opt-in (`lora_shrink_expand(split=)`,
+``LORA_JAX_FUSED_SPLIT`` for the "pallas_fused" backend).
+
 Rows past a block's count repeat its last real token (same values to the same row),
 unmapped tokens form no live block, and rank columns past ``slot_ranks`` are masked on
 load, as in pallas_triton.py.
