@@ -1791,6 +1791,14 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--tb=line',
         --tp 1 --batches 64 --hinted-batches 64 --fused-batches 64 --rank 16 --prefill "" \
         --no-sharded --reps 3 --variants lora --out "$OUT/split59b_tp_${t//:/_}/tp.json"
     done ;;
+  s59c)  # session 59, the device budget's rest: s59b's tile sweep at 64 tokens only, then
+    # the chained-launch GPU test
+    step split59c_sweep 110 python3 -P benchmarks/ops.py --timer wall --compile-budget 15 \
+      --model 32 --split --split-tiles 1024:256:132:4,1024:512:132:4,2048:512:66:4,512:256:132:8 \
+      --tokens 64 --hiddens 4096 --ranks 16 --adapters 8 --time-budget 90 \
+      --out "$OUT/split59c_sweep"
+    JAX_DEFAULT_MATMUL_PRECISION=highest step split59c_tests 60 python3 -P -m pytest -q \
+      -p no:cacheprovider tests/kernels/test_shrink_expand_fused.py -m gpu -k "Split and repeated" ;;
   s56b)  # session 56: the warp-specialized segment shrink with two WGMMA warpgroups (each a
     # 64-row half of 128-row tiles: MosaicTiles.compute_wgs) beside one, and the defaults
     # (session 57 ran ws56b_probe's 4096-token rows on an H200, run 5: ws 1-5 % slower)
@@ -1900,7 +1908,7 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--tb=line',
     step tp2 560 python3 -P benchmarks/tp.py --tp 2 --batches 1,16,64,256 --reps 3 \
       --prefill 4x512 --out "$OUT/tp2/tp2.json" ;;
   *)
-    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 ws19 occ19 final19 decode19_e vr19_e floor20 floor20_x floor20_p floor20_t floor20_ts rect20 sweep_e20 mexp21 lib21 grid21 final21 rexp22 model22 split22 prof22 hlo22 final22 bar23 gaps23 gemmc23 final23 gapsat23 model23b conc24 conc24b conc24c delta24 moe24 fold25 exp25 model25 final25 pf26 pf26b pf26c pf26d pf26e pf26f card27a card27b card27c card27r sy28 ragged28 ev29 ev29b sw29 final29 nm30 nm30b kgpu30 fin30 k4k30 next30 ri31 ri31b ri31c k1k31 bm128_31 s32a s32b s32c s32d s32f s32g next32 s33a s33b s33c s33d s34a s34b s35a s35b s35c s35d s35e s35f r16c36 r16c36b s36c s36d s36e s37a s37b s37c s37d s37e s37f s38a s38b s38c s38d s38e s39a s39b s39c s39d s39e s39f s40a s40b s40c s40d s40e s40f s40g s41a s41b s41c s41d s41e s41f s41g s41h s41i s41j s41k s42a s42b s42c s42d s42e s42f s42g s43a s43b s43c s43d s43e s44a s44b s44c s44d s46a s47a s48a s49a s50a s50b s50c s51a s51b s51c s52a s52b s52c s52d s52e s53a s53b s54a s55a s55b s56a s56b s57a s59a s59b s51d bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
+    echo "unknown step $what; steps: tests decode decode_s n1 prefill sweep sweeps tiny tiles8 atomic atomic_p ragged r128 wide smem decode_x long narrow n1_r128 smem_e r128s n8 rows static16 static64 dense mid new9 expand_mid segments runs stream cap wide_long decode128 floor floor_e wide_expand_long ragged_e mrows stages6 mtiles mtiles_a mtiles_b host_tests host host_runs host_long sweep_e8 mtiles_c mtiles_d rows64 sweep_e16 e16b pallas_decode r16 split16 final14 r16_more onehot probe relaxed relaxed2 sweep15 final15 h8192_decode next16 ncu sweep16 vllm vllm_long vllm_expand_long vllm_wide vllm_runs decode17 ws19 occ19 final19 decode19_e vr19_e floor20 floor20_x floor20_p floor20_t floor20_ts rect20 sweep_e20 mexp21 lib21 grid21 final21 rexp22 model22 split22 prof22 hlo22 final22 bar23 gaps23 gemmc23 final23 gapsat23 model23b conc24 conc24b conc24c delta24 moe24 fold25 exp25 model25 final25 pf26 pf26b pf26c pf26d pf26e pf26f card27a card27b card27c card27r sy28 ragged28 ev29 ev29b sw29 final29 nm30 nm30b kgpu30 fin30 k4k30 next30 ri31 ri31b ri31c k1k31 bm128_31 s32a s32b s32c s32d s32f s32g next32 s33a s33b s33c s33d s34a s34b s35a s35b s35c s35d s35e s35f r16c36 r16c36b s36c s36d s36e s37a s37b s37c s37d s37e s37f s38a s38b s38c s38d s38e s39a s39b s39c s39d s39e s39f s40a s40b s40c s40d s40e s40f s40g s41a s41b s41c s41d s41e s41f s41g s41h s41i s41j s41k s42a s42b s42c s42d s42e s42f s42g s43a s43b s43c s43d s43e s44a s44b s44c s44d s46a s47a s48a s49a s50a s50b s50c s51a s51b s51c s52a s52b s52c s52d s52e s53a s53b s54a s55a s55b s56a s56b s57a s59a s59b s59c s51d bgmv18 bgmv18e pt18 final18 model18 final16 e512 mapping tp1 two" >&2
     exit 2 ;;
   esac
 done
