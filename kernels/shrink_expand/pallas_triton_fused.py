@@ -307,53 +307,27 @@ def lora_shrink_expand(
         return y
     if split:
         tiles = split if isinstance(split, SplitTiles) else SplitTiles(programs=num_sms())
-        tab = get_work_list(
-            work_lists,
-            slot_token_counts,
-            slot_token_starts,
-            sorted_token_ids,
-            block_m=tiles.block_m,
-        )
+        block_m = tiles.block_m
+    else:
+        if block_sizes is None:
+            block_sizes = BlockSizes.get_default(
+                "fused",
+                num_tokens=num_tokens,
+                hidden=hidden,
+                rank=rank,
+                out_features=max(b.shape[1] for b in lora_b),
+                num_slices=len(lora_b),
+            )
+        block_m = block_sizes.block_m
+    tab = get_work_list(
+        work_lists, slot_token_counts, slot_token_starts, sorted_token_ids, block_m=block_m
+    )
+    ranks = None if slot_ranks is None else slot_ranks.astype(jnp.int32)
+    common = dict(offsets=offsets, scale=float(scale), interpret=interpret)
+    if split:
         shrink_dtype, expand_dtype = _compute_dtypes(x, lora_a, lora_b, y)
         return shrink_expand_split(
-            x,
-            y,
-            lora_a,
-            lora_b,
-            tab,
-            None if slot_ranks is None else slot_ranks.astype(jnp.int32),
-            offsets=offsets,
-            scale=float(scale),
-            shrink_dtype=shrink_dtype,
-            expand_dtype=expand_dtype,
-            tiles=tiles,
-            interpret=interpret,
-        )
-    if block_sizes is None:
-        block_sizes = BlockSizes.get_default(
-            "fused",
-            num_tokens=num_tokens,
-            hidden=hidden,
-            rank=rank,
-            out_features=max(b.shape[1] for b in lora_b),
-            num_slices=len(lora_b),
-        )
-    tab = get_work_list(
-        work_lists,
-        slot_token_counts,
-        slot_token_starts,
-        sorted_token_ids,
-        block_m=block_sizes.block_m,
-    )
-    return shrink_expand(
-        x,
-        y,
-        lora_a,
-        lora_b,
-        tab,
-        None if slot_ranks is None else slot_ranks.astype(jnp.int32),
-        offsets=offsets,
-        scale=float(scale),
-        bs=block_sizes,
-        interpret=interpret,
-    )
+            x, y, lora_a, lora_b, tab, ranks, shrink_dtype=shrink_dtype,
+            expand_dtype=expand_dtype, tiles=tiles, **common,
+        )  # fmt: skip
+    return shrink_expand(x, y, lora_a, lora_b, tab, ranks, bs=block_sizes, **common)
