@@ -119,6 +119,63 @@ def test_writing_a_slot_leaves_other_slots_bit_identical(kind):
     assert not np.allclose(after[~untouched], before[~untouched])
 
 
+@pytest.mark.parametrize("kind", ["merged_qkv", "row_sharded"])
+def test_eager_calls_on_a_mesh_compile_once_and_read_the_current_weights(monkeypatch, kind):
+    """Outside a jit each call's shard_map is a fresh closure: its program is compiled once
+    and found again by what it computes, while a new mapping and a newly written adapter
+    (arguments, not constants) are read at every call."""
+    from layer_cases import KIND_BY_NAME, random_adapter
+
+    compiles = []
+    real = jax.stages.Lowered.compile
+    monkeypatch.setattr(
+        jax.stages.Lowered,
+        "compile",
+        lambda self, *a, **k: compiles.append(1) or real(self, *a, **k),
+    )
+    layer, weights, adapters = build(
+        KIND_BY_NAME[kind], lj.ShardingRules(make_mesh(1, 2)), adapters=ADAPTERS
+    )
+    x = _inputs(layer, jnp.float32)
+    rtol, atol = TOL[jnp.float32]
+    lj.set_lora_mapping(layer, jnp.asarray(IDX))
+    y = layer(x)
+    first = len(compiles)
+    assert first >= 1
+    np.testing.assert_allclose(
+        logical_output(layer, y),
+        dense_reference(layer, weights, adapters, x, IDX),
+        rtol=rtol,
+        atol=atol,
+    )
+    # a new adapter in slot 2, and a new token -> slot mix
+    adapters[2] = random_adapter(layer, 16, seed=7)
+    layer.set_lora(2, adapters[2].a, adapters[2].b)
+    idx = np.roll(IDX, 5)
+    lj.set_lora_mapping(layer, jnp.asarray(idx))
+    y = layer(x)
+    assert len(compiles) == first
+    np.testing.assert_allclose(
+        logical_output(layer, y),
+        dense_reference(layer, weights, adapters, x, idx),
+        rtol=rtol,
+        atol=atol,
+    )
+    jitted = forward(layer, x, jnp.asarray(idx))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(jitted), rtol=1e-6, atol=1e-6)
+
+
+def test_an_eager_shard_map_closing_over_a_large_array_reads_its_values():
+    """jax >= 0.12 lowers a large closed-over array as an argument of the program (its text
+    then does not hold the values): such a program is not reused with stale values."""
+    rules = lj.ShardingRules(make_mesh(1, 2))
+    x = jnp.zeros((8, 1 << 15), jnp.float32)
+    for v in (1.0, 2.0):
+        c = jnp.full(x.shape, v)
+        f = lj.sharding.shard_map(rules, lambda x, c=c: x + c, ((None, None),), (None, None))
+        np.testing.assert_array_equal(np.asarray(f(x)), np.full(x.shape, v, np.float32))
+
+
 @pytest.mark.parametrize(
     "tokens,want", [(512, "all"), pytest.param(200, None, marks=pytest.mark.slow)]
 )
