@@ -165,15 +165,42 @@ def test_eager_calls_on_a_mesh_compile_once_and_read_the_current_weights(monkeyp
     np.testing.assert_allclose(np.asarray(y), np.asarray(jitted), rtol=1e-6, atol=1e-6)
 
 
-def test_an_eager_shard_map_closing_over_a_large_array_reads_its_values():
-    """jax >= 0.12 lowers a large closed-over array as an argument of the program (its text
-    then does not hold the values): such a program is not reused with stale values."""
+def test_eager_shard_maps_on_two_meshes_of_one_shape_run_on_their_own_devices():
+    """The lowered text names devices by position only: a program compiled for a mesh
+    over devices 0, 1 is not reused for the same shape over devices 2, 3 (or 1, 0)."""
+    if jax.device_count() < 4:
+        pytest.skip(f"needs 4 devices, {jax.device_count()} visible")
+    devs = jax.devices()
+    x = np.arange(32.0, dtype=np.float32).reshape(4, 8)
+    for ds in ([devs[0], devs[1]], [devs[2], devs[3]], [devs[1], devs[0]]):
+        mesh = jax.make_mesh((1, 2), ("dp", "tp"), devices=ds)
+        rules = lj.ShardingRules(mesh)
+        xs = jax.device_put(x, rules.named(None, "tensor"))
+        f = lj.sharding.shard_map(rules, lambda x: x * 2, ((None, "tensor"),), (None, "tensor"))
+        y = f(xs)
+        assert y.sharding.device_set == set(ds)
+        np.testing.assert_array_equal(np.asarray(y), 2 * x)
+
+
+def test_an_eager_shard_map_is_not_reused_where_its_text_misses_what_it_closes_over():
+    """jax >= 0.12 lowers a large closed-over array as an argument of the program, and a
+    host callback is named by a handle of this call's closure: the text holds neither, so
+    such programs are not reused (stale values, the old callback)."""
     rules = lj.ShardingRules(make_mesh(1, 2))
     x = jnp.zeros((8, 1 << 15), jnp.float32)
+    seen = []
     for v in (1.0, 2.0):
         c = jnp.full(x.shape, v)
         f = lj.sharding.shard_map(rules, lambda x, c=c: x + c, ((None, None),), (None, None))
         np.testing.assert_array_equal(np.asarray(f(x)), np.full(x.shape, v, np.float32))
+
+        def body(x, v=v):
+            jax.debug.callback(lambda: seen.append(v))
+            return x + 1
+
+        lj.sharding.shard_map(rules, body, ((None, "tensor"),), (None, "tensor"))(x[:, :16])
+        jax.effects_barrier()
+    assert seen == [1.0, 1.0, 2.0, 2.0]  # once a shard
 
 
 @pytest.mark.parametrize(
