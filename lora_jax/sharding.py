@@ -204,6 +204,13 @@ _EAGER_PROGRAMS_MAX = 512
 _NOT_IN_TEXT = re.compile(r"jax\.const|custom_call @\w*callback")
 
 
+def _leaf_key(a) -> tuple:
+    """What the text misses of an argument: its devices, its weak type, a Python scalar."""
+    if isinstance(a, jax.Array):
+        return (tuple(sorted(d.id for d in a.sharding.device_set)), a.weak_type)
+    return (type(a).__name__,)
+
+
 def _run_eagerly(run, args, mesh: Mesh):
     """`jax.jit(run)(*args)`, compiling only programs not met before.
 
@@ -225,10 +232,7 @@ def _run_eagerly(run, args, mesh: Mesh):
         str(lowered.out_tree),
         str(lowered.out_info),
         tuple(d.id for d in mesh.devices.flat),
-        tuple(
-            tuple(sorted(d.id for d in a.sharding.device_set)) if isinstance(a, jax.Array) else None
-            for a in jax.tree.leaves(args)
-        ),
+        tuple(map(_leaf_key, jax.tree.leaves(args))),
     )
     compiled = _EAGER_PROGRAMS.get(key)
     if compiled is None:
