@@ -274,10 +274,25 @@ def test_mapping_benchmark_times_each_token_count(tmp_path):
     import mapping
 
     out = tmp_path / "mapping.json"
-    mapping.main(["--tokens", "16,40", "--calls", "3", "--out", str(out)])
+    mapping.main(["--tokens", "16,40", "--calls", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [r["tokens"] for r in rows] == [16, 40]
     assert all(r["eager_ms"] > 0 and r["dispatch_ms"] > 0 for r in rows)
+
+
+def test_eager_mesh_benchmark_reuses_its_programs(tmp_path):
+    """benchmarks/eager_mesh.py: each eager call checked against the jitted step inside the
+    script; with the cache, calls after the first compile no new program."""
+    import eager_mesh
+
+    out = tmp_path / "eager.json"
+    eager_mesh.main(["--tp", "2", "--layers", "1", "--calls", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    cached = [r for r in rows if r["cache"]]
+    assert [r["call"] for r in cached] == [0, 1]
+    assert cached[0]["programs"] > 0
+    assert {r["programs"] for r in cached} == {cached[0]["programs"]}
+    assert all(r["programs"] == cached[0]["programs"] for r in rows if not r["cache"])
 
 
 @pytest.mark.slow  # ~15 s of interpret-mode kernels
