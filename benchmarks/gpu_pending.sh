@@ -1791,6 +1791,24 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--tb=line',
         --tp 1 --batches 64 --hinted-batches 64 --fused-batches 64 --rank 16 --prefill "" \
         --no-sharded --reps 3 --variants lora --out "$OUT/split59b_tp_${t//:/_}/tp.json"
     done ;;
+  s61a)  # owed from session 60: eager forwards on a (one-device) mesh with the kept
+    # programs, on the GPU: XLA's ops, then the Pallas kernels at 64 tokens
+    JAX_DEFAULT_MATMUL_PRECISION=highest step eager61 150 python3 -P benchmarks/eager_mesh.py \
+      --tp 1 --calls 4 --out "$OUT/eager61/eager.json"
+    LORA_JAX_OPS_BACKEND=pallas JAX_DEFAULT_MATMUL_PRECISION=highest step eager61p 200 \
+      python3 -P benchmarks/eager_mesh.py --tp 1 --tokens 64 --calls 4 \
+      --out "$OUT/eager61p/eager.json"
+    # does XLA's PDL (on by default in jaxlib 0.11.2) hide the decode pair's launch gaps?
+    # the same 32 layers with it on (default) and off, wall and busy time
+    for pdl in on off; do
+      flags=""; [ "$pdl" = off ] && flags="--xla_gpu_enable_pdl=false"
+      for timer in wall trace; do
+        XLA_FLAGS="$flags" step "pdl61_${pdl}_${timer}" 120 python3 -P benchmarks/ops.py \
+          --timer "$timer" --compile-budget 15 --model 32 --tokens 16,64 --hiddens 4096 \
+          --ranks 16 --adapters 8 --impls ours,gather --time-budget 100 \
+          --out "$OUT/pdl61_${pdl}_${timer}"
+      done
+    done ;;
   s59c)  # session 59, the device budget's rest: s59b's tile sweep at 64 tokens only, then
     # the chained-launch GPU test
     step split59c_sweep 110 python3 -P benchmarks/ops.py --timer wall --compile-budget 15 \
