@@ -1791,6 +1791,14 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--tb=line',
         --tp 1 --batches 64 --hinted-batches 64 --fused-batches 64 --rank 16 --prefill "" \
         --no-sharded --reps 3 --variants lora --out "$OUT/split59b_tp_${t//:/_}/tp.json"
     done ;;
+  s61b)  # session 61: DESIGN 5's decode step with XLA's PDL off (--xla_gpu_enable_pdl=false)
+    # and on (jaxlib 0.11.2's default), base and LoRA
+    for pdl in off on; do
+      flags=""; [ "$pdl" = off ] && flags="--xla_gpu_enable_pdl=false"
+      XLA_FLAGS="$flags" step "tp61_$pdl" 270 python3 -P benchmarks/tp.py --tp 1 --batches 64 \
+        --hinted-batches 64 --rank 16 --prefill "" --no-sharded --reps 3 --variants base,lora \
+        --out "$OUT/tp61_$pdl/tp.json"
+    done ;;
   s61a)  # owed from session 60: eager forwards on a (one-device) mesh with the kept
     # programs, on the GPU: XLA's ops, then the Pallas kernels at 64 tokens
     JAX_DEFAULT_MATMUL_PRECISION=highest step eager61 150 python3 -P benchmarks/eager_mesh.py \

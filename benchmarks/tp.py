@@ -412,6 +412,7 @@ def main(argv=None):
         del model
     report(rows)
     if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(dict(device=str(jax.devices()[0]), argv=sys.argv, rows=rows), f, indent=1)
 
