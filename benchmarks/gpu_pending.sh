@@ -1791,6 +1791,21 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--tb=line',
         --tp 1 --batches 64 --hinted-batches 64 --fused-batches 64 --rank 16 --prefill "" \
         --no-sharded --reps 3 --variants lora --out "$OUT/split59b_tp_${t//:/_}/tp.json"
     done ;;
+  s62a)  # session 62, an H200 only (an H100 ran both parts before): DESIGN 5's decode step
+    # on the current code (the H200's last figure is session 46's), then s56b's rows that
+    # session 57's H200 run left out (1024 and 8192 tokens)
+    if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      echo "== s62a: not an H200 ($(nvidia-smi --query-gpu=name --format=csv,noheader)), skipped"
+      continue
+    fi
+    step tp62 270 python3 -P benchmarks/tp.py --tp 1 --batches 64 --hinted-batches 64 \
+      --rank 16 --prefill "" --no-sharded --reps 3 --variants base,lora --out "$OUT/tp62/tp.json"
+    step ws62_probe 150 python3 -P benchmarks/mosaic_probe.py --tokens 1024 --ranks 128,64 \
+      --layouts one,even8 --impls mosaic,hinted \
+      --variants 64:0:0:0,128:0:0:0,128:0:0:0:1,128:0:0:0:2 --out "$OUT/ws62_probe/probe.json"
+    step ws62_long 100 python3 -P benchmarks/mosaic_probe.py --tokens 8192 --ranks 128 \
+      --layouts one --impls mosaic,hinted --variants 128:0:0:0,128:0:0:0:2 \
+      --out "$OUT/ws62_long/probe.json" ;;
   s61b)  # session 61: DESIGN 5's decode step with XLA's PDL off (--xla_gpu_enable_pdl=false)
     # and on (jaxlib 0.11.2's default), base and LoRA
     for pdl in off on; do
