@@ -259,6 +259,61 @@ def test_merge_matches_lora_path_and_unmerge_restores(hf):
     )
 
 
+def test_activated_lora_matches_peft_s_alora(hf, tmp_path):
+    """An activated LoRA (PEFT's `alora_invocation_tokens`) beside a plain adapter and the
+    base: PEFT's mixed-batch forward (which finds each row's last invocation) and greedy
+    generate, against the manager's slots and starts as per-token slots and in `generate`.
+    Row 0 holds the sequence twice (the last counts), row 1 at position 0, row 2 not at all
+    (the base model throughout), row 3 with the plain adapter (no start)."""
+    from lora_jax.serving.alora import token_slots
+    from lora_jax.serving.generate import generate
+
+    _, base_dir, dirs, _ = hf
+    invoke = [5, 9]
+    spec = dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+        alora_invocation_tokens=invoke,
+    )
+    d = _make_adapter(base_dir, "D", spec, str(tmp_path / "D"), seed=7)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(base, d, adapter_name="D")
+    pm.load_adapter(dirs["A"], adapter_name="A")
+    pm.eval()
+    model, mgr = _serve(base_dir)
+    paths = {"D": d, "A": dirs["A"]}
+    ids_of = {a.name: a.id for a in mgr.load_adapters(paths, activate=True, progress=False)}
+    ids = _ids(seed=9, shape=(5, S))
+    ids[ids == 9] = 10  # only the planted occurrences
+    ids[0, 1:3] = ids[0, 4:6] = invoke
+    ids[1, 0:2] = ids[3, 2:4] = invoke
+    names = ["D", "D", "D", "A", "__base__"]
+    slots, starts = mgr.adapter_starts([ids_of.get(n) for n in names], ids)
+    assert starts.tolist() == [4, 0, 0, 0, 0] and slots[2] == -1 and slots[0] == slots[1] >= 0
+    want = _hf_logits(pm, ids, names)
+    got = _forward(model, jnp.asarray(ids), jnp.asarray(token_slots(slots, starts, S)))
+    np.testing.assert_allclose(np.asarray(got), want, **TOL)
+    # PEFT's aLoRA is the base model before the start and not after it (the oracle can fail)
+    base_logits = _hf_logits(pm, ids, ["__base__"] * 5)
+    np.testing.assert_allclose(want[0, :4], base_logits[0, :4], **TOL)
+    np.testing.assert_allclose(want[2], base_logits[2], **TOL)
+    assert np.abs(want[0, 4:] - base_logits[0, 4:]).max() > 1e-2
+    steps = 6
+    with torch.no_grad():
+        out = pm.generate(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            attention_mask=torch.ones(ids.shape, dtype=torch.long),
+            adapter_names=names,
+            max_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    want_tokens = out[:, S:].numpy().tolist()
+    result = generate(model, ids.tolist(), slots, adapter_starts=starts, max_new_tokens=steps)
+    assert result.tokens == want_tokens
+
+
 def test_tensors_the_config_does_not_target_are_ignored_as_peft_does(hf, tmp_path):
     """Adapter A's file (q, k, v, o) under a config that excludes o_proj: PEFT makes no
     o_proj LoRA and ignores those tensors; so does lora_jax (with a warning)."""

@@ -413,7 +413,6 @@ BAD_CONFIGS = {
     "layers_to_transform_bool": ({"layers_to_transform": [True]}, "an int or a list of ints"),
     "layers_pattern": ({"layers_pattern": 3}, "layers_pattern=3 must be a string"),
     "trainable_tokens": ({"trainable_token_indices": [3, 7]}, "trainable_token_indices"),
-    "alora": ({"alora_invocation_tokens": [5, 9]}, "aLoRA"),
     "qalora": ({"use_qalora": True}, "QALoRA"),
     "layer_replication": ({"layer_replication": [[0, 2], [1, 2]]}, "layer replication"),
     "arrow": ({"arrow_config": {"top_k": 2}}, "Arrow"),

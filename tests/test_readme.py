@@ -45,6 +45,17 @@ def test_readme_example_serves_a_mixed_batch(capsys):
     assert base[0] != tokens[0] or base[1] != tokens[1]
 
 
+def test_readme_alora_example_runs_after_the_quick_start(capsys):
+    ns: dict = {}
+    exec(compile(_block("LRUCacheLoRAModelManager"), "README.md:example", "exec"), ns)
+    exec(compile(_block("alora_invocation_tokens=[5, 9]"), "README.md:alora", "exec"), ns)
+    slots, starts, out = ns["slots"], ns["starts"], ns["out"]
+    assert starts.tolist() == [1, 0, 0] and slots.tolist()[1:] == [-1, -1] and slots[0] >= 0
+    base = ns["generate"](ns["model"], ns["prompts"], [-1] * 3, max_new_tokens=5).tokens
+    # the prompt that lacks the invocation runs the base model; the invoked one does not
+    assert out.tokens[1] == base[1] and out.tokens[0] != base[0]
+
+
 def test_readme_mesh_example_runs():
     if len(jax.devices()) < 8:
         pytest.skip("the mesh example needs 8 devices (tests/conftest.py simulates 8 on CPU)")

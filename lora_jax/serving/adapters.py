@@ -51,6 +51,9 @@ class LoRAAdapter:
     rank: int
     modules: Mapping[str, ModuleLoRA]
     source: str = ""
+    invocation_tokens: tuple[int, ...] | None = None
+    """An activated LoRA's (aLoRA's) invocation sequence, else None: its requests use it
+    only from the sequence's last occurrence in the prompt on (`lora_jax.serving.alora`)."""
 
     def get_lora(self, module: str) -> ModuleLoRA | None:
         return self.modules.get(module)

@@ -4,10 +4,12 @@
 prompts to power-of-two buckets, runs one jitted prefill (all prompt tokens, right
 padded) and one jitted decode loop (`lax.while_loop`, one token per request per step,
 stopping early when every request hit `eos_token_id`). Each token's adapter slot is its
-request's; the step sets it with `set_lora_mapping(model, token_slots[B*S],
+request's (from `adapter_starts[i]` on: an activated LoRA's invocation start,
+`lora_jax.serving.alora`); the step sets it with `set_lora_mapping(model, token_slots[B*S],
 seq_lora_indices=slots[B])` inside the jit, so a new adapter, a new mix of adapters or new
 prompts in the same buckets never recompile: compiles happen once per
-(batch bucket, prompt bucket, new-token bucket, sampling mode), and on a GPU the decode
+(batch bucket, prompt bucket, new-token bucket, sampling mode; the prefill once more for
+batches with a start inside a prompt), and on a GPU the decode
 loop once per tokens-per-slot hint (`decode_hint`: the `TOKENS_PER_SLOT` bucket of the
 requests' slots, 1, 2, 64 or 0 below 257 requests).
 
@@ -82,6 +84,7 @@ def generate(
     min_batch_bucket: int = 1,
     min_prompt_bucket: int = 16,
     cache_dtype=None,
+    adapter_starts: Sequence[int] | None = None,
 ) -> GenerationResult:
     """Generates up to `max_new_tokens` per prompt, request i with adapter slot
     `adapter_slots[i]` (-1 = base model).
@@ -96,6 +99,9 @@ def generate(
         list stops at any of them (HF configs such as Llama 3's give several).
       min_batch_bucket / min_prompt_bucket: lower bounds of the power-of-two buckets.
       cache_dtype: KV cache dtype; defaults to the model's compute dtype.
+      adapter_starts: per request, the first prompt position whose token uses the
+        request's adapter (the earlier ones run the base model): an activated LoRA's
+        invocation start, which `LoRAModelManager.adapter_starts` finds; `None` = all 0.
 
     Example:
         >>> out = generate(model, [[1, 2], [3]], [0, -1], max_new_tokens=8)  # doctest: +SKIP
@@ -117,6 +123,7 @@ def generate(
         min_batch_bucket=min_batch_bucket,
         min_prompt_bucket=min_prompt_bucket,
         cache_dtype=cache_dtype,
+        adapter_starts=adapter_starts,
     )
 
 
@@ -201,8 +208,10 @@ class Generator:
                 [(p, shell.replace(value=v)) for (p, shell), v in zip(shells, values)]
             )
 
-        def prefill(values, cache, *args, mode, ops_state):
-            return _prefill_fn(graphdef, state_of(values), cache, *args, mode=mode)
+        def prefill(values, cache, *args, mode, ops_state, activated):
+            return _prefill_fn(
+                graphdef, state_of(values), cache, *args, mode=mode, activated=activated
+            )
 
         def decode(values, cache, *args, mode, new_bucket, tokens_per_slot, ops_state):
             return _decode_fn(
@@ -211,7 +220,9 @@ class Generator:
             )  # fmt: skip
 
         self._prefill = jax.jit(
-            prefill, static_argnames=("mode", "ops_state"), donate_argnames=("cache",)
+            prefill,
+            static_argnames=("mode", "ops_state", "activated"),
+            donate_argnames=("cache",),
         )
         # one decode jit per `decode_compiler_options()` value, made when first needed
         self._decode_step, self._decodes = decode, {}
@@ -237,6 +248,7 @@ class Generator:
         min_batch_bucket: int = 1,
         min_prompt_bucket: int = 16,
         cache_dtype=None,
+        adapter_starts: Sequence[int] | None = None,
     ) -> GenerationResult:
         """As `generate(model, ...)`, for this generator's model."""
         if wrap.graph_edits() != self._graph_edits:
@@ -256,4 +268,5 @@ class Generator:
             min_batch_bucket=min_batch_bucket,
             min_prompt_bucket=min_prompt_bucket,
             cache_dtype=cache_dtype,
+            adapter_starts=adapter_starts,
         )

@@ -21,6 +21,7 @@ from lora_jax.serving.generate_inputs import (
     EOS_BUCKET,
     _check_inputs,
     _sampling_params,
+    _starts,
     bucket,
     decode_hint,
 )
@@ -60,8 +61,10 @@ def _generate(
     min_batch_bucket,
     min_prompt_bucket,
     cache_dtype,
+    adapter_starts=None,
 ) -> GenerationResult:
-    """`generate`'s steps around ``prefill(cache, ids, *common, mode)`` and ``decode(cache,
+    """`generate`'s steps around ``prefill(cache, ids, starts, *common, mode, activated)`` and
+    ``decode(cache,
     first, *common, active, max_new, eos, mode, new_bucket, tokens_per_slot)`` (the jitted
     steps bound to one model's graph and state)."""
     sampling = _sampling_params(sampling)
@@ -80,6 +83,7 @@ def _generate(
     clean, slots, eos_ids = _check_inputs(
         model, max_loras, prompts, adapter_slots, max_new_tokens, eos_token_id
     )
+    starts = _starts(adapter_starts, clean)
     if merged is not None and any(s >= 0 for s in slots):
         # the merged kernels already carry that adapter: a LoRA slot would add it twice
         raise ValueError(
@@ -104,15 +108,20 @@ def _generate(
         lengths[i] = len(p)
     slot_arr = np.full((B,), -1, np.int32)
     slot_arr[:n] = slots
+    start_arr = np.zeros((B,), np.int32)
+    start_arr[:n] = starts
+    # an activated LoRA's rows switch from the base to the adapter inside the prompt
+    activated = any(st > 0 and sl >= 0 for st, sl in zip(starts, slots))
     hint = decode_hint(max_loras, slot_arr)
     row_ids = np.arange(B, dtype=np.int32)
     b = cache_batch_axis(rules, B)
     put = lambda x, *ax: rules.place(jnp.asarray(x), *ax)  # noqa: E731
-    ids, lengths, slot_arr, row_ids = (
+    ids, lengths, slot_arr, row_ids, start_arr = (
         put(ids, b, None),
         put(lengths, b),
         put(slot_arr, b),
         put(row_ids, b),
+        put(start_arr, b),
     )
     if cache_dtype is None:
         cache_dtype = getattr(model, "dtype", None) or jnp.float32
@@ -122,7 +131,9 @@ def _generate(
     top_p = jnp.float32(sampling.top_p)
     common = (lengths, slot_arr, row_ids, key, temperature, top_p)
     ops_state = ops.dispatch_state()  # a new backend setting compiles anew
-    first, cache = prefill(cache, ids, *common, mode=sampling.mode, ops_state=ops_state)
+    first, cache = prefill(
+        cache, ids, start_arr, *common, mode=sampling.mode, ops_state=ops_state, activated=activated
+    )
     if max_new_tokens == 1:
         out = first[:, None]
     else:

@@ -2,10 +2,10 @@
 
 `_check_inputs` turns prompts, adapter slots, `max_new_tokens` and `eos_token_id` into
 int32 token arrays, int slots and a tuple of eos ids, with an error naming the offending
-request; `_sampling_params` accepts `SamplingParams` or a dict of its fields. `bucket`
-rounds the batch, prompt, new-token and eos-id counts up to the powers of two the jitted
-steps compile for, and `decode_hint` picks the decode loop's tokens-per-slot hint from the
-requests' slots.
+request, and `_starts` the requests' adapter starts (aLoRA) into ints; `_sampling_params`
+accepts `SamplingParams` or a dict of its fields. `bucket` rounds the batch, prompt,
+new-token and eos-id counts up to the powers of two the jitted steps compile for, and
+`decode_hint` picks the decode loop's tokens-per-slot hint from the requests' slots.
 """
 
 from __future__ import annotations
@@ -102,6 +102,29 @@ def _check_inputs(model, max_loras, prompts, adapter_slots, max_new_tokens, eos_
     ):
         raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     return clean, slots, _eos_ids(eos_token_id, vocab)
+
+
+def _starts(adapter_starts, prompts: list[np.ndarray]) -> list[int]:
+    """Per request, the first prompt position whose token uses the request's adapter (an
+    activated LoRA's invocation start, `lora_jax.serving.alora`); 0 for all when None."""
+    if adapter_starts is None:
+        return [0] * len(prompts)
+    starts = list(adapter_starts)
+    if len(starts) != len(prompts):
+        raise ValueError(f"generate: {len(prompts)} prompts but {len(starts)} adapter_starts")
+    for i, (s, p) in enumerate(zip(starts, prompts)):
+        if isinstance(s, jax.Array) and s.ndim == 0:
+            s = starts[i] = s.item()  # a concrete jax scalar (from a start vector)
+        if (
+            isinstance(s, bool | np.bool_)
+            or not isinstance(s, int | np.integer)
+            or not 0 <= s < len(p)
+        ):
+            raise ValueError(
+                f"generate: adapter_starts[{i}]={s!r} must be an int in [0, {len(p)}) (prompt "
+                f"{i}'s length: its last token and every generated token use its adapter)"
+            )
+    return [int(s) for s in starts]
 
 
 def _sampling_params(sampling) -> SamplingParams:

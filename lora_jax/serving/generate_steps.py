@@ -72,6 +72,7 @@ def _prefill_fn(
     state,
     cache,
     ids,
+    starts,
     lengths,
     slots,
     row_ids,
@@ -81,6 +82,7 @@ def _prefill_fn(
     *,
     mode,
     ops_state=None,  # `ops.dispatch_state()`: a static key only
+    activated=False,
 ):
     TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
@@ -95,6 +97,12 @@ def _prefill_fn(
     # jnp.repeat refuses a batch-sharded operand without an `out_sharding` (the mapping
     # wants the tokens unsharded anyway).
     token_slots = jnp.repeat(unshard(slots), S)  # [B*S]
+    if activated:
+        # An activated LoRA (`lora_jax.serving.alora`): row b's tokens before starts[b] run
+        # the base model. Rows then change slot inside a tile: the kernels find the tiles.
+        from_start = positions.reshape(-1) >= jnp.repeat(unshard(starts), S)
+        token_slots = jnp.where(from_start, token_slots, -1)
+        tiles = whole = None
     _set_mapping(model, token_slots, slots, is_prefill=True, prompt_tiles=tiles, whole_tiles=whole)
     mask = positions < lengths[:, None]
     hidden, cache = model.model(ids, positions, cache, attention_mask=mask, flat=True)
@@ -159,7 +167,9 @@ def _decode_fn(
 
 
 _prefill = jax.jit(
-    _prefill_fn, static_argnames=("graphdef", "mode", "ops_state"), donate_argnames=("cache",)
+    _prefill_fn,
+    static_argnames=("graphdef", "mode", "ops_state", "activated"),
+    donate_argnames=("cache",),
 )
 
 

@@ -45,7 +45,12 @@ def _check_id(aid, what: str, note: str = "0 / None mean no adapter") -> None:
 
 def _same_adapter(a: LoRAAdapter, b: LoRAAdapter) -> bool:
     """Equal name, source and weights (the same adapter loaded twice)."""
-    if (a.name, a.source, sorted(a.modules)) != (b.name, b.source, sorted(b.modules)):
+    if (a.name, a.source, sorted(a.modules), a.invocation_tokens) != (
+        b.name,
+        b.source,
+        sorted(b.modules),
+        b.invocation_tokens,
+    ):
         return False
     for name, ma in a.modules.items():
         mb = b.modules[name]

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from lora_jax.serving.alora import invocation_start
 from lora_jax.serving.manager_caches import _keys, _peek
 from lora_jax.serving.manager_request import LoRARequest, _check_id
 from lora_jax.serving.peft import LoRAAdapter
@@ -89,6 +90,45 @@ class _WorkerMixin:
             )
         counts = np.broadcast_to(counts.astype(np.int64), out.shape)
         return np.repeat(out, counts).astype(np.int32)
+
+    def adapter_starts(
+        self,
+        request_adapter_ids: Sequence[int | LoRARequest | LoRAAdapter | None],
+        prompts: Sequence[Sequence[int]],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Slot and adapter start per request (int32 each), for `generate(model, prompts,
+        slots, adapter_starts=starts)`: an activated LoRA (`LoRAAdapter.invocation_tokens`)
+        acts from the last occurrence of its invocation sequence in the prompt on, and a
+        request whose prompt lacks it gets slot -1 (the base model throughout, as PEFT
+        serves it); every other request starts at 0 (`lora_jax.serving.alora`).
+
+        Example:
+            >>> slots, starts = mgr.adapter_starts([7, None], [[1, 5, 9, 2], [3]])  # doctest: +SKIP
+            >>> starts.tolist()  # adapter 7 is invoked by [5, 9]  # doctest: +SKIP
+            [1, 0]
+        """
+        slots = self.token_mapping(request_adapter_ids)
+        if len(prompts) != len(slots):
+            raise ValueError(
+                f"adapter_starts: {len(slots)} requests but {len(prompts)} prompts; give one "
+                "prompt per request"
+            )
+        starts = np.zeros(len(slots), np.int32)
+        for i, (slot, prompt) in enumerate(zip(slots, prompts)):
+            p = np.asarray(prompt)
+            if p.ndim != 1 or (p.size and not np.issubdtype(p.dtype, np.integer)):
+                raise ValueError(f"adapter_starts: prompt {i} must be a sequence of token ids")
+            if slot < 0:
+                continue
+            adapter = _peek(self._registered_adapters, self.lora_index_to_id[slot])
+            if adapter.invocation_tokens is None:
+                continue
+            start = invocation_start(p, adapter.invocation_tokens)
+            if start is None:
+                slots[i] = -1
+            else:
+                starts[i] = start
+        return slots, starts
 
     def set_active_adapters(self, requests: Iterable[int | LoRAAdapter | LoRARequest | None]):
         """Worker-style: make exactly the requested adapters usable in the next step.

@@ -5,7 +5,7 @@ like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (`[r, in]`
 `....lora_B.weight` (`[out, r]`); embeddings use `lora_embedding_A` (`[r, V]`) and
 `lora_embedding_B` (`[D, r]`). Loading:
 
-1. reads the config and refuses what cannot be served exactly (DoRA, aLoRA, QALoRA,
+1. reads the config and refuses what cannot be served exactly (DoRA, QALoRA,
    `modules_to_save`, LoRA bias, layer replication, initialisations that
    changed the base weights such as PiSSA / OLoRA / LoftQ) or what PEFT refuses; a null
    `target_modules` is PEFT's default for the model's type (`q_proj`, `v_proj` for the
@@ -39,7 +39,9 @@ like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (`[r, in]`
    `k` with `re.match(rf"(.*\\.)?({k})$", name)`. A tied lm_head under `ensure_weight_tying`
    shares the embedding's factors in PEFT: its rank is the embedding's, its scaling its own.
 
-Ranks stay as in the file; zero-padding to `max_lora_rank` happens at the slot write.
+Ranks stay as in the file; zero-padding to `max_lora_rank` happens at the slot write. An
+activated LoRA (`alora_invocation_tokens`) keeps its invocation sequence on the adapter
+(`LoRAAdapter.invocation_tokens`; `lora_jax.serving.alora` says how it is served).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from lora_jax.config import LoRAConfig
 from lora_jax.layers import VocabParallelEmbeddingWithLoRA
 from lora_jax.serving.adapters import LoRAAdapter as LoRAAdapter
 from lora_jax.serving.adapters import ModuleLoRA as ModuleLoRA
+from lora_jax.serving.alora import check_alora_modules
 from lora_jax.serving.peft_config import ALL_LINEAR
 from lora_jax.serving.peft_config import CONFIG_NAME as CONFIG_NAME
 from lora_jax.serving.peft_config import EXPERT_PARAMS as EXPERT_PARAMS
@@ -295,6 +298,8 @@ def adapter_from_tensors(
             modules[ln] = m
     for ln, found in per_expert.items():
         modules[ln] = per_expert_lora(layers[ln], ln, found, cfg, lora_config, source)
+    if cfg.alora_invocation_tokens is not None:
+        check_alora_modules(cfg, modules, layers, set(expert_keys), source)
     R = lora_config.max_lora_rank
     for ln, m in modules.items():
         if m.rank > R:  # only ranks of served modules: PEFT loads any rank_pattern
@@ -326,4 +331,11 @@ def adapter_from_tensors(
     if not modules:
         raise ValueError(f"{source}: no LoRA tensors for a module {cfg.source} targets")
     rank = max(m.rank for m in modules.values())
-    return LoRAAdapter(id=int(adapter_id), name=name, rank=rank, modules=modules, source=source)
+    return LoRAAdapter(
+        id=int(adapter_id),
+        name=name,
+        rank=rank,
+        modules=modules,
+        source=source,
+        invocation_tokens=cfg.alora_invocation_tokens,
+    )

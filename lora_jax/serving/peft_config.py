@@ -123,6 +123,9 @@ class PEFTConfig:
     """The file's `target_modules` is null: PEFT then targets its default for the model
     type, which `for_model_type` resolves when the adapter is loaded. (A config made in
     code with `target_modules=None` targets every module.)"""
+    alora_invocation_tokens: tuple[int, ...] | None = None
+    """PEFT `alora_invocation_tokens`: an activated LoRA (aLoRA), which acts only from the
+    last occurrence of these token ids in the prompt on (`lora_jax.serving.alora`)."""
 
     def targets(self, name: str) -> bool:
         """Whether PEFT would give the checkpoint module `name` a LoRA layer (its
@@ -225,7 +228,12 @@ class PEFTConfig:
 
     def __post_init__(self):
         # a config made in code gets the checks `from_dict` gives a file's fields
-        from lora_jax.serving.peft_config_json import _check_alpha, _layer_indices, _module_names
+        from lora_jax.serving.peft_config_json import (
+            _check_alpha,
+            _invocation_tokens,
+            _layer_indices,
+            _module_names,
+        )
 
         for what in ("target_modules", "exclude_modules"):
             names = _module_names({what: getattr(self, what)}, what, self.source)
@@ -233,6 +241,8 @@ class PEFTConfig:
         object.__setattr__(
             self, "layers_to_transform", _layer_indices(self.layers_to_transform, self.source)
         )
+        tokens = _invocation_tokens(self.alora_invocation_tokens, self.source)
+        object.__setattr__(self, "alora_invocation_tokens", tokens)
         for what in ("use_rslora", "ensure_weight_tying"):
             v = getattr(self, what)
             if not isinstance(v, bool | np.bool_):  # a str such as "false" would read as True

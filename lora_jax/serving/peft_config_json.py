@@ -8,6 +8,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from lora_jax.serving.peft_config import (
     BASE_CHANGING_INITS,
     EXPERT_PARAMS,
@@ -34,10 +36,6 @@ def config_fields(d: Mapping[str, Any], source: str) -> dict[str, Any]:
     # Options that change what the adapter computes at inference: served as plain LoRA
     # they would give other outputs than PEFT, so they are refused.
     for key, what in (
-        (
-            "alora_invocation_tokens",
-            "activated LoRA (aLoRA: only from its invocation tokens on)",
-        ),
         ("use_qalora", "QALoRA (pooled inputs to A)"),
         ("layer_replication", "layer replication (a model with repeated layers)"),
         ("arrow_config", "Arrow routing (per-token mixing of adapters)"),
@@ -140,7 +138,23 @@ def config_fields(d: Mapping[str, Any], source: str) -> dict[str, Any]:
         layers_pattern=pattern,
         ensure_weight_tying=bool(d.get("ensure_weight_tying", False)),
         targets_by_model_type=targets is None,
+        alora_invocation_tokens=_invocation_tokens(d.get("alora_invocation_tokens"), source),
     )
+
+
+def _invocation_tokens(value, source: str) -> tuple[int, ...] | None:
+    """`alora_invocation_tokens`: None (or an empty list: PEFT's plain LoRA) or token ids."""
+    if value is None or (isinstance(value, list | tuple) and not value):
+        return None
+    if not isinstance(value, list | tuple) or any(
+        isinstance(t, bool | np.bool_) or not isinstance(t, int | np.integer) or t < 0
+        for t in value
+    ):
+        raise ValueError(
+            f"{source}: alora_invocation_tokens={value!r} must be a list of token ids "
+            "(ints >= 0) or null"
+        )
+    return tuple(int(t) for t in value)
 
 
 def _layer_indices(value, source: str) -> tuple[int, ...] | int | None:
