@@ -311,3 +311,18 @@ def test_activated_prefills_through_the_kernels_match_xla_s(served, monkeypatch)
     finally:
         lora_jax.ops.set_default_backend(None)
     assert runs["pallas"] == runs["xla"]
+
+
+def test_an_activated_lora_is_not_merged():
+    """Merged into the base weights an aLoRA would act on every token: refused (PEFT does
+    not merge one either), changing nothing; a plain adapter beside it merges."""
+    from lora_jax.serving.merge import merge_adapter, merged_slot, unmerge_adapter
+
+    model, mgr = _serve()
+    before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    with pytest.raises(ValueError, match=r"adapter 1 \('a1'\), an activated LoRA"):
+        merge_adapter(model, mgr.slot_of(1))
+    assert merged_slot(model) is None
+    jax.tree.map(np.testing.assert_array_equal, before, nnx.state(model, nnx.Param))
+    assert merge_adapter(model, mgr.slot_of(2)) > 0
+    assert unmerge_adapter(model)

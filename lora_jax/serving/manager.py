@@ -208,6 +208,11 @@ class LoRAModelManager(_SlotsMixin, _LoadingMixin, _WorkerMixin, _ChecksMixin):
     def list_adapters(self) -> dict[int, LoRAAdapter]:
         return dict(_items(self._registered_adapters))
 
+    def adapter_in_slot(self, slot: int) -> LoRAAdapter | None:
+        """The adapter active in device slot `slot` (its LRU place untouched), else None."""
+        aid = self.lora_index_to_id[slot] if 0 <= slot < len(self.lora_index_to_id) else None
+        return None if aid is None else _peek(self._registered_adapters, aid)
+
     def get_adapter(self, adapter_id: int) -> LoRAAdapter | None:
         _check_id(adapter_id, "get_adapter: adapter_id")
         reg = self._registered_adapters

@@ -109,6 +109,21 @@ def _merged_weights(model, layers: list, plans: list, slot: int) -> list[tuple[j
     return run(args, jnp.int32(slot))
 
 
+def _check_not_activated(model: nnx.Module, slot: int) -> None:
+    """An activated LoRA (aLoRA) acts from its invocation on; merged, it would act on every
+    token (PEFT refuses to merge one too)."""
+    from lora_jax.serving.manager import managers_of  # it imports this module
+
+    for manager in managers_of(model):
+        adapter = manager.adapter_in_slot(slot)
+        if adapter is not None and adapter.invocation_tokens is not None:
+            raise ValueError(
+                f"merge_adapter: slot {slot} holds adapter {adapter.id} ({adapter.name!r}), an "
+                "activated LoRA (alora_invocation_tokens): merged, it would act on every "
+                "token rather than from its invocation on (PEFT does not merge one either)"
+            )
+
+
 def merge_adapter(model: nnx.Module, slot: int) -> int:
     """Adds slot `slot`'s `B @ A` into every LoRA layer's base weights; returns how many
     layers were merged.
@@ -148,6 +163,7 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
                 f"merge_adapter: layer {name!r} ({type(layer).__name__}) holds an adapter in "
                 f"slot {slot} and cannot be merged" + (f": {why}" if why else "")
             )
+    _check_not_activated(model, slot)
     # Layers that share a weight variable (tied weights): a delta merged into it would
     # reach every one of them, so such a slot is refused; with the slot empty they are
     # left as they are.
