@@ -326,3 +326,34 @@ def test_an_activated_lora_is_not_merged():
     jax.tree.map(np.testing.assert_array_equal, before, nnx.state(model, nnx.Param))
     assert merge_adapter(model, mgr.slot_of(2)) > 0
     assert unmerge_adapter(model)
+
+
+def test_a_saved_or_copied_activated_slot_stays_activated(served, tmp_path):
+    """`save_peft_adapter` writes the slot's `alora_invocation_tokens` (the manager knows
+    which adapter the slot holds) and `adapter_from_slot` copies them: loaded back, the
+    adapter has the same sequence and weights."""
+    import json
+
+    from lora_jax.serving.export import adapter_from_slot, save_peft_adapter
+    from lora_jax.serving.peft import load_peft_adapter
+
+    model, mgr = served
+    path = save_peft_adapter(model, mgr.slot_of(1), tmp_path / "alora")
+    config = json.loads((tmp_path / "alora" / "adapter_config.json").read_text())
+    assert config["alora_invocation_tokens"] == list(INVOKE)
+    back = load_peft_adapter(path, model, LORA_CFG, adapter_id=9)
+    held = mgr.list_adapters()[1]
+    assert (
+        back.invocation_tokens
+        == INVOKE
+        == adapter_from_slot(model, mgr.slot_of(1)).invocation_tokens
+    )
+    for name, m in held.modules.items():
+        got = back.modules[name]
+        for x, y in zip(m.lora_a + m.lora_b, got.lora_a + got.lora_b):
+            assert (x is None) == (y is None), name
+            if x is not None:
+                np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6)
+    save_peft_adapter(model, mgr.slot_of(2), tmp_path / "plain")
+    config = json.loads((tmp_path / "plain" / "adapter_config.json").read_text())
+    assert "alora_invocation_tokens" not in config

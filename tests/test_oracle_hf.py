@@ -312,6 +312,13 @@ def test_activated_lora_matches_peft_s_alora(hf, tmp_path):
     want_tokens = out[:, S:].numpy().tolist()
     result = generate(model, ids.tolist(), slots, adapter_starts=starts, max_new_tokens=steps)
     assert result.tokens == want_tokens
+    # the slot saved back is an aLoRA for PEFT too
+    from lora_jax.serving.export import save_peft_adapter
+
+    saved = save_peft_adapter(model, int(slots[0]), tmp_path / "D_saved")
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    back = peft.PeftModel.from_pretrained(base, saved, adapter_name="D").eval()
+    np.testing.assert_allclose(_hf_logits(back, ids[:3], ["D"] * 3), want[:3], **TOL)
 
 
 def test_tensors_the_config_does_not_target_are_ignored_as_peft_does(hf, tmp_path):

@@ -146,7 +146,25 @@ def adapter_from_slot(
     if not modules:
         raise ValueError(f"export: slot {slot} holds no adapter")
     rank = max(m.rank for m in modules.values())
-    return LoRAAdapter(id=adapter_id, name=name, rank=rank, modules=modules)
+    return LoRAAdapter(
+        id=adapter_id,
+        name=name,
+        rank=rank,
+        modules=modules,
+        invocation_tokens=_slot_invocation(model, int(slot)),
+    )
+
+
+def _slot_invocation(model, slot: int) -> tuple[int, ...] | None:
+    """The invocation sequence of the activated LoRA (aLoRA) a manager of the model holds in
+    ``slot``, else None: a copy or a saved file of the slot stays an aLoRA."""
+    from lora_jax.serving.manager import managers_of  # it imports the loader
+
+    for manager in managers_of(model):
+        adapter = manager.adapter_in_slot(slot)
+        if adapter is not None and adapter.invocation_tokens is not None:
+            return adapter.invocation_tokens
+    return None
 
 
 class _Pair(NamedTuple):
@@ -280,7 +298,8 @@ def save_peft_adapter(
     elif task_type is not None and not isinstance(task_type, str):
         raise ValueError(f"export: task_type must be a string, None or 'auto', got {task_type!r}")
     check_expert_layout(expert_layout)
-    pairs = _checkpoint_modules(model, adapter_from_slot(model, slot), expert_layout)
+    adapter = adapter_from_slot(model, slot)
+    pairs = _checkpoint_modules(model, adapter, expert_layout)
     if name_map is not None:
         pairs = _mapped(pairs, name_map)
     elif expert_layout == "per_expert":
@@ -325,6 +344,8 @@ def save_peft_adapter(
         "modules_to_save": None,
         "init_lora_weights": True,
     }
+    if adapter.invocation_tokens is not None:  # an activated LoRA's slot stays one
+        config["alora_invocation_tokens"] = list(adapter.invocation_tokens)
     os.makedirs(directory, exist_ok=True)
     write_safetensors(os.path.join(directory, WEIGHTS_NAME), tensors)
     with open(os.path.join(directory, CONFIG_NAME), "w") as f:
