@@ -11,6 +11,7 @@ from lora_jax.config import LoRAConfig as LoRAConfig
 from lora_jax.layers import *  # noqa: F403
 from lora_jax.linear import ColumnParallelLinear as ColumnParallelLinear
 from lora_jax.linear import MergedColumnParallelLinear as MergedColumnParallelLinear
+from lora_jax.linear import MergedReplicatedLinear as MergedReplicatedLinear
 from lora_jax.linear import QKVParallelLinear as QKVParallelLinear
 from lora_jax.linear import ReplicatedLinear as ReplicatedLinear
 from lora_jax.linear import RowParallelLinear as RowParallelLinear

@@ -238,6 +238,20 @@ class ReplicatedLinear(LinearBase):
         super().__init__(in_features, (out_features,), **kw)
 
 
+class MergedReplicatedLinear(ReplicatedLinear):
+    """Several outputs packed in one matmul on every device: vLLM's `MergedReplicatedLinear`
+    (e.g. DeepSeek's `fused_qkv_a_proj`, `q_a_proj` | `kv_a_proj_with_mqa`).
+
+    Example:
+        >>> fused = MergedReplicatedLinear(16, [8, 24], rngs=nnx.Rngs(0))
+        >>> [a.shape for a in fused.split_output(fused(jnp.ones((2, 16))))]
+        [(2, 8), (2, 24)]
+    """
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], **kw):
+        LinearBase.__init__(self, in_features, output_sizes, **kw)
+
+
 class ColumnParallelLinear(LinearBase):
     """Out dim split over the "tensor" axis; the output stays sharded (no gather).
 

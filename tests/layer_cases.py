@@ -43,6 +43,11 @@ KINDS = [
         lambda r, d: lj.ReplicatedLinear(IN, 24, **_kw(r, d)),
     ),
     Kind(
+        "merged_replicated",
+        lj.MergedReplicatedLinearWithLoRA,
+        lambda r, d: lj.MergedReplicatedLinear(IN, [16, 24], **_kw(r, d)),
+    ),
+    Kind(
         "column",
         lj.ColumnParallelLinearWithLoRA,
         lambda r, d: lj.ColumnParallelLinear(IN, 64, **_kw(r, d)),

@@ -192,6 +192,12 @@ def test_wrap_picks_the_class_vllm_picks():
     assert _pick(lj.ColumnParallelLinear(16, 8, **kw), []) is lj.ColumnParallelLinearWithLoRA
     assert _pick(lj.RowParallelLinear(16, 8, **kw), []) is lj.RowParallelLinearWithLoRA
     assert _pick(lj.ReplicatedLinear(16, 8, **kw), []) is lj.ReplicatedLinearWithLoRA
+    # a merged replicated layer (DeepSeek's fused_qkv_a_proj): a LoRA per packed member, or
+    # one over the whole output from one checkpoint tensor; no sharded twin (vLLM's rule)
+    fused = lj.MergedReplicatedLinear(16, [8, 24], **kw)
+    for sharded in (False, True):
+        assert _pick(fused, ["q_a", "kv_a"], sharded) is lj.MergedReplicatedLinearWithLoRA
+        assert _pick(fused, ["fused_qkv_a"], sharded) is lj.ReplicatedLinearWithLoRA
     # a 3-slice layer that vLLM wraps with the variable-slice class serves its slices
     layer = variable(three, lj.LoRAConfig(max_loras=MAX_LORAS, max_lora_rank=8))
     assert layer.n_slices == 3 and layer.logical_slice_sizes == (8, 16, 24)

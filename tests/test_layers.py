@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from layer_cases import (
     IN,
+    KIND_BY_NAME,
     KINDS,
     MAX_LORAS,
     TOL,
@@ -213,7 +214,7 @@ def test_dp_shards_keep_the_steps_flags(monkeypatch, tokens, want):
     128-token tiles (else None: not known); the output still matches the dense reference."""
     import lora_jax.layers.base as base_mod
 
-    kind = KINDS[1]  # column
+    kind = KIND_BY_NAME["column"]
     layer, weights, adapters = build(kind, lj.ShardingRules(make_mesh(2, 2)), adapters=ADAPTERS)
     idx = np.repeat(np.array([1, 0, -1, 3], np.int32), tokens // 4)
     mapping = lj.make_lora_mapping(idx, MAX_LORAS, is_prefill=True, host_hints=True)  # host: "all"

@@ -29,6 +29,9 @@ from lora_jax.layers.column import (
 from lora_jax.layers.column import (
     MergedQKVParallelLinearWithShardedLoRA as MergedQKVParallelLinearWithShardedLoRA,
 )
+from lora_jax.layers.column import (
+    MergedReplicatedLinearWithLoRA as MergedReplicatedLinearWithLoRA,
+)
 from lora_jax.layers.column import QKVParallelLinearWithLoRA as QKVParallelLinearWithLoRA
 from lora_jax.layers.column import (
     QKVParallelLinearWithShardedLoRA as QKVParallelLinearWithShardedLoRA,

@@ -16,6 +16,7 @@ from lora_jax.layers.base import BaseLayerWithLoRA, local_offsets
 from lora_jax.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
+    MergedReplicatedLinear,
     QKVParallelLinear,
     ReplicatedLinear,
 )
@@ -63,6 +64,8 @@ class ReplicatedLinearWithLoRA(_ColumnLoRA):
     def can_replace_layer(
         cls, source_layer, lora_config, packed_modules_list=(), model_config=None
     ):
+        if isinstance(source_layer, MergedReplicatedLinear):  # one LoRA over its outputs
+            return len(packed_modules_list) <= 1
         return type(source_layer) is ReplicatedLinear
 
 
@@ -137,6 +140,41 @@ class MergedColumnParallelLinearWithLoRA(_ColumnLoRA):
             and len(packed_modules_list) == 2
             and len(source_layer.output_sizes) == 2
         )
+
+
+class MergedReplicatedLinearWithLoRA(MergedColumnParallelLinearWithLoRA):
+    """vLLM's `MergedReplicatedLinearWithLoRA`: a replicated layer of 2+ packed outputs (a
+    `MergedReplicatedLinear`, e.g. DeepSeek's `fused_qkv_a_proj`), each slice its own A
+    and B; no tensor parallelism, so no collective (with or without `fully_sharded_loras`,
+    as in vLLM).
+
+    Example:
+        >>> base = MergedReplicatedLinear(16, [8, 24], rngs=nnx.Rngs(0))
+        >>> layer = MergedReplicatedLinearWithLoRA(base, LoRAConfig(max_lora_rank=8))
+        >>> a = np.ones((4, 16))
+        >>> layer.set_lora(0, [a, a], [np.ones((8, 4)), np.ones((24, 4))])
+        >>> layer.logical_slice_sizes
+        (8, 24)
+    """
+
+    n_required = None
+
+    def _check_base(self, base):
+        if not isinstance(base, MergedReplicatedLinear):
+            raise ValueError(
+                f"{self.name}: base must be a MergedReplicatedLinear, got {type(base)}"
+            )
+        if len(base.output_sizes) < 2:
+            raise ValueError(f"{self.name}: needs >= 2 output slices, got {len(base.output_sizes)}")
+
+    def lora_axes(self):
+        return ("lora_slot", "lora_rank", None), ("lora_slot", None, "lora_rank")
+
+    @classmethod
+    def can_replace_layer(
+        cls, source_layer, lora_config, packed_modules_list=(), model_config=None
+    ):
+        return isinstance(source_layer, MergedReplicatedLinear) and len(packed_modules_list) >= 2
 
 
 class MergedColumnParallelLinearVariableSliceWithLoRA(MergedColumnParallelLinearWithLoRA):
