@@ -321,6 +321,55 @@ def test_activated_lora_matches_peft_s_alora(hf, tmp_path):
     np.testing.assert_allclose(_hf_logits(back, ids[:3], ["D"] * 3), want[:3], **TOL)
 
 
+def test_bdlora_adapter_matches_peft(hf, tmp_path):
+    """BD-LoRA (PEFT's `use_bdlora`: block-diagonal B on the column projections, A on the
+    row ones, 2 blocks) made with PEFT and loaded here: PEFT's forward in a mixed batch."""
+    from peft.tuners.lora.config import BdLoraConfig
+
+    _, base_dir, dirs, _ = hf
+    bd = BdLoraConfig(
+        target_modules_bd_a=["o_proj", "down_proj"],
+        target_modules_bd_b=["q_proj", "k_proj", "v_proj", "up_proj", "gate_proj"],
+        nblocks=2,
+    )
+    spec = dict(
+        r=8,
+        lora_alpha=16,
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        use_bdlora=bd,
+    )
+    d = _make_adapter(base_dir, "BD", spec, str(tmp_path / "BD"), seed=11)
+    from lora_jax.serving.peft import read_safetensors
+
+    saved = read_safetensors(f"{d}/adapter_model.safetensors")
+    key = "base_model.model.model.layers.0.self_attn"
+    assert saved[f"{key}.q_proj.lora_B.weight"].shape == (64, 4)  # [out, r / 2]: the blocks
+    assert saved[f"{key}.o_proj.lora_A.weight"].shape == (8, 32)  # [r, in / 2]
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(base, d, adapter_name="BD")
+    pm.load_adapter(dirs["A"], adapter_name="A")
+    pm.eval()
+    model, mgr = _serve(base_dir)
+    paths = {"BD": d, "A": dirs["A"]}
+    ids_of = {a.name: a.id for a in mgr.load_adapters(paths, activate=True, progress=False)}
+    ids = _ids(seed=12)
+    names = ["BD", "A", "__base__", "BD"]
+    want = _hf_logits(pm, ids, names)
+    np.testing.assert_allclose(
+        _logits(model, mgr, ids, [ids_of.get(n) for n in names]), want, **TOL
+    )
+    base_logits = _hf_logits(pm, ids, ["__base__"] * 4)
+    assert np.abs(want[0] - base_logits[0]).max() > 1e-2  # the adapter acts
+
+
 def test_tensors_the_config_does_not_target_are_ignored_as_peft_does(hf, tmp_path):
     """Adapter A's file (q, k, v, o) under a config that excludes o_proj: PEFT makes no
     o_proj LoRA and ignores those tensors; so does lora_jax (with a warning)."""

@@ -359,6 +359,74 @@ def test_loaded_adapter_matches_numpy_oracle(tmp_path, model):
     lj.set_lora_mapping(model, jnp.zeros((1,), jnp.int32))
 
 
+def _blocks_forward(x, stacked, n):
+    """PEFT's BlockDiagonalLinear forward: x's n column chunks, each through its own block
+    of the stacked `[out, in / n]` weight (an oracle apart from the loader's dense matrix)."""
+    rows = stacked.shape[0] // n
+    w = stacked.reshape(n, rows, stacked.shape[1])
+    return np.einsum("bim,inm->bin", x.reshape(x.shape[0], n, -1), w).reshape(x.shape[0], -1)
+
+
+def test_bdlora_factors_serve_as_peft_s_block_forward(tmp_path, model):
+    """BD-LoRA (`use_bdlora`): the column layers' B and the row layers' A are saved as their
+    diagonal blocks; served, each module's delta is PEFT's block forward."""
+    bd_b, bd_a, n, r = ["q_proj", "v_proj", "up_proj"], ["o_proj", "down_proj"], 2, 8
+    rng = np.random.default_rng(3)
+    tensors = {}
+    for i in range(2):
+        for m in bd_b + bd_a + ["k_proj"]:  # k_proj: a plain factor pair beside them
+            n_in, n_out = SHAPES[m]
+            cols_a = n_in // n if m in bd_a else n_in
+            cols_b = r // n if m in bd_b else r
+            tensors[_key(i, m, "A")] = rng.normal(size=(r, cols_a)).astype(np.float32) / 4
+            tensors[_key(i, m, "B")] = rng.normal(size=(n_out, cols_b)).astype(np.float32) / 4
+    use = {"target_modules_bd_a": bd_a, "target_modules_bd_b": bd_b, "nblocks": n}
+    config = {"r": r, "lora_alpha": 16, "target_modules": bd_b + bd_a + ["k_proj"]}
+    a = load_peft_adapter(
+        _dir(tmp_path, {**config, "use_bdlora": use}, tensors), model, CFG, adapter_id=1
+    )
+    mgr = LRUCacheLoRAModelManager(model)
+    mgr.set_active_adapters([a])
+    x_rng = np.random.default_rng(4)
+    checked = 0
+    for name, layer in lora_layers(model).items():
+        if name == "model.proj":
+            continue
+        x = jnp.asarray(x_rng.normal(size=(3, layer.base_layer.in_features)), jnp.float32)
+        lj.set_lora_mapping(layer, jnp.asarray(mgr.token_mapping([1, None, 1])))
+        delta = np.asarray(layer(x)) - np.asarray(layer.base_layer(x))
+        parts = layer.base_layer.split_output(jnp.asarray(delta))
+        members = layer.packed_modules
+        parts = parts if len(parts) == len(members) else [delta]
+        i = int(name.split(".")[2])
+        xs = np.asarray(x, np.float64)
+        for m, part in zip(members, parts):
+            if _key(i, m, "A") not in tensors:
+                np.testing.assert_array_equal(np.asarray(part), 0.0)
+                continue
+            A, B = tensors[_key(i, m, "A")], tensors[_key(i, m, "B")]
+            h = _blocks_forward(xs, A, n) if m in bd_a else xs @ A.T  # [T, r]
+            want = (16 / r) * (_blocks_forward(h, B, n) if m in bd_b else h @ B.T)
+            np.testing.assert_allclose(np.asarray(part)[[0, 2]], want[[0, 2]], rtol=1e-4, atol=1e-4)
+            np.testing.assert_array_equal(np.asarray(part)[1], 0.0)
+            checked += 1
+    assert checked == 2 * 6
+    lj.set_lora_mapping(model, jnp.zeros((1,), jnp.int32))
+    # a module in both lists, blocks that do not divide, a bad config: refused by name
+    both = {**use, "target_modules_bd_a": bd_a + ["q_proj"]}
+    with pytest.raises(ValueError, match=r"names \['q_proj'\] in both A and B lists"):
+        PEFTConfig.from_dict({**config, "use_bdlora": both})
+    with pytest.raises(ValueError, match=r"nblocks=3 blocks needs 2 dims, the first divisible"):
+        load_peft_adapter(
+            _dir(tmp_path, {**config, "use_bdlora": {**use, "nblocks": 3}}, tensors, "three"),
+            model,
+            CFG,
+        )
+    for bad in (True, {"nblocks": 0}, {"target_modules_bd_a": "o_proj"}):
+        with pytest.raises(ValueError, match="use_bdlora"):
+            PEFTConfig.from_dict({**config, "use_bdlora": bad})
+
+
 def test_name_map_rewrites_checkpoint_names(tmp_path, model):
     """`name_map` (vLLM's `WeightsMapper`): a checkpoint saved under other module names
     loads to the same adapter as one saved under the model's; a map to no module fails
@@ -416,7 +484,6 @@ BAD_CONFIGS = {
     "qalora": ({"use_qalora": True}, "QALoRA"),
     "layer_replication": ({"layer_replication": [[0, 2], [1, 2]]}, "layer replication"),
     "arrow": ({"arrow_config": {"top_k": 2}}, "Arrow"),
-    "bdlora": ({"use_bdlora": {"target_modules_bd_a": ["q_proj"]}}, "BD-LoRA"),
     "kasa": ({"kasa_config": {"a": 1}}, "KaSA"),
     "monteclora": ({"monteclora_config": {"n": 2}}, "MonteCLoRA"),
     "prefix_tuning": ({"peft_type": "PREFIX_TUNING"}, "peft_type"),

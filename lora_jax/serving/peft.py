@@ -39,7 +39,9 @@ like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (`[r, in]`
    `k` with `re.match(rf"(.*\\.)?({k})$", name)`. A tied lm_head under `ensure_weight_tying`
    shares the embedding's factors in PEFT: its rank is the embedding's, its scaling its own.
 
-Ranks stay as in the file; zero-padding to `max_lora_rank` happens at the slot write. An
+A BD-LoRA adapter (`use_bdlora`) has its block-diagonal factors made dense
+(`dense_bdlora`): the plain LoRA it equals. Ranks stay as in the file; zero-padding to
+`max_lora_rank` happens at the slot write. An
 activated LoRA (`alora_invocation_tokens`) keeps its invocation sequence on the adapter
 (`LoRAAdapter.invocation_tokens`; `lora_jax.serving.alora` says how it is served).
 """
@@ -92,6 +94,36 @@ from lora_jax.serving.safetensors_io import write_safetensors as write_safetenso
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 _ids = itertools.count(1)
+
+
+def dense_bdlora(bd, name: str, ka: str, a: np.ndarray, kb: str, b: np.ndarray, source: str):
+    """A BD-LoRA module's factors made dense: PEFT saves a block-diagonal A `[r, in]` as its
+    blocks stacked on the rank axis, `[r, in / n]`, and a block-diagonal B `[out, r]` as
+    `[out, r / n]` (`torch.block_diag` of the `n` row chunks gives the matrix)."""
+    on_a, on_b = bd.block_diagonal(name)
+    if on_a and on_b:  # PEFT refuses it
+        raise ValueError(
+            f"{source}: module {name!r} matches both use_bdlora.target_modules_bd_a and _bd_b"
+        )
+    if on_a:
+        a = _block_diagonal(a, bd.nblocks, ka, source)
+    if on_b:
+        b = _block_diagonal(b, bd.nblocks, kb, source)
+    return a, b
+
+
+def _block_diagonal(w: np.ndarray, n: int, key: str, source: str) -> np.ndarray:
+    """`[rows, cols]` stacked blocks → the `[rows, cols * n]` block-diagonal matrix."""
+    if w.ndim != 2 or w.shape[0] % n:
+        raise ValueError(
+            f"{source}: tensor {key!r} {list(w.shape)}: a block-diagonal factor of "
+            f"use_bdlora.nblocks={n} blocks needs 2 dims, the first divisible by {n}"
+        )
+    rows, cols = w.shape[0] // n, w.shape[1]
+    dense = np.zeros((w.shape[0], cols * n), w.dtype)
+    for i in range(n):
+        dense[i * rows : (i + 1) * rows, i * cols : (i + 1) * cols] = w[i * rows : (i + 1) * rows]
+    return dense
 
 
 def load_peft_adapter(
@@ -252,6 +284,17 @@ def adapter_from_tensors(
                 f"{source}: tensor {key!r}: module {mod!r} has two lora_{kind} tensors"
             )
         pairs[mod][kind] = (key, np.asarray(value))
+    if cfg.use_bdlora is not None:
+        expert_names = [
+            raw for d in per_expert.values() for f in d.values() for *_, raw in f.values()
+        ]
+        expert_names += [checkpoint_names[m] for m in expert_keys]
+        bad = [n for n in expert_names if any(cfg.use_bdlora.block_diagonal(n))]
+        if bad:
+            raise ValueError(
+                f"{source}: use_bdlora makes the MoE experts {bad[0]!r} block-diagonal; "
+                "lora_jax serves BD-LoRA on linear modules only"
+            )
     both = sorted(set(expert_keys) & set(per_expert))
     if both:
         raise ValueError(
@@ -268,6 +311,8 @@ def adapter_from_tensors(
                 f"{source}: tensor {have!r}: module {mod!r} lacks its lora_A/lora_B pair"
             )
         (ka, a), (kb, b) = ab["a"], ab["b"]
+        if cfg.use_bdlora is not None:
+            a, b = dense_bdlora(cfg.use_bdlora, checkpoint_names[mod], ka, a, kb, b, source)
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise ValueError(
                 f"{source}: tensors {ka!r} {list(a.shape)} and {kb!r} {list(b.shape)} must be "

@@ -52,6 +52,31 @@ EMBEDDING_LAYER_NAMES = ("embed_tokens", "lm_head")
 DEFAULT_TARGET_MODULES = {t: ("q_proj", "v_proj") for t in ("llama", "mistral", "qwen2", "qwen3")}
 
 
+@dataclasses.dataclass(frozen=True)
+class BdLoRA:
+    """PEFT's `BdLoraConfig` (BD-LoRA, `use_bdlora`): the modules whose A (row-parallel
+    ones) or B (column-parallel ones) is block-diagonal in `nblocks` blocks, matched as PEFT
+    matches them (a pattern contained in the module's name). The file keeps only the
+    diagonal blocks, stacked; the loader makes the dense factor (`block_diagonal`), so a
+    BD-LoRA adapter serves as the plain LoRA it equals.
+
+    Example:
+        >>> bd = BdLoRA(target_modules_bd_b=("q_proj",), nblocks=2)
+        >>> bd.block_diagonal("model.layers.0.self_attn.q_proj")
+        (False, True)
+    """
+
+    target_modules_bd_a: tuple[str, ...] = ()
+    target_modules_bd_b: tuple[str, ...] = ()
+    nblocks: int = 1
+
+    def block_diagonal(self, name: str) -> tuple[bool, bool]:
+        """Whether module `name`'s A and B are block-diagonal (PEFT's substring match)."""
+        on_a = any(p in name for p in self.target_modules_bd_a)
+        on_b = any(p in name for p in self.target_modules_bd_b)
+        return on_a, on_b
+
+
 def _leaf(name: str) -> str:
     return name.rpartition(".")[2]
 
@@ -123,6 +148,8 @@ class PEFTConfig:
     """The file's `target_modules` is null: PEFT then targets its default for the model
     type, which `for_model_type` resolves when the adapter is loaded. (A config made in
     code with `target_modules=None` targets every module.)"""
+    use_bdlora: BdLoRA | None = None
+    """PEFT `use_bdlora`: block-diagonal factors (`BdLoRA`), or a dict of its fields."""
     alora_invocation_tokens: tuple[int, ...] | None = None
     """PEFT `alora_invocation_tokens`: an activated LoRA (aLoRA), which acts only from the
     last occurrence of these token ids in the prompt on (`lora_jax.serving.alora`)."""
@@ -229,6 +256,7 @@ class PEFTConfig:
     def __post_init__(self):
         # a config made in code gets the checks `from_dict` gives a file's fields
         from lora_jax.serving.peft_config_json import (
+            _bdlora,
             _check_alpha,
             _invocation_tokens,
             _layer_indices,
@@ -241,6 +269,7 @@ class PEFTConfig:
         object.__setattr__(
             self, "layers_to_transform", _layer_indices(self.layers_to_transform, self.source)
         )
+        object.__setattr__(self, "use_bdlora", _bdlora(self.use_bdlora, self.source))
         tokens = _invocation_tokens(self.alora_invocation_tokens, self.source)
         object.__setattr__(self, "alora_invocation_tokens", tokens)
         for what in ("use_rslora", "ensure_weight_tying"):

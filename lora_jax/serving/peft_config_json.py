@@ -14,6 +14,7 @@ from lora_jax.serving.peft_config import (
     BASE_CHANGING_INITS,
     EXPERT_PARAMS,
     WEIGHT_PARAM,
+    BdLoRA,
 )
 
 
@@ -39,7 +40,6 @@ def config_fields(d: Mapping[str, Any], source: str) -> dict[str, Any]:
         ("use_qalora", "QALoRA (pooled inputs to A)"),
         ("layer_replication", "layer replication (a model with repeated layers)"),
         ("arrow_config", "Arrow routing (per-token mixing of adapters)"),
-        ("use_bdlora", "block-diagonal LoRA (BD-LoRA: sharded A / B blocks)"),
         ("kasa_config", "KaSA (a learned diagonal between A and B)"),
         ("monteclora_config", "MonteCLoRA (sampled mixtures of A)"),
     ):
@@ -139,7 +139,33 @@ def config_fields(d: Mapping[str, Any], source: str) -> dict[str, Any]:
         ensure_weight_tying=bool(d.get("ensure_weight_tying", False)),
         targets_by_model_type=targets is None,
         alora_invocation_tokens=_invocation_tokens(d.get("alora_invocation_tokens"), source),
+        use_bdlora=_bdlora(d.get("use_bdlora"), source),
     )
+
+
+def _bdlora(value, source: str) -> BdLoRA | None:
+    """`use_bdlora`: None, or PEFT's `BdLoraConfig` as a dict (its other keys, such as
+    `match_strict`, only bind training)."""
+    if value is None or isinstance(value, BdLoRA):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"{source}: use_bdlora={value!r} must be an object of BdLoraConfig's fields "
+            "(target_modules_bd_a, target_modules_bd_b, nblocks) or null"
+        )
+    lists = {}
+    for key in ("target_modules_bd_a", "target_modules_bd_b"):
+        names = value.get(key) or ()
+        if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{source}: use_bdlora.{key}={names!r} must be a list of names")
+        lists[key] = tuple(names)
+    overlap = sorted(set(lists["target_modules_bd_a"]) & set(lists["target_modules_bd_b"]))
+    if overlap:  # PEFT's BdLoraConfig refuses it
+        raise ValueError(f"{source}: use_bdlora names {overlap} in both A and B lists")
+    n = value.get("nblocks", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{source}: use_bdlora.nblocks={n!r} must be an int >= 1")
+    return BdLoRA(nblocks=n, **lists)
 
 
 def _invocation_tokens(value, source: str) -> tuple[int, ...] | None:
