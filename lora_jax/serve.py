@@ -217,7 +217,8 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
     by_name = {a.name: a.id for a in adapters}
     texts = [prompts[i % len(prompts)] for i in range(len(requests))]
     token_prompts = [tokenizer.encode(t) for t in texts]
-    slots = manager.token_mapping([by_name.get(r) for r in requests])
+    # an activated LoRA (aLoRA) acts from its invocation in the prompt on
+    slots, starts = manager.adapter_starts([by_name.get(r) for r in requests], token_prompts)
     have, whose = _memory_bytes(model)  # checked before generate allocates the cache
     longest = max(len(p) for p in token_prompts)
     need = _cache_bytes(model, len(token_prompts), longest + args.max_new_tokens)
@@ -231,6 +232,7 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
             max_new_tokens=args.max_new_tokens,
             sampling=_sampling(args),
             eos_token_id=eos,
+            adapter_starts=starts,
         )
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):

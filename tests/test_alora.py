@@ -171,8 +171,12 @@ def test_the_manager_gives_slots_and_starts(served):
         mgr.adapter_starts([1, 1], [[5, 9], [[5, 9]]])
     # the same id with another invocation sequence is another adapter
     other = dataclasses.replace(mgr.list_adapters()[1], invocation_tokens=(7,))
-    with pytest.raises(ValueError, match="already adapter"):
-        mgr.token_mapping([other])
+    with pytest.raises(ValueError, match="adapter_starts: id 1 is already adapter"):
+        mgr.adapter_starts([other], [[1]])
+    # a slot alone would serve an aLoRA from the first token: token_mapping refuses it
+    with pytest.raises(ValueError, match=r"request 1 uses adapter 1 \('a1'\), an activated"):
+        mgr.token_mapping([2, 1])
+    assert mgr.token_mapping([2, None]).tolist() == [s2, -1]
 
 
 def test_tokens_before_the_start_are_exactly_the_base_model_s(served):
@@ -243,7 +247,7 @@ def test_an_activated_prefill_leaves_the_kernels_to_find_the_tiles(served, monke
 )
 def test_generate_refuses_bad_starts(served, starts, match):
     model, mgr = served
-    slots = mgr.token_mapping(IDS)
+    slots, _ = mgr.adapter_starts(IDS, PROMPTS)
     with pytest.raises(ValueError, match=match):
         generate(model, PROMPTS, slots, adapter_starts=starts, max_new_tokens=2)
 

@@ -411,3 +411,27 @@ def test_a_kv_cache_the_allocator_refuses_is_a_cli_error(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert f"{10**9} new tokens need a KV cache of at least" in err
     assert "more than the device could allocate (RESOURCE_EXHAUSTED" in err
+
+
+def test_an_activated_lora_adapter_acts_from_its_invocation(tmp_path):
+    """The main job maps an aLoRA adapter (`alora_invocation_tokens`) by its invocation in
+    each prompt: a prompt without it is served by the base model, one with it is not (and
+    not as the same weights served from the first token)."""
+    model_dir = serve.write_default_model(str(tmp_path / "model"))
+    spec = dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])
+    plain = serve.write_default_adapter(str(tmp_path / "plain"), spec, seed=3)
+    alora = serve.write_default_adapter(str(tmp_path / "alora"), spec, seed=3)
+    config_file = os.path.join(alora, "adapter_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    with open(config_file, "w") as f:
+        json.dump({**config, "alora_invocation_tokens": list(b"##")}, f)
+
+    def run(adapter, prompt):
+        argv = ["--model", model_dir, "--max-new-tokens", "6", "--prompt", prompt]
+        return [r.tokens for r in serve.run([*argv, f"--adapter=a={adapter}"])]
+
+    invoked, base = run(alora, "Tell me ## a story")
+    assert invoked != base and invoked != run(plain, "Tell me ## a story")[0]
+    missing, base = run(alora, "Tell me a story")
+    assert missing == base

@@ -29,32 +29,63 @@ class _WorkerMixin:
         or `LoRAAdapter` stands for its id, as in `set_active_adapters`, and must name the
         adapter registered under it (`ValueError` otherwise).
 
+        An activated LoRA (`LoRAAdapter.invocation_tokens`) acts only from its invocation in
+        each prompt on: its requests are refused here (a slot alone would serve it from the
+        first token) and mapped by `adapter_starts`.
+
         Example:
             >>> mgr.token_mapping([3, None, 3])  # doctest: +SKIP
             array([ 1, -1,  1], dtype=int32)
         """
-        self._check_model("token_mapping")
+        out = self._request_slots(request_adapter_ids, "token_mapping")
+        for i, slot in enumerate(out):
+            adapter = self.adapter_in_slot(int(slot)) if slot >= 0 else None
+            if adapter is not None and adapter.invocation_tokens is not None:
+                raise ValueError(
+                    f"token_mapping: request {i} uses adapter {adapter.id} ({adapter.name!r}), "
+                    "an activated LoRA (alora_invocation_tokens), which acts only from its "
+                    "invocation in the prompt on; map such requests with adapter_starts("
+                    "request_adapter_ids, prompts) and pass its starts to generate"
+                )
+        if tokens_per_request is None:
+            return out
+        counts = np.asarray(tokens_per_request)
+        if counts.ndim > 1 or (counts.ndim == 1 and counts.shape != out.shape):
+            raise ValueError(
+                f"token_mapping: tokens_per_request has shape {counts.shape}; expected one count "
+                f"per request ({len(out)}) or one for all"
+            )
+        if counts.size and (not np.issubdtype(counts.dtype, np.integer) or (counts < 0).any()):
+            raise ValueError(
+                f"token_mapping: tokens_per_request must be counts >= 0, got {tokens_per_request!r}"
+            )
+        counts = np.broadcast_to(counts.astype(np.int64), out.shape)
+        return np.repeat(out, counts).astype(np.int32)
+
+    def _request_slots(self, request_adapter_ids, what: str) -> np.ndarray:
+        """Each request's slot (int32; -1 for no adapter), every request checked."""
+        self._check_model(what)
         slots, checked = [], set()  # requests found to name the registered adapter
         for i, req in enumerate(request_adapter_ids):
             aid = req
             if isinstance(req, LoRAAdapter | LoRARequest):  # by id, as set_active_adapters
                 aid = req.id if isinstance(req, LoRAAdapter) else req.lora_int_id
-                _check_id(aid, f"token_mapping: request {i}'s adapter id")
+                _check_id(aid, f"{what}: request {i}'s adapter id")
                 # compared once a call: an adapter object by identity (its weights are
                 # compared), a request by value (its path is resolved)
                 key = id(req) if isinstance(req, LoRAAdapter) else req
                 if aid in self._registered_adapters and key not in checked:
                     if isinstance(req, LoRAAdapter):
-                        self._check_same(req, "token_mapping")
+                        self._check_same(req, what)
                     else:
-                        self._check_request(req, "token_mapping")
+                        self._check_request(req, what)
                     checked.add(key)
             elif isinstance(req, bool | np.bool_) or not isinstance(req, int | np.integer | None):
                 # a scalar by value, anything else by type: its repr may be a whole array
                 scalar = isinstance(req, bool | np.bool_ | float | np.floating | str)
                 got = repr(req) if scalar else f"a {type(req).__name__}"
                 raise ValueError(
-                    f"token_mapping: request {i}'s adapter id must be an int or None (or a "
+                    f"{what}: request {i}'s adapter id must be an int or None (or a "
                     f"LoRARequest / LoRAAdapter), got {got}"
                 )
             if aid is None or aid <= 0:
@@ -71,25 +102,11 @@ class _WorkerMixin:
                     else ""
                 )
                 raise ValueError(
-                    f"token_mapping: request {i} uses adapter {aid!r}, which is {state}; "
+                    f"{what}: request {i} uses adapter {aid!r}, which is {state}; "
                     f"active: {[x for x in self.lora_index_to_id if x is not None]}{hint}"
                 )
             slots.append(slot)
-        out = np.asarray(slots, np.int32)
-        if tokens_per_request is None:
-            return out
-        counts = np.asarray(tokens_per_request)
-        if counts.ndim > 1 or (counts.ndim == 1 and counts.shape != out.shape):
-            raise ValueError(
-                f"token_mapping: tokens_per_request has shape {counts.shape}; expected one count "
-                f"per request ({len(out)}) or one for all"
-            )
-        if counts.size and (not np.issubdtype(counts.dtype, np.integer) or (counts < 0).any()):
-            raise ValueError(
-                f"token_mapping: tokens_per_request must be counts >= 0, got {tokens_per_request!r}"
-            )
-        counts = np.broadcast_to(counts.astype(np.int64), out.shape)
-        return np.repeat(out, counts).astype(np.int32)
+        return np.asarray(slots, np.int32)
 
     def adapter_starts(
         self,
@@ -107,7 +124,7 @@ class _WorkerMixin:
             >>> starts.tolist()  # adapter 7 is invoked by [5, 9]  # doctest: +SKIP
             [1, 0]
         """
-        slots = self.token_mapping(request_adapter_ids)
+        slots = self._request_slots(request_adapter_ids, "adapter_starts")
         if len(prompts) != len(slots):
             raise ValueError(
                 f"adapter_starts: {len(slots)} requests but {len(prompts)} prompts; give one "
