@@ -331,15 +331,12 @@ def test_a_saved_base_table_must_be_the_models(tmp_path):
     np.testing.assert_array_equal(m.model.embed_tokens.lora_a[...], before)
 
 
-def test_loaded_adapter_matches_numpy_oracle(tmp_path, model):
-    """Each HF module's output delta equals scale * x @ A.T @ B.T (ranks 8 and 4 mixed)."""
-    ranks = {"q_proj": 4, "gate_proj": 4}
-    tensors = peft_tensors(ALL, 8, seed=5, ranks=ranks)
-    config = {"r": 8, "lora_alpha": 12, "rank_pattern": ranks, "target_modules": ALL}
-    a = load_peft_adapter(_dir(tmp_path, config, tensors), model, CFG, adapter_id=1)
+def _member_deltas(model, adapter, seed):
+    """Serves `adapter` (id 1) to tokens 0 and 2 of 3 random ones in every decoder LoRA
+    layer; yields (layer index, HF member, x, the member's output delta over the base)."""
     mgr = LRUCacheLoRAModelManager(model)
-    mgr.set_active_adapters([a])
-    rng = np.random.default_rng(9)
+    mgr.set_active_adapters([adapter])
+    rng = np.random.default_rng(seed)
     for name, layer in lora_layers(model).items():
         if name == "model.proj":
             continue
@@ -349,13 +346,22 @@ def test_loaded_adapter_matches_numpy_oracle(tmp_path, model):
         parts = layer.base_layer.split_output(jnp.asarray(delta))
         members = layer.packed_modules
         parts = parts if len(parts) == len(members) else [delta]
-        i = int(name.split(".")[2])
         for m, part in zip(members, parts):
-            A, B = tensors[_key(i, m, "A")], tensors[_key(i, m, "B")]
-            scale = 12 / A.shape[0]
-            want = scale * np.asarray(x, np.float64) @ A.T @ B.T
-            np.testing.assert_allclose(np.asarray(part)[[0, 2]], want[[0, 2]], rtol=1e-4, atol=1e-4)
-            np.testing.assert_array_equal(np.asarray(part)[1], 0.0)  # no adapter: exact base
+            yield int(name.split(".")[2]), m, x, np.asarray(part)
+
+
+def test_loaded_adapter_matches_numpy_oracle(tmp_path, model):
+    """Each HF module's output delta equals scale * x @ A.T @ B.T (ranks 8 and 4 mixed)."""
+    ranks = {"q_proj": 4, "gate_proj": 4}
+    tensors = peft_tensors(ALL, 8, seed=5, ranks=ranks)
+    config = {"r": 8, "lora_alpha": 12, "rank_pattern": ranks, "target_modules": ALL}
+    a = load_peft_adapter(_dir(tmp_path, config, tensors), model, CFG, adapter_id=1)
+    for i, m, x, part in _member_deltas(model, a, seed=9):
+        A, B = tensors[_key(i, m, "A")], tensors[_key(i, m, "B")]
+        scale = 12 / A.shape[0]
+        want = scale * np.asarray(x, np.float64) @ A.T @ B.T
+        np.testing.assert_allclose(np.asarray(part)[[0, 2]], want[[0, 2]], rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(np.asarray(part)[1], 0.0)  # no adapter: exact base
     lj.set_lora_mapping(model, jnp.zeros((1,), jnp.int32))
 
 
@@ -385,31 +391,18 @@ def test_bdlora_factors_serve_as_peft_s_block_forward(tmp_path, model):
     a = load_peft_adapter(
         _dir(tmp_path, {**config, "use_bdlora": use}, tensors), model, CFG, adapter_id=1
     )
-    mgr = LRUCacheLoRAModelManager(model)
-    mgr.set_active_adapters([a])
-    x_rng = np.random.default_rng(4)
     checked = 0
-    for name, layer in lora_layers(model).items():
-        if name == "model.proj":
-            continue
-        x = jnp.asarray(x_rng.normal(size=(3, layer.base_layer.in_features)), jnp.float32)
-        lj.set_lora_mapping(layer, jnp.asarray(mgr.token_mapping([1, None, 1])))
-        delta = np.asarray(layer(x)) - np.asarray(layer.base_layer(x))
-        parts = layer.base_layer.split_output(jnp.asarray(delta))
-        members = layer.packed_modules
-        parts = parts if len(parts) == len(members) else [delta]
-        i = int(name.split(".")[2])
+    for i, m, x, part in _member_deltas(model, a, seed=4):
         xs = np.asarray(x, np.float64)
-        for m, part in zip(members, parts):
-            if _key(i, m, "A") not in tensors:
-                np.testing.assert_array_equal(np.asarray(part), 0.0)
-                continue
-            A, B = tensors[_key(i, m, "A")], tensors[_key(i, m, "B")]
-            h = _blocks_forward(xs, A, n) if m in bd_a else xs @ A.T  # [T, r]
-            want = (16 / r) * (_blocks_forward(h, B, n) if m in bd_b else h @ B.T)
-            np.testing.assert_allclose(np.asarray(part)[[0, 2]], want[[0, 2]], rtol=1e-4, atol=1e-4)
-            np.testing.assert_array_equal(np.asarray(part)[1], 0.0)
-            checked += 1
+        if _key(i, m, "A") not in tensors:
+            np.testing.assert_array_equal(np.asarray(part), 0.0)
+            continue
+        A, B = tensors[_key(i, m, "A")], tensors[_key(i, m, "B")]
+        h = _blocks_forward(xs, A, n) if m in bd_a else xs @ A.T  # [T, r]
+        want = (16 / r) * (_blocks_forward(h, B, n) if m in bd_b else h @ B.T)
+        np.testing.assert_allclose(np.asarray(part)[[0, 2]], want[[0, 2]], rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(np.asarray(part)[1], 0.0)
+        checked += 1
     assert checked == 2 * 6
     lj.set_lora_mapping(model, jnp.zeros((1,), jnp.int32))
     # a module in both lists, blocks that do not divide, a bad config: refused by name
