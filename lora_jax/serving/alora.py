@@ -15,7 +15,8 @@ LoRA layer, backend and mesh serves it unchanged.
 * `invocation_start` finds the start in one prompt (PEFT's `calculate_alora_offsets`
   counts the same position from the prompt's end);
 * `LoRAModelManager.adapter_starts(adapter_ids, prompts)` gives a batch's slots and
-  starts for `generate(..., adapter_starts=starts)` / `Generator`;
+  starts for `generate(..., adapter_starts=starts)` / `Generator` (its `token_mapping`
+  refuses an aLoRA request: a slot alone would serve it from the first token);
 * `token_slots` flattens slots and starts into a forward's per-token slots.
 
 PEFT gives aLoRA to linear layers only (an embedding refuses it) and applies a
