@@ -42,6 +42,11 @@ KINDS = [
         lj.ReplicatedLinearWithLoRA,
         lambda r, d: lj.ReplicatedLinear(IN, 24, **_kw(r, d)),
     ),
+    Kind(  # an MoE router whose logits come out in f32 whatever the input's dtype
+        "gate",
+        lj.GateLinearWithLoRA,
+        lambda r, d: lj.GateLinear(IN, 24, out_dtype=jnp.float32, **_kw(r, d)),
+    ),
     Kind(
         "merged_replicated",
         lj.MergedReplicatedLinearWithLoRA,
@@ -86,6 +91,11 @@ KINDS = [
     ),
 ]
 KIND_BY_NAME = {k.name: k for k in KINDS}
+
+
+def output_dtype(layer, dtype):
+    """The dtype a layer's output has for inputs of `dtype` (a router's may be its own)."""
+    return getattr(layer.base_layer, "out_dtype", None) or jnp.dtype(dtype)
 
 
 def make_mesh(dp: int, tp: int, explicit: bool = True):

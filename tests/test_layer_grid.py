@@ -26,6 +26,7 @@ from layer_cases import (
     forward,
     logical_output,
     make_mesh,
+    output_dtype,
 )
 
 import lora_jax as lj
@@ -102,7 +103,7 @@ def test_num_loras_grid_fp16(kind, max_loras, seed):
     idx = rng.integers(-1, max_loras, 24).astype(np.int32)
     x = _inputs(layer, 24, jnp.float16, seed)
     y = forward(layer, x, jnp.asarray(idx))
-    assert y.dtype == jnp.float16
+    assert y.dtype == output_dtype(layer, jnp.float16)
     ref = _check(layer, weights, adapters, x, idx, y, 2e-3, 4e-3)
     base = dense_reference(layer, weights, {}, np.asarray(x, np.float32), idx)
     if (idx >= 0).any():  # the adapters changed the mapped tokens' outputs
@@ -129,7 +130,7 @@ def test_adapters_in_another_dtype_than_the_base(kind, dtype, lora_dtype):
     idx = np.array([1, -1, 0, 3, 1, 1, -1, 2, 0, 3, 3, -1, 1, 0, 2, 1], np.int32)
     x = _inputs(layer, len(idx), dtype)
     y = forward(layer, x, jnp.asarray(idx))
-    assert y.dtype == dtype
+    assert y.dtype == output_dtype(layer, dtype)
     _check(layer, weights, adapters, x, idx, y, 2e-2, 2e-2)  # bf16 on one side
 
 
@@ -192,6 +193,9 @@ def test_wrap_picks_the_class_vllm_picks():
     assert _pick(lj.ColumnParallelLinear(16, 8, **kw), []) is lj.ColumnParallelLinearWithLoRA
     assert _pick(lj.RowParallelLinear(16, 8, **kw), []) is lj.RowParallelLinearWithLoRA
     assert _pick(lj.ReplicatedLinear(16, 8, **kw), []) is lj.ReplicatedLinearWithLoRA
+    # an MoE router: its own class, with or without fully_sharded_loras (vLLM's rule)
+    for sharded in (False, True):
+        assert _pick(lj.GateLinear(16, 8, **kw), [], sharded) is lj.GateLinearWithLoRA
     # a merged replicated layer (DeepSeek's fused_qkv_a_proj): a LoRA per packed member, or
     # one over the whole output from one checkpoint tensor; no sharded twin (vLLM's rule)
     fused = lj.MergedReplicatedLinear(16, [8, 24], **kw)

@@ -11,6 +11,7 @@ from lora_jax.layers.column import ColumnParallelLinearWithLoRA as ColumnParalle
 from lora_jax.layers.column import (
     ColumnParallelLinearWithShardedLoRA as ColumnParallelLinearWithShardedLoRA,
 )
+from lora_jax.layers.column import GateLinearWithLoRA as GateLinearWithLoRA
 from lora_jax.layers.column import (
     MergedColumnParallelLinearVariableSliceWithLoRA as MergedColumnParallelLinearVariableSliceWithLoRA,
 )

@@ -4,7 +4,7 @@ Module paths follow transformers 5's runtime names (which PEFT's `target_paramet
 use), for both families:
 
     model.model.layers[i].self_attn.*          as in `lora_jax.models.decoder`
-    model.model.layers[i].mlp.gate             ReplicatedLinear hidden → num_experts (router)
+    model.model.layers[i].mlp.gate             GateLinear hidden → num_experts (router)
     model.model.layers[i].mlp.experts          FusedMoE (w13 = [gate | up], w2 = down)
     model.model.layers[i].mlp.gate_up_proj ... a dense MLP on Qwen3-MoE `mlp_only_layers`
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lora_jax.linear import ReplicatedLinear
+from lora_jax.linear import GateLinear
 from lora_jax.models.config import DecoderConfig
 from lora_jax.models.decoder import (
     MLP,
@@ -154,7 +154,7 @@ class SparseMoeBlock(nnx.Module):
 
     def __init__(self, config: DecoderConfig, moe: MoEConfig, *, rules, dtype, param_dtype, rngs):
         kw = dict(dtype=dtype, param_dtype=param_dtype, rules=rules, rngs=rngs)
-        self.gate = ReplicatedLinear(config.hidden_size, moe.num_experts, **kw)
+        self.gate = GateLinear(config.hidden_size, moe.num_experts, **kw)
         self.experts = FusedMoE(
             moe.num_experts,
             moe.top_k,

@@ -14,6 +14,7 @@ from lora_jax.layers import (
     FlaxEmbedWithLoRA,
     FlaxLinearGeneralWithLoRA,
     FlaxLinearWithLoRA,
+    GateLinearWithLoRA,
     MergedColumnParallelLinearVariableSliceWithLoRA,
     MergedColumnParallelLinearVariableSliceWithShardedLoRA,
     MergedColumnParallelLinearWithLoRA,
@@ -41,6 +42,7 @@ LORA_LAYER_CLASSES: list[type] = [
     MergedQKVParallelLinearWithShardedLoRA,
     RowParallelLinearWithShardedLoRA,
     ReplicatedLinearWithLoRA,
+    GateLinearWithLoRA,  # an MoE router, with or without fully_sharded_loras
     MergedReplicatedLinearWithLoRA,
     ColumnParallelLinearWithLoRA,
     MergedColumnParallelLinearWithLoRA,
