@@ -8,9 +8,9 @@ Pallas GPU kernels for the batched per-token gather.
 from lora_jax import ops as ops
 from lora_jax.compile_options import decode_compiler_options as decode_compiler_options
 from lora_jax.config import LoRAConfig as LoRAConfig
+from lora_jax.gate_linear import GateLinear as GateLinear
 from lora_jax.layers import *  # noqa: F403
 from lora_jax.linear import ColumnParallelLinear as ColumnParallelLinear
-from lora_jax.linear import GateLinear as GateLinear
 from lora_jax.linear import MergedColumnParallelLinear as MergedColumnParallelLinear
 from lora_jax.linear import MergedReplicatedLinear as MergedReplicatedLinear
 from lora_jax.linear import QKVParallelLinear as QKVParallelLinear

@@ -1,6 +1,7 @@
 """`GateLinear` (an MoE router whose logits may be f32 from bf16 inputs) and
 `GateLinearWithLoRA`, vLLM's router LoRA class, against float64 numpy oracles."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -58,8 +59,9 @@ def test_f32_logits_from_bf16_are_not_rounded_to_bf16():
 def test_lora_lands_in_the_f32_logits_unrounded(monkeypatch, backend):
     """A bf16 router with f32 logits and bf16 adapters: each token's delta is added to its
     f32 logits without a round trip through bf16, on XLA and through the Pallas kernels
-    (interpret mode); -1 tokens get the base logits exactly."""
-    monkeypatch.setattr(ops, "PALLAS_INTERPRET", True)
+    (interpret mode on a CPU); -1 tokens get the base logits exactly."""
+    if jax.default_backend() != "gpu":
+        monkeypatch.setattr(ops, "PALLAS_INTERPRET", True)
     monkeypatch.setattr(ops, "_default_backend", backend)
     rng = np.random.default_rng(1)
     gate = _router(rng, out_dtype=jnp.float32, param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
@@ -130,11 +132,10 @@ def test_out_dtype_is_a_float_dtype_set_once():
         lj.GateLinearWithLoRA(lj.ReplicatedLinear(H, E, rngs=nnx.Rngs(0)), lj.LoRAConfig())
 
 
-@pytest.mark.parametrize("fully_sharded", [False, True])
-def test_the_moe_router_is_wrapped_as_vllm_wraps_it(fully_sharded):
+def test_the_moe_router_is_wrapped_as_vllm_wraps_it():
     """The MoE decoders' router is a `GateLinear`: `wrap_model` gives it
-    `GateLinearWithLoRA` with or without `fully_sharded_loras`, and its LoRA moves the
-    routing (the logits of a slot differ from the base's)."""
+    `GateLinearWithLoRA` (with `fully_sharded_loras` too: the layer grid's pick test),
+    and a slot's router LoRA moves the routing, so the logits differ from the base's."""
     from lora_jax.models.moe_decoder import MoEConfig, MoEDecoderForCausalLM
 
     base, moe = MoEConfig.from_hf(
@@ -145,17 +146,22 @@ def test_the_moe_router_is_wrapped_as_vllm_wraps_it(fully_sharded):
         )
     )  # fmt: skip
     model = MoEDecoderForCausalLM(base, moe, rngs=nnx.Rngs(0))
-    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, fully_sharded_loras=fully_sharded)
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, fully_sharded_loras=True)
     wrap_model(model, cfg, target_modules=["gate"])
-    (name,) = lora_layers(model)
-    router = lora_layers(model)[name]
+    ((name, router),) = lora_layers(model).items()
     assert name.endswith("mlp.gate") and type(router) is lj.GateLinearWithLoRA
     rng = np.random.default_rng(3)
     router.set_lora(1, rng.normal(0, 1.0, (8, 32)), rng.normal(0, 1.0, (4, 8)))
-    ids = jnp.asarray(rng.integers(0, 64, (1, 6)), jnp.int32)
-    pos = jnp.arange(6)[None]
-    out = {}
-    for slot in (0, 1):  # slot 0 is empty: the base model
-        lj.set_lora_mapping(model, jnp.full((6,), slot, jnp.int32))
-        out[slot] = np.asarray(model(ids, pos)[0])
-    assert np.abs(out[1] - out[0]).max() > 1e-3
+    ids = jnp.asarray(rng.integers(0, 64, (2, 6)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+
+    @nnx.jit
+    def logits(model, slots):
+        lj.set_lora_mapping(model, slots)
+        return model(ids, pos)[0]
+
+    # sequence 0 on slot 1 (the router LoRA), sequence 1 on the empty slot 0 (the base)
+    out = np.asarray(logits(model, jnp.repeat(jnp.array([1, 0], jnp.int32), 6)))
+    base_out = np.asarray(logits(model, jnp.full((12,), -1, jnp.int32)))
+    np.testing.assert_array_equal(out[1], base_out[1])
+    assert np.abs(out[0] - base_out[0]).max() > 1e-3

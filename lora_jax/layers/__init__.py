@@ -11,7 +11,6 @@ from lora_jax.layers.column import ColumnParallelLinearWithLoRA as ColumnParalle
 from lora_jax.layers.column import (
     ColumnParallelLinearWithShardedLoRA as ColumnParallelLinearWithShardedLoRA,
 )
-from lora_jax.layers.column import GateLinearWithLoRA as GateLinearWithLoRA
 from lora_jax.layers.column import (
     MergedColumnParallelLinearVariableSliceWithLoRA as MergedColumnParallelLinearVariableSliceWithLoRA,
 )
@@ -50,6 +49,7 @@ from lora_jax.layers.flax_general import (
 )
 from lora_jax.layers.flax_linear import FlaxLinear as FlaxLinear
 from lora_jax.layers.flax_linear import FlaxLinearWithLoRA as FlaxLinearWithLoRA
+from lora_jax.layers.gate_linear import GateLinearWithLoRA as GateLinearWithLoRA
 from lora_jax.layers.logits import LogitsProcessor as LogitsProcessor
 from lora_jax.layers.logits import LogitsProcessorWithLoRA as LogitsProcessorWithLoRA
 from lora_jax.layers.logits import ParallelLMHeadWithLoRA as ParallelLMHeadWithLoRA

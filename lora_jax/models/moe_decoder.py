@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lora_jax.linear import GateLinear
+from lora_jax.gate_linear import GateLinear
 from lora_jax.models.config import DecoderConfig
 from lora_jax.models.decoder import (
     MLP,
