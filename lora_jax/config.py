@@ -18,6 +18,22 @@ SUPPORTED_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 MAX_LORA_VOCAB_SIZE = 258048
 
 
+def float_dtype(value, what: str) -> jnp.dtype:
+    """`value` as a float dtype; a `ValueError` naming `what` if it is none.
+
+    Example:
+        >>> float_dtype("bfloat16", "out_dtype")
+        dtype(bfloat16)
+    """
+    try:
+        dt = jnp.dtype(value)
+    except TypeError as e:
+        raise ValueError(f"{what}={value!r} is not a dtype") from e
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"{what} must be a float dtype, got {dt}")
+    return dt
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoRAConfig:
     """Static LoRA limits; the shapes of every stacked adapter array derive from it.
@@ -76,10 +92,7 @@ class LoRAConfig:
                 f"max_loras ({self.max_loras})"
             )
         if self.lora_dtype is not None:
-            try:
-                dt = jnp.dtype(self.lora_dtype)
-            except TypeError as e:
-                raise ValueError(f"LoRAConfig.lora_dtype={self.lora_dtype!r} is not a dtype") from e
+            dt = float_dtype(self.lora_dtype, "LoRAConfig.lora_dtype")
             allowed = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
             if dt not in allowed:  # what the kernels take (vLLM: auto / float16 / bfloat16)
                 raise ValueError(

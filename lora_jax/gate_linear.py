@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lora_jax.config import float_dtype
 from lora_jax.linear import ReplicatedLinear
 
 
@@ -36,13 +37,7 @@ class GateLinear(ReplicatedLinear):
         quantization decides it); a second call raises."""
         if self.out_dtype is not None:
             raise ValueError(f"GateLinear.out_dtype is already set ({self.out_dtype})")
-        try:
-            dt = jnp.dtype(out_dtype)
-        except TypeError as e:
-            raise ValueError(f"GateLinear: out_dtype={out_dtype!r} is not a dtype") from e
-        if not jnp.issubdtype(dt, jnp.floating):
-            raise ValueError(f"GateLinear: out_dtype must be a float dtype, got {dt}")
-        self.out_dtype = dt
+        self.out_dtype = float_dtype(out_dtype, "GateLinear.out_dtype")
 
     def local_matmul(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
         dtype = self.dtype or x.dtype

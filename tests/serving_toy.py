@@ -102,3 +102,18 @@ def peft_tensors(
             out[f"{key}.lora_A.weight"] = rng.normal(size=(r, n_in)).astype(np.float32) / 4
             out[f"{key}.lora_B.weight"] = rng.normal(size=(n_out, r)).astype(np.float32) / 4
     return out
+
+
+def tiny_mixtral(**rules_kw):
+    """A one-layer Mixtral-shaped `MoEDecoderForCausalLM` (4 experts of width 16, hidden
+    32, vocab 64) with random weights."""
+    from lora_jax.models.moe_decoder import MoEConfig, MoEDecoderForCausalLM
+
+    base, moe = MoEConfig.from_hf(
+        dict(
+            model_type="mixtral", vocab_size=64, hidden_size=32, intermediate_size=16,
+            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+            num_local_experts=4, num_experts_per_tok=2,
+        )
+    )  # fmt: skip
+    return MoEDecoderForCausalLM(base, moe, rngs=nnx.Rngs(0), **rules_kw)

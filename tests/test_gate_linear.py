@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from layer_cases import make_mesh
+from serving_toy import tiny_mixtral
 
 import lora_jax as lj
 from lora_jax import ops
@@ -119,9 +120,9 @@ def test_an_f32_router_serves_f32_and_bf16_adapters(lora_dtype):
 def test_out_dtype_is_a_float_dtype_set_once():
     gate = lj.GateLinear(H, E, rngs=nnx.Rngs(0))
     assert gate.out_dtype is None
-    with pytest.raises(ValueError, match="out_dtype must be a float dtype, got int32"):
+    with pytest.raises(ValueError, match="GateLinear.out_dtype must be a float dtype, got int32"):
         gate.set_out_dtype(jnp.int32)
-    with pytest.raises(ValueError, match="out_dtype='fp33' is not a dtype"):
+    with pytest.raises(ValueError, match="GateLinear.out_dtype=.fp33. is not a dtype"):
         gate.set_out_dtype("fp33")
     assert gate.out_dtype is None  # the refused calls left it unset
     gate.set_out_dtype("float32")
@@ -136,16 +137,7 @@ def test_the_moe_router_is_wrapped_as_vllm_wraps_it():
     """The MoE decoders' router is a `GateLinear`: `wrap_model` gives it
     `GateLinearWithLoRA` (with `fully_sharded_loras` too: the layer grid's pick test),
     and a slot's router LoRA moves the routing, so the logits differ from the base's."""
-    from lora_jax.models.moe_decoder import MoEConfig, MoEDecoderForCausalLM
-
-    base, moe = MoEConfig.from_hf(
-        dict(
-            model_type="mixtral", vocab_size=64, hidden_size=32, intermediate_size=16,
-            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-            num_local_experts=4, num_experts_per_tok=2,
-        )
-    )  # fmt: skip
-    model = MoEDecoderForCausalLM(base, moe, rngs=nnx.Rngs(0))
+    model = tiny_mixtral()
     cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, fully_sharded_loras=True)
     wrap_model(model, cfg, target_modules=["gate"])
     ((name, router),) = lora_layers(model).items()

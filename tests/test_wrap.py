@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from serving_toy import ToyLM
+from serving_toy import ToyLM, tiny_mixtral
 
 import lora_jax as lj
 from lora_jax.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -294,16 +294,7 @@ def test_merge_whole_model_output():
 def test_merge_a_moe_model_whole_output():
     """A Mixtral-shaped model with q_proj and expert LoRA: the merged model (experts
     included) gives the LoRA path's logits, and unmerge restores every weight."""
-    from lora_jax.models.moe_decoder import MoEConfig, MoEDecoderForCausalLM
-
-    base, moe = MoEConfig.from_hf(
-        dict(
-            model_type="mixtral", vocab_size=64, hidden_size=32, intermediate_size=16,
-            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-            num_local_experts=4, num_experts_per_tok=2,
-        )
-    )  # fmt: skip
-    model = MoEDecoderForCausalLM(base, moe, rngs=nnx.Rngs(0))
+    model = tiny_mixtral()
     cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8)
     wrap_model(model, cfg, target_modules=["q_proj", "experts"])
     layers = lora_layers(model)

@@ -26,9 +26,9 @@ import re
 from collections.abc import Callable
 from typing import NamedTuple
 
-import jax.numpy as jnp
 import numpy as np
 
+from lora_jax.config import float_dtype
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.linear import unpack_shards
@@ -287,12 +287,7 @@ def save_peft_adapter(
         >>> save_peft_adapter(model, 1, "adapters/tuned")  # doctest: +SKIP
         'adapters/tuned'
     """
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError as e:
-        raise ValueError(f"export: dtype {dtype!r} is not a dtype") from e
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"export: dtype must be a float dtype (f32, bf16, f16), got {dtype}")
+    dtype = float_dtype(dtype, "export: dtype")
     if task_type == "auto":
         task_type = "CAUSAL_LM" if model_type_of(model) is not None else None
     elif task_type is not None and not isinstance(task_type, str):
