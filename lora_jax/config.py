@@ -59,6 +59,9 @@ class LoRAConfig:
     """Kept for vLLM parity; vLLM removed extra vocab, only 0 is accepted."""
     bias_enabled: bool = False
     """vLLM parity; LoRA biases are not supported (PEFT `bias="none"` only)."""
+    max_lora_trainable_tokens: int = 0
+    """Per adapter, how many token ids may carry their own embedding / lm_head rows
+    (PEFT's `trainable_token_indices`); 0 refuses such adapters and allocates nothing."""
 
     def __post_init__(self):
         for field in ("max_loras", "max_lora_rank", "max_cpu_loras"):
@@ -75,6 +78,10 @@ class LoRAConfig:
                 # linears without LoRA
                 raise ValueError(f"LoRAConfig.{field} must be a bool, got {v!r}")
             object.__setattr__(self, field, bool(v))
+        m = self.max_lora_trainable_tokens
+        if isinstance(m, bool) or not isinstance(m, int | np.integer) or m < 0:
+            raise ValueError(f"LoRAConfig.max_lora_trainable_tokens must be an int >= 0, got {m!r}")
+        object.__setattr__(self, "max_lora_trainable_tokens", int(m))
         if self.max_loras < 1:
             raise ValueError(f"LoRAConfig.max_loras must be an int >= 1, got {self.max_loras!r}")
         if isinstance(self.lora_dtype, str) and self.lora_dtype == "auto":
@@ -92,7 +99,10 @@ class LoRAConfig:
                 f"max_loras ({self.max_loras})"
             )
         if self.lora_dtype is not None:
-            dt = float_dtype(self.lora_dtype, "LoRAConfig.lora_dtype")
+            try:
+                dt = jnp.dtype(self.lora_dtype)
+            except TypeError as e:
+                raise ValueError(f"LoRAConfig.lora_dtype={self.lora_dtype!r} is not a dtype") from e
             allowed = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
             if dt not in allowed:  # what the kernels take (vLLM: auto / float16 / bfloat16)
                 raise ValueError(

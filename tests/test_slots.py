@@ -159,6 +159,12 @@ def test_config_checks():
                {"max_cpu_loras": "4"}, {"max_loras": 2.0}):  # fmt: skip
         with pytest.raises(ValueError, match=f"LoRAConfig.{next(iter(kw))} must be an int"):
             lj.LoRAConfig(**kw)
+    assert lj.LoRAConfig(max_lora_trainable_tokens=np.int64(3)).max_lora_trainable_tokens == 3
+    for bad in (-1, True, 2.0, "4"):
+        with pytest.raises(ValueError, match="max_lora_trainable_tokens must be an int >= 0"):
+            lj.LoRAConfig(max_lora_trainable_tokens=bad)
+    with pytest.raises(ValueError, match="lora_dtype='fp33' is not a dtype"):
+        lj.LoRAConfig(lora_dtype="fp33")
 
 
 def test_fully_sharded_rank_must_divide_tp():

@@ -36,6 +36,13 @@ from lora_jax.layers.base import (
     host_f32,
     put_like,
 )
+from lora_jax.layers.token_rows import (
+    TokenRowsMixin,
+    replace_columns,
+    replace_rows,
+    replacement_logits,
+    token_row_args,
+)
 from lora_jax.mapping import LoRAMapping
 from lora_jax.sharding import shard_map
 from lora_jax.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -164,7 +171,7 @@ class VocabSlotsMixin:
 # -- the layer ----------------------------------------------------------------------------
 
 
-class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, nnx.Module):
+class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module):
     """LoRA around a `VocabParallelEmbedding` (not an lm_head), per-token slots.
 
     Example:
@@ -209,6 +216,9 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, nnx.Module):
         )  # [max_loras, D, max_rank]
         ranks = jnp.zeros((1, L), jnp.int32)  # [1 slice, max_loras]
         self.slot_ranks = LoRASlotRanks(rules.place(ranks, None, None))
+        self._init_token_rows(
+            lora_config, base_layer.num_embeddings, D, base_layer.param_dtype, rules
+        )
 
     A_AXES = ("lora_slot", "lora_rank", "vocab")
     B_AXES = ("lora_slot", "embed", "lora_rank")
@@ -251,8 +261,18 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, nnx.Module):
 
     # -- forward --------------------------------------------------------------------------
     def attend(self, x: jax.Array, gather: bool = False) -> jax.Array:
-        """The base table's logits (a tied lm_head; PEFT's embedding LoRA does not touch it)."""
-        return self.base_layer.attend(x, gather=gather)
+        """The base table's logits (a tied lm_head; PEFT's embedding LoRA does not touch it),
+        with each row's slot's trainable-token columns from its rows (PEFT ties them)."""
+        logits = self.base_layer.attend(x, gather=gather)
+        mapping = self.lora_context.get_value()
+        if mapping is None or self.token_ids is None or not gather:
+            return logits
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        slots = row_slots(self.name, mapping, x2.shape[0])
+        flat = logits.reshape(x2.shape[0], -1)
+        values = token_logits(self.base_layer.rules, self, x2, slots, flat.dtype)
+        return replace_columns(flat, values, slots, self.token_ids[...]).reshape(*lead, -1)
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         base = self.base_layer
@@ -269,6 +289,7 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, nnx.Module):
         rules = base.rules
         axis = rules.collective_axis("vocab")
         local_v = base.num_embeddings_padded // base.shards
+        tok_args, tok_specs = token_row_args(self)
         args = (
             flat,
             base.embedding[...],
@@ -276,9 +297,10 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, nnx.Module):
             self.lora_b[...],
             self.slot_ranks[...],
             mapping,
+            *tok_args,
         )
 
-        def local(ids_l, table_l, a_l, b, ranks, m: LoRAMapping):
+        def local(ids_l, table_l, a_l, b, ranks, m: LoRAMapping, *tok):
             start = 0 if axis is None else jax.lax.axis_index(axis) * local_v
             rel = ids_l - start
             own = (rel >= 0) & (rel < local_v)
@@ -289,7 +311,10 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, nnx.Module):
             code = a_l[jnp.maximum(slot, 0), :, safe]  # [T, R]: the A column of each id
             code = jnp.where((own & (slot >= 0))[:, None], code.astype(jnp.float32), 0.0)
             y = ops.lora_expand(y, code[None], (b,), m, offsets=(0,), slot_ranks=ranks)
-            return y if axis is None else jax.lax.psum(y, axis)
+            y = y if axis is None else jax.lax.psum(y, axis)
+            if tok:  # an adapter's trainable tokens embed to its own rows
+                y = replace_rows(y, ids_l, slot, *tok)
+            return y
 
         if rules.mesh is None:
             out = local(*args)
@@ -301,6 +326,38 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, nnx.Module):
                 self.B_AXES,
                 (None, None),
                 jax.tree.map(lambda _: (), mapping),
+                *tok_specs,
             )
             out = shard_map(rules, local, specs, (None, "embed"))(*args)
         return out.astype(base.dtype or base.param_dtype).reshape(*lead, -1)
+
+
+def row_slots(name: str, mapping: LoRAMapping, num_rows: int) -> jax.Array:
+    """The slot of each logits row: its sequence's (the sampler mapping) when the rows are
+    sequences, its token's when they are tokens."""
+    seq = mapping.seq_lora_indices
+    if seq is not None and seq.shape[0] == num_rows:
+        return seq
+    if mapping.num_tokens == num_rows:
+        return mapping.token_lora_indices
+    have = "none" if seq is None else str(seq.shape[0])
+    raise ValueError(
+        f"{name}: {num_rows} hidden-state rows match neither the mapping's sequences "
+        f"({have}) nor its tokens ({mapping.num_tokens})"
+    )
+
+
+def token_logits(rules, layer, x: jax.Array, slots: jax.Array, dtype) -> jax.Array:
+    """`[N, M]` f32: each row of `x [N, D]` dotted with its slot's trainable-token rows of
+    `layer` (D split on "embed": the partial dots are summed)."""
+    embed_axis = rules.collective_axis("embed")
+
+    def local(x, slots, rows):
+        v = replacement_logits(x.astype(dtype), slots, rows)
+        return v if embed_axis is None else jax.lax.psum(v, embed_axis)
+
+    args = (x, slots, layer.token_rows[...])
+    if rules.mesh is None:
+        return local(*args)
+    specs = ((None, "embed"), (None,), ("lora_slot", None, "embed"))
+    return shard_map(rules, local, specs, (None, None))(*args)

@@ -105,6 +105,14 @@ class FlaxEmbedWithLoRA(VocabParallelEmbeddingWithLoRA):
                 f"{type(base_layer).__name__}"
             )
         super().__init__(base_layer, lora_config, context, name=name)
+        self.token_ids = self.token_rows = None  # trainable tokens: see prepare_tokens
+
+    def prepare_tokens(self, index: int, token_ids, rows):
+        raise ValueError(
+            f"{self.name}: trainable tokens (PEFT trainable_token_indices) are served on "
+            "lora_jax's VocabParallelEmbedding (the lora_jax.models decoders), not on a "
+            "plain flax.nnx.Embed"
+        )
 
     @classmethod
     def can_replace_layer(

@@ -108,6 +108,23 @@ class ParallelLMHeadWithLoRA(nnx.Module):
         """Slot `index` as `set_lora` takes it (`lora_A [r, D]`, `lora_B [V, r]`), or None."""
         return self.logits_processor.read_lora(index)
 
+    # trainable tokens of an untied lm_head (`lora_jax.layers.token_rows`)
+    @property
+    def token_ids(self):
+        return None if self.tied else self.logits_processor.token_ids
+
+    def prepare_tokens(self, index: int, token_ids, rows):
+        return self.logits_processor.prepare_tokens(index, token_ids, rows)
+
+    def token_updates(self, prepared):
+        return [] if self.tied else self.logits_processor.token_updates(prepared)
+
+    def set_tokens(self, index: int, token_ids, rows) -> None:
+        self.logits_processor.set_tokens(index, token_ids, rows)
+
+    def read_tokens(self, index: int):
+        return None if self.tied else self.logits_processor.read_tokens(index)
+
     def logits(self, hidden_states: jax.Array) -> jax.Array:
         return self.logits_processor(self.base_layer, hidden_states)
 

@@ -14,8 +14,15 @@ from flax import nnx
 from lora_jax import ops
 from lora_jax.config import MAX_LORA_VOCAB_SIZE, LoRAConfig
 from lora_jax.layers.base import LoRAContext, LoRASlotRanks, check_mapping_slots
-from lora_jax.layers.embedding import VocabSlotsMixin, as_matrix, check_rank
+from lora_jax.layers.embedding import (
+    VocabSlotsMixin,
+    as_matrix,
+    check_rank,
+    row_slots,
+    token_logits,
+)
 from lora_jax.layers.logits_processor import LogitsProcessor, _head_of, sharded_to_full_mapping
+from lora_jax.layers.token_rows import TokenRowsMixin, has_token_rows, replace_columns
 from lora_jax.mapping import LoRAMapping, make_lora_mapping
 from lora_jax.sharding import shard_map
 from lora_jax.vocab import ParallelLMHead as ParallelLMHead  # for the docstring examples
@@ -27,7 +34,7 @@ class VocabRowOrder(nnx.Variable):
     head that keeps its rows in another order (`get_sharded_to_full_mapping`)."""
 
 
-class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
+class LogitsProcessorWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module):
     """vLLM's lm_head LoRA: per-sequence slots added to the logits before soft cap/scale.
 
     Built next to the lm_head it will be called with (its vocab padding and mesh fix the
@@ -91,6 +98,10 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
         self.slot_ranks = LoRASlotRanks(self.rules.place(ranks, None, None))
         rows = self._row_order(head, base_layer.vocab_size)
         self.b_rows = None if rows is None else VocabRowOrder(self.rules.place(rows, None))
+        # an untied lm_head's trainable tokens (a tied one reads the embedding's)
+        self._init_token_rows(
+            lora_config, base_layer.org_vocab_size, self.hidden_size, head.param_dtype, self.rules
+        )
 
     # -- vLLM API -------------------------------------------------------------------------
     @classmethod
@@ -162,16 +173,7 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
     def row_lora_indices(self, mapping: LoRAMapping, num_rows: int) -> jax.Array:
         """The slot of each logits row: per sequence (sampler mapping) when the rows are
         sequences, per token when they are tokens."""
-        seq = mapping.seq_lora_indices
-        if seq is not None and seq.shape[0] == num_rows:
-            return seq
-        if mapping.num_tokens == num_rows:
-            return mapping.token_lora_indices
-        have = "none" if seq is None else str(seq.shape[0])
-        raise ValueError(
-            f"{self.name}: {num_rows} hidden-state rows match neither the mapping's sequences "
-            f"({have}) nor its tokens ({mapping.num_tokens})"
-        )
+        return row_slots(self.name, mapping, num_rows)
 
     def _check_head(self, head: VocabParallelEmbedding) -> None:
         if (head.num_embeddings_padded, head.embedding_dim) != (
@@ -238,7 +240,13 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, nnx.Module):
         V = self.org_vocab_size  # the base's width (LoRA adds no vocabulary)
         if full is not None:
             logits = jnp.take(logits, jnp.asarray(full[:V]), axis=-1)
-        logits = logits[:, :V].reshape(*lead, V)
+        logits = logits[:, :V]
+        # an adapter's trainable tokens: their columns are the hidden state's dot with the
+        # adapter's rows (a tied lm_head's are the embedding's: `wrap_model` shares them)
+        if has_token_rows(self):
+            values = token_logits(rules, self, x, idx, dtype)
+            logits = replace_columns(logits, values, idx, self.token_ids[...])
+        logits = logits.reshape(*lead, V)
         if embedding_bias is not None:
             logits = logits + embedding_bias.astype(logits.dtype)
         return logits

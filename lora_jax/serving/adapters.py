@@ -37,6 +37,22 @@ class ModuleLoRA:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class TrainableTokens:
+    """A vocab layer's trainable tokens (PEFT `trainable_token_indices`): the adapter's own
+    rows `[n, D]` (absolute, not deltas) for token ids `token_ids` (n of them).
+
+    Example:
+        >>> t = TrainableTokens("model.embed_tokens", (3, 7), np.zeros((2, 16)))
+        >>> t.rows.shape
+        (2, 16)
+    """
+
+    module_name: str
+    token_ids: tuple[int, ...]
+    rows: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class LoRAAdapter:
     """A loaded adapter: id, name and its per-LoRA-layer weights (host numpy, f32).
 
@@ -54,6 +70,9 @@ class LoRAAdapter:
     invocation_tokens: tuple[int, ...] | None = None
     """An activated LoRA's (aLoRA's) invocation sequence, else None: its requests use it
     only from the sequence's last occurrence in the prompt on (`lora_jax.serving.alora`)."""
+    trainable_tokens: Mapping[str, TrainableTokens] = dataclasses.field(default_factory=dict)
+    """Per vocab LoRA layer (the embedding; an untied lm_head), the adapter's own rows of
+    some token ids (PEFT `trainable_token_indices`); a tied lm_head reads the embedding's."""
 
     def get_lora(self, module: str) -> ModuleLoRA | None:
         return self.modules.get(module)

@@ -32,6 +32,7 @@ from lora_jax.config import float_dtype
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.linear import unpack_shards
+from lora_jax.serving.adapters import TrainableTokens
 from lora_jax.serving.export_experts import (
     check_expert_layout,
     expert_members,
@@ -53,6 +54,7 @@ from lora_jax.serving.peft import (
 )
 from lora_jax.serving.peft_experts import expert_tensors
 from lora_jax.serving.peft_keys import model_type_of, module_index
+from lora_jax.serving.peft_tokens import TOKEN_SUFFIX
 from lora_jax.serving.training import WHOLE_LAYERS, trainable_layers
 from lora_jax.serving.wrap import layer_packed_modules, lora_layers, packed_names
 
@@ -146,12 +148,18 @@ def adapter_from_slot(
     if not modules:
         raise ValueError(f"export: slot {slot} holds no adapter")
     rank = max(m.rank for m in modules.values())
+    tokens = {}
+    for lname, layer in lora_layers(model).items():  # trainable tokens: embedding, lm_head
+        found = layer.read_tokens(int(slot)) if hasattr(layer, "read_tokens") else None
+        if found is not None:
+            tokens[lname] = TrainableTokens(lname, *found)
     return LoRAAdapter(
         id=adapter_id,
         name=name,
         rank=rank,
         modules=modules,
         invocation_tokens=_slot_invocation(model, int(slot)),
+        trainable_tokens=tokens,
     )
 
 
@@ -260,6 +268,17 @@ def _mapped(pairs: list[_Pair], name_map) -> list[_Pair]:
     return out
 
 
+def _finite_in(value, dtype, what: str) -> np.ndarray:
+    """`value` cast to `dtype`, or a ValueError if a value falls past its range."""
+    with np.errstate(over="ignore"):
+        stored = np.asarray(value).astype(dtype)
+    if not np.isfinite(stored.astype(np.float32)).all():
+        raise ValueError(
+            f"export: {what} has values past {dtype.name}'s range; save it in a wider dtype"
+        )
+    return stored
+
+
 def save_peft_adapter(
     model,
     slot: int,
@@ -303,13 +322,7 @@ def save_peft_adapter(
     tensors = {}
     for pair in pairs:
         for suffix, value in zip(pair.keys, (pair.a, pair.b)):  # A [r, in], B [out, r]
-            with np.errstate(over="ignore"):
-                stored = np.asarray(value).astype(dtype)
-            if not np.isfinite(stored.astype(np.float32)).all():
-                raise ValueError(
-                    f"export: {pair.module}{suffix} has values past {dtype.name}'s range; "
-                    "save it in a wider dtype"
-                )
+            stored = _finite_in(value, dtype, f"{pair.module}{suffix}")
             tensors[f"{PEFT_PREFIX}{pair.module}{suffix}"] = stored
     r = max(pair.rank for pair in pairs)
     # PEFT on transformers 5 wraps a module that is no nn.Linear (an MoE router) through
@@ -341,6 +354,13 @@ def save_peft_adapter(
     }
     if adapter.invocation_tokens is not None:  # an activated LoRA's slot stays one
         config["alora_invocation_tokens"] = list(adapter.invocation_tokens)
+    if adapter.trainable_tokens:  # PEFT's trainable tokens: rows of the named tables
+        config["trainable_token_indices"] = {}
+        for t in adapter.trainable_tokens.values():
+            module = name_map(t.module_name) if name_map is not None else t.module_name
+            config["trainable_token_indices"][module] = list(t.token_ids)
+            stored = _finite_in(t.rows, dtype, f"{module}{TOKEN_SUFFIX}")
+            tensors[f"{PEFT_PREFIX}{module}{TOKEN_SUFFIX}"] = stored
     os.makedirs(directory, exist_ok=True)
     write_safetensors(os.path.join(directory, WEIGHTS_NAME), tensors)
     with open(os.path.join(directory, CONFIG_NAME), "w") as f:

@@ -57,7 +57,9 @@ class _ChecksMixin:
         )
 
     def _check_modules(self, adapter: LoRAAdapter) -> None:
-        unknown = [m for m in adapter.modules if m not in self.modules]
+        unknown = [
+            m for m in (*adapter.modules, *adapter.trainable_tokens) if m not in self.modules
+        ]
         if unknown:
             raise ValueError(
                 f"adapter {adapter.name!r} ({adapter.source}) has modules {unknown[:4]} that are "

@@ -60,7 +60,10 @@ def _same_adapter(a: LoRAAdapter, b: LoRAAdapter) -> bool:
             for x, y in zip(xs, ys):
                 if (x is None) != (y is None) or (x is not None and not np.array_equal(x, y)):
                     return False
-    return True
+    ta, tb = a.trainable_tokens, b.trainable_tokens
+    return sorted(ta) == sorted(tb) and all(
+        ta[n].token_ids == tb[n].token_ids and np.array_equal(ta[n].rows, tb[n].rows) for n in ta
+    )
 
 
 def _source_dir(adapter: LoRAAdapter) -> str | None:

@@ -192,6 +192,17 @@ class _SlotsMixin:
         updates, legacy = [], []
         for name, layer in self.modules.items():
             m = adapter.get_lora(name) if adapter is not None else None
+            if hasattr(layer, "token_updates"):  # trainable tokens: the embedding, lm_head
+                tokens = adapter.trainable_tokens.get(name) if adapter is not None else None
+                try:
+                    prepared = (
+                        None
+                        if tokens is None
+                        else layer.prepare_tokens(slot, tokens.token_ids, tokens.rows)
+                    )
+                except ValueError as e:
+                    raise ValueError(f"adapter {adapter.name!r} ({adapter.source}): {e}") from e
+                updates += layer.token_updates(prepared)
             if hasattr(layer, "prepare_lora") and hasattr(layer, "slot_updates"):
                 if m is None:
                     updates += layer.slot_updates(None)

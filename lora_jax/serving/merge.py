@@ -124,6 +124,18 @@ def _check_not_activated(model: nnx.Module, slot: int) -> None:
             )
 
 
+def _check_no_trainable_tokens(model: nnx.Module, slot: int) -> None:
+    """A slot's trainable tokens replace table rows per slot; merge_adapter merges LoRA
+    deltas only, so merged, the slot would lose them."""
+    for name, layer in lora_layers(model).items():
+        if hasattr(layer, "read_tokens") and layer.read_tokens(slot) is not None:
+            raise ValueError(
+                f"merge_adapter: slot {slot} has trainable tokens in {name!r} (PEFT "
+                "trainable_token_indices), which merge_adapter does not merge; serve the "
+                "slot unmerged"
+            )
+
+
 def merge_adapter(model: nnx.Module, slot: int) -> int:
     """Adds slot `slot`'s `B @ A` into every LoRA layer's base weights; returns how many
     layers were merged.
@@ -164,6 +176,7 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
                 f"slot {slot} and cannot be merged" + (f": {why}" if why else "")
             )
     _check_not_activated(model, slot)
+    _check_no_trainable_tokens(model, slot)
     # Layers that share a weight variable (tied weights): a delta merged into it would
     # reach every one of them, so such a slot is refused; with the slot empty they are
     # left as they are.

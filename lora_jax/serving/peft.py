@@ -44,6 +44,8 @@ A BD-LoRA adapter (`use_bdlora`) has its block-diagonal factors made dense
 `max_lora_rank` happens at the slot write. An
 activated LoRA (`alora_invocation_tokens`) keeps its invocation sequence on the adapter
 (`LoRAAdapter.invocation_tokens`; `lora_jax.serving.alora` says how it is served).
+Trainable tokens (`trainable_token_indices`) become `LoRAAdapter.trainable_tokens`
+(`lora_jax.serving.peft_tokens`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ from lora_jax.serving.peft_keys import (
     tied_embedding,
 )
 from lora_jax.serving.peft_keys import PEFT_PREFIX as PEFT_PREFIX
+from lora_jax.serving.peft_tokens import token_module, trainable_tokens
 from lora_jax.serving.safetensors_io import read_safetensors as read_safetensors
 from lora_jax.serving.safetensors_io import write_safetensors as write_safetensors
 
@@ -216,8 +219,13 @@ def adapter_from_tensors(
     per_expert: dict[str, dict[tuple[int, str], dict]] = {}  # layer → (j, proj) → kind → ...
     checkpoint_names: dict[str, str] = {}  # model module → the checkpoint's name for it
     untargeted = []
+    token_found: dict[str, tuple[str, np.ndarray]] = {}  # checkpoint module → (key, rows)
     for key, value in tensors.items():
         if key.endswith(TRAINING_ONLY_SUFFIXES):
+            continue
+        raw_tokens = token_module(key)
+        if raw_tokens is not None:
+            token_found[raw_tokens] = (key, np.asarray(value))
             continue
         if key.endswith(BASE_EMBEDDING_SUFFIXES):
             raw = key[: -len(".base_layer.weight")]
@@ -343,6 +351,7 @@ def adapter_from_tensors(
             modules[ln] = m
     for ln, found in per_expert.items():
         modules[ln] = per_expert_lora(layers[ln], ln, found, cfg, lora_config, source)
+    tokens = trainable_tokens(token_found, cfg, layers, source, name_map)
     if cfg.alora_invocation_tokens is not None:
         check_alora_modules(cfg, modules, layers, set(expert_keys), source)
     R = lora_config.max_lora_rank
@@ -383,4 +392,5 @@ def adapter_from_tensors(
         modules=modules,
         source=source,
         invocation_tokens=cfg.alora_invocation_tokens,
+        trainable_tokens=tokens,
     )

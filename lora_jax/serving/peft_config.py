@@ -153,6 +153,10 @@ class PEFTConfig:
     alora_invocation_tokens: tuple[int, ...] | None = None
     """PEFT `alora_invocation_tokens`: an activated LoRA (aLoRA), which acts only from the
     last occurrence of these token ids in the prompt on (`lora_jax.serving.alora`)."""
+    trainable_token_indices: tuple[tuple[str, tuple[int, ...]], ...] | None = None
+    """PEFT `trainable_token_indices`: `(module, token ids)` pairs whose embedding (and
+    lm_head) rows the adapter replaces with its own; module "" is the input embedding
+    (PEFT's list form)."""
 
     def targets(self, name: str) -> bool:
         """Whether PEFT would give the checkpoint module `name` a LoRA layer (its

@@ -45,10 +45,6 @@ def config_fields(d: Mapping[str, Any], source: str) -> dict[str, Any]:
     ):
         if d.get(key):
             raise ValueError(f"{source}: {key}={d[key]!r}: {what} is not supported")
-    if d.get("trainable_token_indices") not in (None, [], {}, ""):
-        raise ValueError(
-            f"{source}: trainable_token_indices={d['trainable_token_indices']!r} is not supported"
-        )
     layers = _layer_indices(d.get("layers_to_transform"), source)
     pattern = d.get("layers_pattern")
     if isinstance(pattern, str):
@@ -140,7 +136,36 @@ def config_fields(d: Mapping[str, Any], source: str) -> dict[str, Any]:
         targets_by_model_type=targets is None,
         alora_invocation_tokens=_invocation_tokens(d.get("alora_invocation_tokens"), source),
         use_bdlora=_bdlora(d.get("use_bdlora"), source),
+        trainable_token_indices=_trainable_tokens(d.get("trainable_token_indices"), source),
     )
+
+
+def _trainable_tokens(value, source: str) -> tuple[tuple[str, tuple[int, ...]], ...] | None:
+    """`trainable_token_indices`: a list of token ids (for the input embedding: module
+    "") or an object `{module: ids}`; None (or empty) for none."""
+    if value is None or (isinstance(value, list | tuple | Mapping) and not value):
+        return None
+    what = (
+        f"{source}: trainable_token_indices={value!r} must be a list of distinct token ids "
+        "(ints >= 0) or an object mapping module names to such lists"
+    )
+    items = value.items() if isinstance(value, Mapping) else [("", value)]
+    out = []
+    for module, ids in items:
+        bad_ids = (
+            not isinstance(ids, list | tuple)
+            or not ids
+            or any(
+                isinstance(t, bool | np.bool_) or not isinstance(t, int | np.integer) or t < 0
+                for t in ids
+            )
+        )
+        if not isinstance(module, str) or (isinstance(value, Mapping) and not module) or bad_ids:
+            raise ValueError(what)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{what}; {module or 'the list'} repeats an id")
+        out.append((module, tuple(int(t) for t in ids)))
+    return tuple(sorted(out))
 
 
 def _bdlora(value, source: str) -> BdLoRA | None:

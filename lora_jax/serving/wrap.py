@@ -205,6 +205,11 @@ def _mark_tied_embedding(model: nnx.Module) -> None:
         emb, VocabParallelEmbeddingWithLoRA
     ):
         emb.tied_table = True
+        if isinstance(head, TiedLMHeadWithLoRA) and emb.token_ids is not None:
+            # PEFT ties the lm_head's trainable tokens to the embedding's: the head reads
+            # the embedding's token rows (the same variables, as it reads the same table)
+            head.logits_processor.token_ids = emb.token_ids
+            head.logits_processor.token_rows = emb.token_rows
 
 
 def unwrap_model(model: nnx.Module, *, keep_merged: bool = False) -> int:

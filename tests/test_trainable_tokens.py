@@ -1,0 +1,198 @@
+"""Trainable tokens (PEFT `trainable_token_indices`) in the vocab LoRA layers and the
+loader, against numpy oracles; HF peft is the oracle in test_trainable_tokens_hf.py."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from layer_cases import make_mesh
+
+import lora_jax as lj
+from lora_jax.models import DecoderConfig, DecoderForCausalLM
+from lora_jax.serving.peft import PEFTConfig, adapter_from_tensors
+from lora_jax.serving.wrap import lora_layers, wrap_model
+from lora_jax.vocab import ParallelLMHead, VocabParallelEmbedding
+
+V, D = 50, 16
+CFG = lj.LoRAConfig(max_loras=3, max_lora_rank=8, max_lora_trainable_tokens=4)
+IDS = np.array([3, 7, 3, 5, 7, 3, 1, 49], np.int32)
+SLOTS = np.array([1, 1, 0, 1, -1, 2, 1, 2], np.int32)
+
+
+def _rules(mesh):
+    return lj.ShardingRules(make_mesh(*mesh)) if mesh else lj.ShardingRules()
+
+
+@pytest.mark.parametrize("mesh", [None, (2, 4)], ids=["one_device", "dp2tp4"])
+def test_rows_and_columns_are_each_slot_s_own(mesh):
+    """Slot 1's ids 3 and 7 embed to its rows and its logits of 3 and 7 are the hidden
+    state's dots with them (the embedding's `attend`, a tied lm_head), as slot 0's of 9;
+    slot 2's lm_head rows replace columns 0 and 49; every other row, column and the -1
+    token is the base's."""
+    rng = np.random.default_rng(0)
+    rules = _rules(mesh)
+    emb = lj.VocabParallelEmbeddingWithLoRA(
+        VocabParallelEmbedding(V, D, rules=rules, rngs=nnx.Rngs(0)), CFG
+    )
+    rows = rng.normal(size=(2, D)).astype(np.float32)
+    emb.set_tokens(1, [3, 7], rows)
+    emb.set_tokens(0, [9], rows[:1])  # no token 9 in the batch: slot 0 embeds the base rows
+    lj.set_lora_mapping(emb, jnp.asarray(SLOTS))
+    y = np.asarray(nnx.jit(lambda e, i: e(i))(emb, jnp.asarray(IDS)))
+    table = np.asarray(emb.base_layer.embedding[...])[:V]
+    want = table[IDS]
+    want[0], want[1] = rows[0], rows[1]
+    np.testing.assert_array_equal(y, want)
+
+    x = rng.normal(size=(len(IDS), D)).astype(np.float32)
+    logits = np.asarray(nnx.jit(lambda e, x: e.attend(x, gather=True))(emb, jnp.asarray(x)))
+    want = x @ table.T
+    for n in np.flatnonzero(SLOTS == 1):
+        want[n, [3, 7]] = x[n] @ rows.T
+    for n in np.flatnonzero(SLOTS == 0):  # slot 0's token 9: its logits column is its row's
+        want[n, 9] = x[n] @ rows[0]
+    np.testing.assert_allclose(logits[:, :V], want, rtol=1e-5, atol=1e-5)
+
+    head = lj.ParallelLMHeadWithLoRA(ParallelLMHead(V, D, rules=rules, rngs=nnx.Rngs(1)), CFG)
+    head.set_tokens(2, [0, 49], rows)
+    lj.set_lora_mapping(head, jnp.asarray(SLOTS))
+    got = np.asarray(nnx.jit(lambda m, x: m(x))(head, jnp.asarray(x)))
+    want = x @ np.asarray(head.base_layer.embedding[...])[:V].T
+    for n in np.flatnonzero(SLOTS == 2):
+        want[n, [0, 49]] = x[n] @ rows.T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert head.read_tokens(2)[0] == (0, 49) and head.read_tokens(1) is None
+    np.testing.assert_array_equal(head.read_tokens(2)[1], rows)
+
+
+def test_bad_tokens_are_refused_naming_the_layer_and_change_nothing():
+    emb = lj.VocabParallelEmbeddingWithLoRA(VocabParallelEmbedding(V, D, rngs=nnx.Rngs(0)), CFG)
+    emb.set_tokens(1, [3], np.ones((1, D)))
+    before = np.asarray(emb.token_rows[...]), np.asarray(emb.token_ids[...])
+    cases = [
+        ([1, 2, 3, 4, 5], np.ones((5, D)), "5 trainable tokens, more than LoRAConfig.max_lora"),
+        ([3, V], np.ones((2, D)), rf"ids \[{V}\] are outside the vocabulary \[0, {V}\)"),
+        ([3, 3], np.ones((2, D)), "repeat an id"),
+        ([3, 4], np.ones((2, D + 1)), rf"rows must be \[2, {D}\]"),
+        ([], np.ones((0, D)), "non-empty 1-D list of ints"),
+        ([3], np.full((1, D), np.inf), "not finite"),
+    ]
+    for ids, rows, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            emb.set_tokens(2, ids, rows)
+    with pytest.raises(ValueError, match=r"index 3 outside \[0, 3\)"):
+        emb.set_tokens(3, [3], np.ones((1, D)))
+    after = np.asarray(emb.token_rows[...]), np.asarray(emb.token_ids[...])
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    plain = lj.VocabParallelEmbeddingWithLoRA(
+        VocabParallelEmbedding(V, D, rngs=nnx.Rngs(0)), lj.LoRAConfig(max_loras=2)
+    )
+    assert plain.token_ids is None  # nothing allocated by default
+    with pytest.raises(ValueError, match="max_lora_trainable_tokens=0; set it to at least 2"):
+        plain.set_tokens(0, [3, 4], np.ones((2, D)))
+
+
+@pytest.mark.parametrize(
+    "value,want",
+    [
+        ([4, 2], (("", (4, 2)),)),
+        ({"lm_head": [1], "embed_tokens": [2, 3]}, (("embed_tokens", (2, 3)), ("lm_head", (1,)))),
+        ([], None),
+        (None, None),
+    ],
+)
+def test_the_config_s_trainable_token_indices(value, want):
+    cfg = PEFTConfig.from_dict({"r": 4, "lora_alpha": 8, "trainable_token_indices": value})
+    assert cfg.trainable_token_indices == want
+
+
+@pytest.mark.parametrize(
+    "value", [[-1], [1, 1], [True], [1.5], ["1"], {"": [1]}, {"embed_tokens": []}, "1", 3]
+)
+def test_bad_trainable_token_indices_are_refused(value):
+    with pytest.raises(ValueError, match="trainable_token_indices"):
+        PEFTConfig.from_dict({"r": 4, "lora_alpha": 8, "trainable_token_indices": value})
+
+
+def _tiny(targets=None, tied=True):
+    model = DecoderForCausalLM(DecoderConfig.tiny(tie_word_embeddings=tied), rngs=nnx.Rngs(0))
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, max_lora_trainable_tokens=2)
+    wrap_model(model, cfg, target_modules=targets)
+    return model, cfg
+
+
+def _tensors(rows, module="model.embed_tokens"):
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    rng = np.random.default_rng(1)
+    return {
+        f"{q}.lora_A.weight": rng.normal(size=(4, 64)).astype(np.float32),
+        f"{q}.lora_B.weight": rng.normal(size=(64, 4)).astype(np.float32),
+        f"base_model.model.{module}.token_adapter.trainable_tokens_delta": rows,
+    }
+
+
+def test_the_loader_checks_tokens_against_the_config_and_the_model():
+    model, cfg = _tiny()
+    rows = np.ones((2, 64), np.float32)
+    spec = dict(r=4, lora_alpha=8, target_modules=("q_proj",))
+    with_tokens = PEFTConfig(**spec, trainable_token_indices=(("", (5, 6)),))
+    adapter = adapter_from_tensors(_tensors(rows), with_tokens, model, cfg)
+    (tokens,) = adapter.trainable_tokens.values()
+    assert tokens.module_name == "model.embed_tokens" and tokens.token_ids == (5, 6)
+    cases = [  # (tensors, config, what the error says)
+        (_tensors(rows), PEFTConfig(**spec), "has no trainable_token_indices"),
+        (_tensors(rows[:1]), with_tokens, r"rows must be \[2, 64\]"),
+        (
+            {k: v for k, v in _tensors(rows).items() if "token_adapter" not in k},
+            with_tokens,
+            "names .'the input embedding'. but the file has no trainable-tokens tensor",
+        ),
+        (
+            _tensors(rows, "lm_head"),
+            PEFTConfig(**spec, trainable_token_indices=(("embed_tokens", (5, 6)),)),
+            "names no ids for module 'lm_head'",
+        ),
+    ]
+    for tensors, peft_cfg, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            adapter_from_tensors(tensors, peft_cfg, model, cfg)
+    unwrapped, cfg = _tiny(targets=["q_proj"])
+    with pytest.raises(ValueError, match="'model.embed_tokens' is not one; wrap it"):
+        adapter_from_tensors(_tensors(rows), with_tokens, unwrapped, cfg)
+
+
+def test_a_tied_model_s_logits_take_the_rows_with_or_without_lm_head_lora():
+    """Tied: the embedding's rows give the logits of their ids, through the tied lm_head
+    LoRA layer or, without one, through the embedding's `attend`; both agree, and the
+    rows change those columns (and only those) for the slot's tokens."""
+    rng = np.random.default_rng(2)
+    rows = rng.normal(size=(2, 64)).astype(np.float32)
+    ids = jnp.asarray(rng.integers(0, 256, (2, 5)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    out = {}
+    for targets in (None, ["q_proj", "embed_tokens"]):
+        model, _ = _tiny(targets)
+        assert ("lm_head" in lora_layers(model)) == (targets is None)
+        lora_layers(model)["model.embed_tokens"].set_tokens(1, [5, 200], rows)
+
+        @nnx.jit
+        def logits(model, slots):
+            lj.set_lora_mapping(model, slots)
+            return model(ids, pos)[0]
+
+        out[targets is None] = np.asarray(logits(model, jnp.repeat(jnp.array([1, -1]), 5)))
+        base = np.asarray(logits(model, jnp.full((10,), -1)))
+        np.testing.assert_array_equal(out[targets is None][1], base[1])
+        moved = np.abs(out[targets is None][0] - base[0]).max(axis=0) > 1e-6
+        assert moved[[5, 200]].all()
+    np.testing.assert_allclose(out[True], out[False], rtol=1e-5, atol=1e-5)
+
+
+def test_a_plain_flax_embed_refuses_trainable_tokens():
+    """A wrapped `nnx.Embed` runs its own lookup and `attend`, which the rows would not
+    reach: its adapters with trainable tokens are refused by name, not served without them."""
+    emb = lj.FlaxEmbedWithLoRA(nnx.Embed(V, D, rngs=nnx.Rngs(0)), CFG)
+    assert emb.token_ids is None and emb.token_updates(None) == []
+    with pytest.raises(ValueError, match="not on a plain flax.nnx.Embed"):
+        emb.prepare_tokens(0, [3], np.ones((1, D)))
