@@ -473,7 +473,7 @@ BAD_CONFIGS = {
     "layers_to_transform": ({"layers_to_transform": "0"}, "an int or a list of ints"),
     "layers_to_transform_bool": ({"layers_to_transform": [True]}, "an int or a list of ints"),
     "layers_pattern": ({"layers_pattern": 3}, "layers_pattern=3 must be a string"),
-    "trainable_tokens": ({"trainable_token_indices": [3, 7]}, "trainable_token_indices"),
+    "trainable_tokens_repeat": ({"trainable_token_indices": [3, 3]}, "repeats an id"),
     "qalora": ({"use_qalora": True}, "QALoRA"),
     "layer_replication": ({"layer_replication": [[0, 2], [1, 2]]}, "layer replication"),
     "arrow": ({"arrow_config": {"top_k": 2}}, "Arrow"),
