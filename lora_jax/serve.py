@@ -47,6 +47,7 @@ from lora_jax.serve_memory import _cache_error as _cache_error
 from lora_jax.serve_memory import _memory_bytes as _memory_bytes  # tests patch it here
 from lora_jax.serve_rank import _fused_w13_rank as _fused_w13_rank
 from lora_jax.serve_rank import _max_rank as _max_rank
+from lora_jax.serve_rank import _max_trainable_tokens as _max_trainable_tokens
 from lora_jax.serve_text import (  # noqa: F401
     TOKENIZER_FILES,
     ByteTokenizer,
@@ -207,7 +208,10 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
     if tokenizer is None:
         tokenizer = byte_tokenizer(own_dir, model.config.vocab_size)
     n = max(1, len(adapter_dirs))
-    cfg = LoRAConfig(max_loras=n, max_cpu_loras=n, max_lora_rank=rank)
+    tokens = _max_trainable_tokens(adapter_dirs)  # PEFT trainable_token_indices
+    cfg = LoRAConfig(
+        max_loras=n, max_cpu_loras=n, max_lora_rank=rank, max_lora_trainable_tokens=tokens
+    )
     wrap_model(model, cfg)
     manager = LRUCacheLoRAModelManager(model, cfg)
     adapters = manager.load_adapters(adapter_dirs, activate=True) if adapter_dirs else []

@@ -1,4 +1,5 @@
-"""The automatic `--max-lora-rank` of `lora-jax-serve`: the smallest supported rank that fits.
+"""The automatic `--max-lora-rank` of `lora-jax-serve`: the smallest supported rank that fits
+(and the `max_lora_trainable_tokens` its adapters' trainable tokens need).
 
 An adapter's rank is the largest its PEFT config gives (`r`, `rank_pattern`); for an MoE
 model whose gate and up expert LoRAs are fused into one w13 LoRA, it is r1 + r3, read from
@@ -61,3 +62,15 @@ def _fused_w13_rank(adapter_dir: str, cfg) -> int:
             by_proj = ranks.setdefault(m["owner"], {})
             by_proj[proj] = max(by_proj.get(proj, 0), cfg.rank_for(raw))
     return max((sum(by.values()) for by in ranks.values()), default=0)
+
+
+def _max_trainable_tokens(adapter_dirs: dict[str, str]) -> int:
+    """The `max_lora_trainable_tokens` that fits every adapter: the most token ids one of
+    its configs' `trainable_token_indices` gives a table (0 when none has any)."""
+    from lora_jax.serving.peft import PEFTConfig
+
+    need = 0
+    for d in adapter_dirs.values():
+        for _, ids in PEFTConfig.from_dir(d).trainable_token_indices or ():
+            need = max(need, len(ids))
+    return need

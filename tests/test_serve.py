@@ -5,6 +5,7 @@ import os
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from lora_jax import serve
@@ -435,3 +436,33 @@ def test_an_activated_lora_adapter_acts_from_its_invocation(tmp_path):
     assert invoked != base and invoked != run(plain, "Tell me ## a story")[0]
     missing, base = run(alora, "Tell me a story")
     assert missing == base
+
+
+def test_an_adapter_with_trainable_tokens_is_served_with_its_rows(tmp_path):
+    """The main job sizes `max_lora_trainable_tokens` from its adapters' configs: an
+    adapter whose bytes ' ' and 'e' have their own embedding rows generates otherwise
+    than the same LoRA without them."""
+    from lora_jax.serving.peft import read_safetensors, write_safetensors
+
+    model_dir = serve.write_default_model(str(tmp_path / "model"))
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hidden = json.load(f)["hidden_size"]
+    spec = dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"])
+    plain = serve.write_default_adapter(str(tmp_path / "plain"), spec, seed=3)
+    tok = serve.write_default_adapter(str(tmp_path / "tok"), spec, seed=3)
+    ids = list(b" e")
+    with open(os.path.join(tok, "adapter_config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(tok, "adapter_config.json"), "w") as f:
+        json.dump({**config, "trainable_token_indices": ids}, f)
+    weights = os.path.join(tok, "adapter_model.safetensors")
+    key = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+    rows = np.random.default_rng(0).normal(0, 2.0, (len(ids), hidden)).astype(np.float32)
+    write_safetensors(weights, {**read_safetensors(weights), key: rows})
+
+    def run(adapter):
+        argv = ["--model", model_dir, "--max-new-tokens", "6", "--prompt", "Tell me a story"]
+        return [r.tokens for r in serve.run([*argv, f"--adapter=a={adapter}"])]
+
+    with_rows, base = run(tok)
+    assert with_rows != run(plain)[0] and with_rows != base
