@@ -154,6 +154,15 @@ def test_the_loader_checks_tokens_against_the_config_and_the_model():
             "names no ids for module 'lm_head'",
         ),
     ]
+    cases.append(
+        (
+            _tensors(rows),
+            PEFTConfig(
+                **spec, trainable_token_indices=(("", (5, 6)),), alora_invocation_tokens=(1,)
+            ),
+            "activated LoRA .alora_invocation_tokens. with trainable tokens is not supported",
+        )
+    )
     for tensors, peft_cfg, msg in cases:
         with pytest.raises(ValueError, match=msg):
             adapter_from_tensors(tensors, peft_cfg, model, cfg)
