@@ -354,12 +354,6 @@ def adapter_from_tensors(
     tokens = trainable_tokens(token_found, cfg, layers, source, name_map)
     if cfg.alora_invocation_tokens is not None:
         check_alora_modules(cfg, modules, layers, set(expert_keys), source)
-        if tokens:  # PEFT's token rows act on every token, its aLoRA from the invocation
-            raise ValueError(
-                f"{source}: an activated LoRA (alora_invocation_tokens) with trainable tokens "
-                "is not supported: PEFT replaces the token rows before the invocation too, "
-                "where lora_jax serves the base model"
-            )
     R = lora_config.max_lora_rank
     for ln, m in modules.items():
         if m.rank > R:  # only ranks of served modules: PEFT loads any rank_pattern

@@ -115,6 +115,13 @@ def trainable_tokens(
         )
         if not (tied and ids == emb_ids):  # PEFT saves nothing of a tied lm_head
             missing.append(module)
+    if out and cfg.alora_invocation_tokens is not None:
+        # PEFT's token rows act on every token, its aLoRA from the invocation on
+        raise ValueError(
+            f"{source}: an activated LoRA (alora_invocation_tokens) with trainable tokens is "
+            "not supported: PEFT replaces the token rows before the invocation too, where "
+            "lora_jax serves the base model"
+        )
     if missing:
         raise ValueError(
             f"{source}: {cfg.source}'s trainable_token_indices names {missing} but the file "
