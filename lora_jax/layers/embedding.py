@@ -10,6 +10,8 @@ table, B as `lora_b [max_loras, D, max_rank]` (replicated). Each vocab shard gat
 rows and A columns of the ids it owns (others give 0), expands its A code with B into
 its partial output, and the one all-reduce of the base embedding sums the shards: the
 LoRA adds no collective. Tokens whose slot is -1 get exactly the base embedding.
+A slot's trainable tokens (`lora_jax.layers.token_rows`) then replace the summed rows of
+their ids, and, through `attend` (a tied lm_head), the logits columns of those ids.
 
 The module also holds the slot-write helpers shared with `lora_jax.layers.logits`.
 """

@@ -17,6 +17,8 @@ vocabulary; the gathered columns are re-indexed to token ids (vLLM's
 stores it) and written in the lm_head's row order, so that each token's LoRA column joins
 its base column before the re-index (`VocabRowOrder`, only for heads whose rows are not in
 token order).
+An untied lm_head's trainable tokens (`lora_jax.layers.token_rows`) set the logits columns
+of their ids from the slot's rows after the re-index; a tied one reads the embedding's.
 
 This module holds the lm_head wrappers `wrap_model` puts at `model.lm_head`
 (`ParallelLMHeadWithLoRA`, `TiedLMHeadWithLoRA`); the rest lives beside it and is
