@@ -59,6 +59,9 @@ class LoRAConfig:
     """Kept for vLLM parity; vLLM removed extra vocab, only 0 is accepted."""
     bias_enabled: bool = False
     """vLLM parity; LoRA biases are not supported (PEFT `bias="none"` only)."""
+    enable_dora: bool = False
+    """Serve DoRA adapters (PEFT `use_dora`): every linear LoRA layer keeps a per-slot
+    output scale `[max_loras, out]` (f32), `magnitude / ||W + B @ A||` per output unit."""
     max_lora_trainable_tokens: int = 0
     """Per adapter, how many token ids may carry their own embedding / lm_head rows
     (PEFT's `trainable_token_indices`); 0 refuses such adapters and allocates nothing."""
@@ -71,7 +74,7 @@ class LoRAConfig:
             if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
                 raise ValueError(f"LoRAConfig.{field} must be an int, got {v!r}")
             object.__setattr__(self, field, int(v))  # numpy ints stored as Python ints
-        for field in ("fully_sharded_loras", "bias_enabled"):
+        for field in ("fully_sharded_loras", "bias_enabled", "enable_dora"):
             v = getattr(self, field)
             if not isinstance(v, bool | np.bool_):
                 # a "false" string or None would match no layer class and leave the

@@ -43,6 +43,7 @@ class LinearBase(nnx.Module):
     """
 
     parallel: str = "replicated"
+    dora_ok: bool = True  # the bias joins after the local matmul (DoRA scales before it)
 
     def __init__(
         self,

@@ -48,6 +48,7 @@ from lora_jax.serve_memory import _memory_bytes as _memory_bytes  # tests patch 
 from lora_jax.serve_rank import _fused_w13_rank as _fused_w13_rank
 from lora_jax.serve_rank import _max_rank as _max_rank
 from lora_jax.serve_rank import _max_trainable_tokens as _max_trainable_tokens
+from lora_jax.serve_rank import _uses_dora as _uses_dora
 from lora_jax.serve_text import (  # noqa: F401
     TOKENIZER_FILES,
     ByteTokenizer,
@@ -210,7 +211,11 @@ def _serve(args, model_dir: str, adapter_dirs: dict[str, str]) -> list[RequestRe
     n = max(1, len(adapter_dirs))
     tokens = _max_trainable_tokens(adapter_dirs)  # PEFT trainable_token_indices
     cfg = LoRAConfig(
-        max_loras=n, max_cpu_loras=n, max_lora_rank=rank, max_lora_trainable_tokens=tokens
+        max_loras=n,
+        max_cpu_loras=n,
+        max_lora_rank=rank,
+        max_lora_trainable_tokens=tokens,
+        enable_dora=_uses_dora(adapter_dirs),
     )
     wrap_model(model, cfg)
     manager = LRUCacheLoRAModelManager(model, cfg)

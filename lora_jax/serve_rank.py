@@ -74,3 +74,10 @@ def _max_trainable_tokens(adapter_dirs: dict[str, str]) -> int:
         for _, ids in PEFTConfig.from_dir(d).trainable_token_indices or ():
             need = max(need, len(ids))
     return need
+
+
+def _uses_dora(adapter_dirs: dict[str, str]) -> bool:
+    """Whether any adapter is a DoRA adapter (PEFT `use_dora`): `enable_dora` then."""
+    from lora_jax.serving.peft import PEFTConfig
+
+    return any(PEFTConfig.from_dir(d).use_dora for d in adapter_dirs.values())

@@ -456,7 +456,8 @@ def test_name_map_rewrites_checkpoint_names(tmp_path, model):
 
 # -- errors ------------------------------------------------------------------------------------
 BAD_CONFIGS = {
-    "dora": ({"use_dora": True}, "DoRA"),
+    "dora_without_magnitudes": ({"use_dora": True}, "no lora_magnitude_vector"),
+    "dora_not_bool": ({"use_dora": "yes"}, "use_dora='yes' must be true or false"),
     "modules_to_save": ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     "bias": ({"bias": "all"}, "bias"),
     "r0": ({"r": 0}, "positive integer"),
@@ -693,7 +694,7 @@ def _bad_tensors(case):
         # targeted by name (`*.q_proj`) but no module of the model
         t[f"{PREFIX}.0.mlp.w9.q_proj.lora_A.weight"] = np.zeros((8, 32), np.float32)
     elif case == "not_lora_key":
-        t[f"{PREFIX}.0.self_attn.q_proj.lora_magnitude_vector"] = np.zeros((32,), np.float32)
+        t[f"{PREFIX}.0.self_attn.q_proj.lora_C.weight"] = np.zeros((32,), np.float32)
     elif case == "missing_b":
         del t[_key(1, "down_proj", "B")]
     elif case == "empty":
@@ -707,7 +708,7 @@ BAD_TENSORS = {
     "rank_mismatch_ab": "same r",
     "rank_vs_config": "r=8",
     "unknown_module": "w9",
-    "not_lora_key": "lora_magnitude_vector",
+    "not_lora_key": "lora_C",
     "missing_b": "lora_A/lora_B pair",
     "empty": "no LoRA tensors",
 }

@@ -466,3 +466,35 @@ def test_an_adapter_with_trainable_tokens_is_served_with_its_rows(tmp_path):
 
     with_rows, base = run(tok)
     assert with_rows != run(plain)[0] and with_rows != base
+
+
+def test_a_dora_adapter_is_served_with_enable_dora(tmp_path):
+    """The main job turns `enable_dora` on when an adapter's config says `use_dora`: a DoRA
+    adapter (magnitudes at half its layers' norms) generates otherwise than its LoRA alone."""
+    from lora_jax.serving.peft import read_safetensors, write_safetensors
+
+    model_dir = serve.write_default_model(str(tmp_path / "model"))
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = json.load(f)
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    outs = {"q_proj": c["num_attention_heads"] * head, "v_proj": c["num_key_value_heads"] * head}
+    spec = dict(r=16, lora_alpha=32, target_modules=sorted(outs))
+    plain = serve.write_default_adapter(str(tmp_path / "plain"), spec, seed=3)
+    dora = serve.write_default_adapter(str(tmp_path / "dora"), spec, seed=3)
+    with open(os.path.join(dora, "adapter_config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(dora, "adapter_config.json"), "w") as f:
+        json.dump({**config, "use_dora": True}, f)
+    weights = os.path.join(dora, "adapter_model.safetensors")
+    tensors = read_safetensors(weights)
+    for key in [k for k in tensors if k.endswith(".lora_A.weight")]:
+        module = key[: -len(".lora_A.weight")]
+        n = outs[module.rpartition(".")[2]]
+        tensors[f"{module}.lora_magnitude_vector"] = np.full((n,), 0.5, np.float32)
+    write_safetensors(weights, tensors)
+
+    def run(adapter):
+        argv = ["--model", model_dir, "--max-new-tokens", "6", "--prompt", "Tell me a story"]
+        return [r.tokens for r in serve.run([*argv, f"--adapter=a={adapter}"])]
+
+    assert run(dora)[0] != run(plain)[0]

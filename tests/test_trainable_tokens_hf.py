@@ -11,6 +11,7 @@ peft = pytest.importorskip("peft")
 
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from hf_tiny import V, peft_rows, tiny_llama_dir  # noqa: E402
 
 import lora_jax as lj  # noqa: E402
 from lora_jax.models import load_hf_model  # noqa: E402
@@ -21,25 +22,12 @@ from lora_jax.serving.wrap import wrap_model  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
-V, TOKENS = 96, [5, 17, 90]
+TOKENS = [5, 17, 90]
 TOL = dict(rtol=2e-4, atol=2e-4)
 SPECS = {  # the adapter's trainable tokens: PEFT's list form, or the dict naming lm_head
     "list": TOKENS,
     "dict": {"embed_tokens": TOKENS, "lm_head": [17, 3]},
 }
-
-
-def _base(tmp_path, tied):
-    cfg = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    d = str(tmp_path / "base")
-    model.save_pretrained(d, safe_serialization=True)
-    return d
 
 
 def _adapters(base_dir, tmp_path, spec):
@@ -65,24 +53,10 @@ def _hf_model(base_dir, dirs, name):
     return hf if name == "__base__" else peft.PeftModel.from_pretrained(hf, dirs[name])
 
 
-def _peft_rows(base_dir, dirs, ids, names):
-    """PEFT's logits of each row under its adapter (`"__base__"`: none). One PeftModel
-    per adapter: PEFT's mixed batch cannot hold an adapter without trainable tokens
-    beside one with them (its token layer looks up every adapter's ids: KeyError)."""
-    out = np.zeros((*ids.shape, V), np.float32)
-    for name in set(names):
-        m = _hf_model(base_dir, dirs, name)
-        rows = [i for i, n in enumerate(names) if n == name]
-        with torch.no_grad():
-            x = torch.tensor(ids[rows], dtype=torch.long)
-            out[rows] = m.eval()(input_ids=x).logits.float().numpy()
-    return out
-
-
 def _served(tmp_path, tied, spec):
     """The base, its two adapters, and our model serving both: (base dir, adapter dirs,
     model, manager, {adapter name: id})."""
-    base_dir = _base(tmp_path, tied)
+    base_dir = tiny_llama_dir(tmp_path, tied)
     dirs = _adapters(base_dir, tmp_path, spec)
     model = load_hf_model(base_dir)
     cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, max_lora_trainable_tokens=4)
@@ -120,11 +94,11 @@ def test_trainable_tokens_match_peft_in_a_mixed_batch(tmp_path, tied, spec):
     base_dir, dirs, model, mgr, loaded = _served(tmp_path, tied, SPECS[spec])
     names = ["tok", "plain", "__base__", "tok"]
     ids = _ids()
-    want = _peft_rows(base_dir, dirs, ids, names)
+    want = peft_rows(base_dir, dirs, ids, names)
     got = _ours(model, mgr, ids, [loaded.get(n) for n in names])
     np.testing.assert_allclose(got, want, **TOL)
     # the token rows matter: PEFT without them (LoRA only) gives other logits
-    without = _peft_rows(base_dir, dirs, ids, ["plain"] * 4)
+    without = peft_rows(base_dir, dirs, ids, ["plain"] * 4)
     assert np.abs(want[0] - without[0]).max() > 1e-1
     slot = mgr.lora_index_to_id.index(loaded["tok"])
     with pytest.raises(ValueError, match="trainable tokens.*does not merge"):
@@ -168,7 +142,7 @@ def test_greedy_generation_with_trainable_tokens_matches_peft(tmp_path):
 def test_adapters_with_trainable_tokens_are_refused_without_room(tmp_path):
     """max_lora_trainable_tokens=0 (the default) or too few: the load names the field, and
     the slots hold what they held."""
-    base_dir = _base(tmp_path, False)
+    base_dir = tiny_llama_dir(tmp_path, False)
     dirs = _adapters(base_dir, tmp_path, TOKENS)
     for room in (0, 2):
         model = load_hf_model(base_dir)

@@ -32,6 +32,14 @@ from lora_jax.layers.context import clear_lora_mapping as clear_lora_mapping
 from lora_jax.layers.context import find_lora_context as find_lora_context
 from lora_jax.layers.context import lora_mapping as lora_mapping
 from lora_jax.layers.context import set_lora_mapping as set_lora_mapping
+from lora_jax.layers.dora import (
+    apply_dora,
+    check_magnitudes,
+    dora_axes,
+    dora_scale_for,
+    init_dora,
+    weight_norms,
+)
 from lora_jax.layers.slots import LoRASlotRanks as LoRASlotRanks
 from lora_jax.layers.slots import PreparedLoRA as PreparedLoRA
 from lora_jax.layers.slots import SlotWriter as SlotWriter
@@ -112,6 +120,7 @@ class BaseLayerWithLoRA(SlotWriter, nnx.Module):
         )  # per slice [max_loras, out_s (physical), max_rank]
         ranks = jnp.zeros((len(self.slice_groups), L), jnp.int32)  # [S, max_loras]
         self.slot_ranks = LoRASlotRanks(rules.place(ranks, None, None))
+        init_dora(self)  # `dora_scale [max_loras, out]` with LoRAConfig.enable_dora
 
     # -- structure ------------------------------------------------------------------------
     def _slice_groups(self, base: LinearBase) -> tuple[tuple[int, ...], ...]:
@@ -190,7 +199,9 @@ class BaseLayerWithLoRA(SlotWriter, nnx.Module):
         shard_tiles = mapping.prompt_tiles if aligned else None
         shard_whole = mapping.whole_tiles if aligned else None
 
-        def local(xl, kl, a, b, ranks, m):
+        dora = () if self.dora_scale is None else (self.dora_scale[...],)
+
+        def local(xl, kl, a, b, ranks, m, *dora):
             if not isinstance(m, LoRAMapping):
                 # tokens_per_slot: a hint (1 holds for any share of the tokens)
                 m = make_lora_mapping(
@@ -205,11 +216,36 @@ class BaseLayerWithLoRA(SlotWriter, nnx.Module):
             if SHARE_LAYER_INPUT:
                 xl = jax.lax.optimization_barrier(xl)
             y = base.local_matmul(xl, kl)
-            return self._lora_local(y, xl, a, b, ranks, m)
+            y = self._lora_local(y, xl, a, b, ranks, m)
+            return apply_dora(y, dora[0], m.token_lora_indices) if dora else y
 
         specs = ((a_axes,) * len(a), (b_axes,) * len(b), (None, None), map_spec)
-        y = base.run_local(x2, local, (a, b, ranks, map_arg), specs)
+        specs += (dora_axes(base),) * len(dora)
+        y = base.run_local(x2, local, (a, b, ranks, map_arg, *dora), specs)
         return base.finish(y, lead)
+
+    # -- DoRA -----------------------------------------------------------------------------
+    def check_dora(self, magnitudes) -> None:
+        """Validates a DoRA adapter's per-member magnitudes for this layer; writes nothing."""
+        check_magnitudes(self, magnitudes)
+
+    def dora_updates(self, index: int, magnitudes) -> list:
+        """`[(dora_scale, 0, g - 1)]` for slot `index`, whose LoRA is written and whose scale
+        is zero (as a slot write leaves it): PEFT's `magnitude / ||W + B @ A||`."""
+        check_magnitudes(self, magnitudes)
+        return [(self.dora_scale, 0, dora_scale_for(self, magnitudes, weight_norms(self, index)))]
+
+    def set_dora(self, index: int, magnitudes) -> None:
+        """Makes slot `index`'s adapter (written with `set_lora`) a DoRA adapter.
+
+        Example:
+            >>> layer.set_lora(0, a, b); layer.set_dora(0, [magnitude])  # doctest: +SKIP
+        """
+        self._check_index(index, "set_dora")
+        check_magnitudes(self, magnitudes)
+        self._zero_dora(index)
+        ((var, _, value),) = self.dora_updates(index, magnitudes)
+        self._write(var, index, value)
 
 
 def local_offsets(widths: Sequence[int], shards: int) -> tuple[int, ...]:

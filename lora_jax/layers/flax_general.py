@@ -77,6 +77,8 @@ class FlaxGeneralLinear(ReplicatedLinear):
         (True, 8, (8,))
     """
 
+    dora_ok = False  # the source layer adds its bias inside its own forward
+
     def __init__(self, source: nnx.LinearGeneral | nnx.Einsum, *, name: str | None = None):
         label = name or type(source).__name__
         if isinstance(source, (nnx.LinearGeneral, nnx.Einsum)):

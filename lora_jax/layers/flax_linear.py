@@ -52,6 +52,8 @@ class FlaxLinear(ReplicatedLinear):
         (True, (2, 8))
     """
 
+    dora_ok = False  # the source layer adds its bias inside its own forward
+
     def __init__(self, source: nnx.Linear, *, name: str | None = None):  # no new kernel drawn
         if not isinstance(source, nnx.Linear):
             raise ValueError(f"FlaxLinear: expected a flax.nnx.Linear, got {type(source).__name__}")

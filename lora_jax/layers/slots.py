@@ -219,6 +219,7 @@ class SlotWriter:
             self._write(self.lora_a[s], index, prepared.a[s])
             self._write(self.lora_b[s], index, prepared.b[s])
         self._set_ranks(index, prepared.ranks)
+        self._zero_dora(index)  # plain LoRA until `set_dora`
 
     def slot_updates(
         self, prepared: PreparedLoRA | None
@@ -226,13 +227,16 @@ class SlotWriter:
         """`(variable, slot axis, new slot content)` per stacked variable, for writers that
         update many layers in one jitted call (the adapter manager). `prepared=None` means a
         reset: every content is `None` (zeros)."""
+        dora = [] if getattr(self, "dora_scale", None) is None else [(self.dora_scale, 0, None)]
         if prepared is None:
-            return [(v, 0, None) for v in (*self.lora_a, *self.lora_b)] + [
-                (self.slot_ranks, 1, None)
-            ]
+            return (
+                [(v, 0, None) for v in (*self.lora_a, *self.lora_b)]
+                + [(self.slot_ranks, 1, None)]
+                + dora
+            )
         ups = [(v, 0, x) for v, x in zip(self.lora_a, prepared.a)]
         ups += [(v, 0, x) for v, x in zip(self.lora_b, prepared.b)]
-        return ups + [(self.slot_ranks, 1, np.asarray(prepared.ranks, np.int32))]
+        return ups + [(self.slot_ranks, 1, np.asarray(prepared.ranks, np.int32))] + dora
 
     def _check_index(self, index, what: str) -> None:
         L = self.lora_config.max_loras
@@ -264,6 +268,12 @@ class SlotWriter:
         for var in (*self.lora_a, *self.lora_b):
             self._write(var, index, np.zeros(var.shape[1:], np.float32))
         self._set_ranks(index, [0] * self.n_slices)
+        self._zero_dora(index)
+
+    def _zero_dora(self, index: int) -> None:
+        scale = getattr(self, "dora_scale", None)
+        if scale is not None:
+            self._write(scale, index, np.zeros(scale.shape[1:], np.float32))
 
     def _set_ranks(self, index: int, ranks: Sequence[int]) -> None:
         old = self.slot_ranks[...]

@@ -24,6 +24,8 @@ class ModuleLoRA:
     module_name: str
     lora_a: tuple[np.ndarray | None, ...]
     lora_b: tuple[np.ndarray | None, ...]
+    magnitude: tuple[np.ndarray | None, ...] | None = None
+    """DoRA (PEFT `use_dora`): per member its `lora_magnitude_vector [out_i]`, else None."""
 
     @property
     def rank(self) -> int:

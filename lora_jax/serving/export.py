@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from lora_jax.config import float_dtype
+from lora_jax.layers.dora import is_dora_slot
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.linear import unpack_shards
@@ -120,6 +121,12 @@ def adapter_from_slot(
     """
     _check_id(adapter_id, "adapter_from_slot: adapter_id", "the manager key")
     _check_slot(model, slot)
+    dora = [n for n, la in lora_layers(model).items() if is_dora_slot(la, int(slot))]
+    if dora:
+        raise ValueError(
+            f"export: slot {slot} holds a DoRA adapter (PEFT use_dora: {dora[0]!r}), which "
+            "export does not write"
+        )
     modules = {}
     for lname, layer in trainable_layers(model).items():
         if isinstance(layer, WHOLE_LAYERS):

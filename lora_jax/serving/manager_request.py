@@ -54,7 +54,13 @@ def _same_adapter(a: LoRAAdapter, b: LoRAAdapter) -> bool:
         return False
     for name, ma in a.modules.items():
         mb = b.modules[name]
-        for xs, ys in ((ma.lora_a, mb.lora_a), (ma.lora_b, mb.lora_b)):
+        if (ma.magnitude is None) != (mb.magnitude is None):
+            return False
+        for xs, ys in (
+            (ma.lora_a, mb.lora_a),
+            (ma.lora_b, mb.lora_b),
+            (ma.magnitude or (), mb.magnitude or ()),
+        ):
             if len(xs) != len(ys):
                 return False
             for x, y in zip(xs, ys):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lora_jax.layers.dora import check_layer_dora
 from lora_jax.serving.manager_caches import _peek
 from lora_jax.serving.manager_request import _check_id
 from lora_jax.serving.merge import layer_merged_slot
@@ -209,6 +210,8 @@ class _SlotsMixin:
                     continue
                 try:
                     prepared = layer.prepare_lora(slot, *m.set_lora_args())
+                    if m.magnitude is not None:
+                        check_layer_dora(layer, m.magnitude)
                 except ValueError as e:
                     raise ValueError(f"adapter {adapter.name!r} ({adapter.source}): {e}") from e
                 updates += layer.slot_updates(prepared)
@@ -231,6 +234,14 @@ class _SlotsMixin:
             name = adapter.name if adapter is not None else None
             raise ValueError(f"adapter {name!r}: {e}") from e
         write_slot_updates(slot, updates)
+        if adapter is not None:  # DoRA: its scale needs the slot's weights, written above
+            dora = [
+                u
+                for name, layer in self.modules.items()
+                if (m := adapter.get_lora(name)) is not None and m.magnitude is not None
+                for u in layer.dora_updates(slot, m.magnitude)
+            ]
+            write_slot_updates(slot, dora)
 
     def _check_not_merged(self, slot: int) -> None:
         """A slot that `merge_adapter` folded into the kernels keeps its adapter until

@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from lora_jax.layers import find_lora_context
+from lora_jax.layers.dora import is_dora_slot
 from lora_jax.serving.merge_checks import _check_not_traced as _check_not_traced
 from lora_jax.serving.merge_checks import _slot_in_use as _slot_in_use
 from lora_jax.serving.merge_checks import _slot_index as _slot_index
@@ -124,6 +125,15 @@ def _check_not_activated(model: nnx.Module, slot: int) -> None:
             )
 
 
+def _check_no_dora(model: nnx.Module, slot: int) -> None:
+    """A DoRA slot scales each output unit: `B @ A` added to the kernel is not its forward."""
+    if any(is_dora_slot(layer, slot) for layer in lora_layers(model).values()):
+        raise ValueError(
+            f"merge_adapter: slot {slot} holds a DoRA adapter (PEFT use_dora), which "
+            "merge_adapter does not merge; serve the slot unmerged"
+        )
+
+
 def _check_no_trainable_tokens(model: nnx.Module, slot: int) -> None:
     """A slot's trainable tokens replace table rows per slot; merge_adapter merges LoRA
     deltas only, so merged, the slot would lose them."""
@@ -177,6 +187,7 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
             )
     _check_not_activated(model, slot)
     _check_no_trainable_tokens(model, slot)
+    _check_no_dora(model, slot)
     # Layers that share a weight variable (tied weights): a delta merged into it would
     # reach every one of them, so such a slot is refused; with the slot empty they are
     # left as they are.

@@ -59,6 +59,7 @@ import numpy as np
 
 from lora_jax.config import LoRAConfig
 from lora_jax.layers import VocabParallelEmbeddingWithLoRA
+from lora_jax.layers.dora import check_layer_dora
 from lora_jax.serving.adapters import LoRAAdapter as LoRAAdapter
 from lora_jax.serving.adapters import ModuleLoRA as ModuleLoRA
 from lora_jax.serving.alora import check_alora_modules
@@ -234,10 +235,15 @@ def adapter_from_tensors(
             check_base_table(key, value, mod, layers, source)
             continue
         mod, raw, kind = parse_key(key, source, name_map)
+        if kind == "m" and not cfg.use_dora:
+            untargeted.append(key)  # a magnitude without use_dora: PEFT makes no DoRA
+            continue
         if name_map is None:
             mod = moe_block_alias(mod, all_names)
         owner = strip_base_layer(mod)
         moe = moe_layer_name(owner, index, layers)
+        if kind == "m" and (moe is not None or (mod not in index and PER_EXPERT.fullmatch(mod))):
+            raise ValueError(f"{source}: tensor {key!r}: DoRA on MoE experts is not supported")
         if moe is not None:
             expert_keys.setdefault(moe, {}).setdefault(mod, {})[kind] = (key, value)
             checkpoint_names[moe] = strip_base_layer(raw)
@@ -313,6 +319,12 @@ def adapter_from_tensors(
         raise ValueError(f"{source}: no LoRA tensors")
     members: dict[str, list] = {}
     for mod, ab in pairs.items():
+        mag = ab.pop("m", None)
+        if cfg.use_dora and mag is None and set(ab) == {"a", "b"}:
+            raise ValueError(
+                f"{source}: module {mod!r} has no lora_magnitude_vector, which {cfg.source}'s "
+                "use_dora gives every module"
+            )
         if set(ab) != {"a", "b"}:
             have = next(iter(ab.values()))[0]
             raise ValueError(
@@ -338,12 +350,18 @@ def adapter_from_tensors(
             )
         check_member_shape(layers[layer_name], i, n, a, b, ka, kb, source)
         scale = np.float32(cfg.scaling_for(checkpoint_names[mod]))
-        slot = members.setdefault(layer_name, [[None] * n, [None] * n])
+        slot = members.setdefault(layer_name, [[None] * n, [None] * n, [None] * n])
         slot[0][i] = a.astype(np.float32)
         slot[1][i] = b.astype(np.float32) * scale
+        slot[2][i] = None if mag is None else np.asarray(mag[1], np.float32).reshape(-1)
     modules = {
-        ln: ModuleLoRA(module_name=ln, lora_a=tuple(a), lora_b=tuple(b))
-        for ln, (a, b) in members.items()
+        ln: ModuleLoRA(
+            module_name=ln,
+            lora_a=tuple(a),
+            lora_b=tuple(b),
+            magnitude=tuple(m) if any(v is not None for v in m) else None,
+        )
+        for ln, (a, b, m) in members.items()
     }
     for ln, found in expert_keys.items():
         m = fused_expert_lora(layers[ln], ln, checkpoint_names[ln], found, cfg, source, untargeted)
@@ -363,11 +381,13 @@ def adapter_from_tensors(
             )
     for ln, m in modules.items():
         prepare = getattr(layers[ln], "prepare_lora", None)
-        if prepare is not None:
-            try:
+        try:
+            if prepare is not None:
                 prepare(0, *m.set_lora_args())
-            except ValueError as e:
-                raise ValueError(f"{source}: module {ln!r}: {e}") from e
+            if m.magnitude is not None:
+                check_layer_dora(layers[ln], m.magnitude)
+        except ValueError as e:
+            raise ValueError(f"{source}: module {ln!r}: {e}") from e
     if untargeted:
         default = ""
         if given.targets_by_model_type and cfg.target_modules is not None:

@@ -153,6 +153,9 @@ class PEFTConfig:
     alora_invocation_tokens: tuple[int, ...] | None = None
     """PEFT `alora_invocation_tokens`: an activated LoRA (aLoRA), which acts only from the
     last occurrence of these token ids in the prompt on (`lora_jax.serving.alora`)."""
+    use_dora: bool = False
+    """PEFT `use_dora`: each module also has a `lora_magnitude_vector` (DoRA), served with
+    `LoRAConfig.enable_dora` (`lora_jax.layers.dora`)."""
     trainable_token_indices: tuple[tuple[str, tuple[int, ...]], ...] | None = None
     """PEFT `trainable_token_indices`: `(module, token ids)` pairs whose embedding (and
     lm_head) rows the adapter replaces with its own; module "" is the input embedding

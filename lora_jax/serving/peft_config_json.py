@@ -23,8 +23,6 @@ def config_fields(d: Mapping[str, Any], source: str) -> dict[str, Any]:
     peft_type = str(d.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise ValueError(f"{source}: peft_type={peft_type!r} is not supported; only LORA")
-    if d.get("use_dora"):
-        raise ValueError(f"{source}: use_dora=True: lora_jax does not yet support DoRA")
     if d.get("modules_to_save"):
         raise ValueError(
             f"{source}: modules_to_save={d['modules_to_save']!r}: lora_jax only supports "
@@ -137,7 +135,17 @@ def config_fields(d: Mapping[str, Any], source: str) -> dict[str, Any]:
         alora_invocation_tokens=_invocation_tokens(d.get("alora_invocation_tokens"), source),
         use_bdlora=_bdlora(d.get("use_bdlora"), source),
         trainable_token_indices=_trainable_tokens(d.get("trainable_token_indices"), source),
+        use_dora=_flag(d, "use_dora", source),
     )
+
+
+def _flag(d: Mapping[str, Any], key: str, source: str) -> bool:
+    value = d.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"{source}: {key}={value!r} must be true or false")
+    return value
 
 
 def _trainable_tokens(value, source: str) -> tuple[tuple[str, tuple[int, ...]], ...] | None:

@@ -26,6 +26,8 @@ KEY_KINDS: dict[str, str] = {
     ".lora_B.weight": "b",
     ".lora_embedding_A": "a",
     ".lora_embedding_B": "b",
+    ".lora_magnitude_vector": "m",  # DoRA (older PEFT: `.lora_magnitude_vector.weight`)
+    ".lora_magnitude_vector.weight": "m",
 }
 # PEFT's `save_embedding_layers` also stores the base embedding / lm_head tables; like
 # vLLM (`is_base_embedding_weights`) they are not served, and must equal the model's

@@ -1,0 +1,139 @@
+"""DoRA (`lora_jax.layers.dora`) in every linear LoRA kind against a float64 numpy oracle:
+`y = g ⊙ (x @ (W + (B @ A)ᵀ)) + bias`, `g = magnitude / ||W + (B @ A)ᵀ||` per output unit;
+HF peft is the oracle in test_dora_hf.py."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from layer_cases import KINDS, Kind, logical_output, make_mesh, random_weights
+
+import lora_jax as lj
+from lora_jax.serving.manager import LoRAModelManager
+from lora_jax.serving.peft import LoRAAdapter, ModuleLoRA
+
+_FAST = {"replicated", "merged_qkv", "row", "merged_qkv_sharded", "row_sharded", "qkv"}
+KIND_PARAMS = [
+    pytest.param(k, id=k.name, marks=() if k.name in _FAST else pytest.mark.slow) for k in KINDS
+]
+IDX = np.array([1, -1, 1, 0, 1, 2, -1, 1], np.int32)
+
+
+def _layer(kind: Kind, mesh, enable=True):
+    rules = lj.ShardingRules(make_mesh(*mesh)) if mesh else lj.ShardingRules()
+    base = kind.make_base(rules, jnp.float32)
+    ks, bs = random_weights(base, 0)
+    base.load_kernel(ks, bs)
+    cfg = lj.LoRAConfig(max_loras=3, max_lora_rank=8, enable_dora=enable)
+    return kind.lora_cls(base, cfg, lj.LoRAContext(None)), ks, bs
+
+
+def _adapter(layer, seed):
+    rng = np.random.default_rng(seed)
+    n_in = layer.base_layer.in_features
+    a = [rng.normal(0, 0.3, (4, n_in)).astype(np.float32) for _ in range(layer.n_slices)]
+    b = [rng.normal(0, 0.3, (n, 4)).astype(np.float32) for n in layer.logical_slice_sizes]
+    m = [rng.uniform(0.5, 2.0, (n,)).astype(np.float32) for n in layer.logical_slice_sizes]
+    return a, b, m
+
+
+def _oracle(layer, ks, bs, x, adapters):
+    W = np.concatenate(ks, 1).astype(np.float64)
+    y = x @ W + np.concatenate(bs)
+    offs = np.concatenate([[0], np.cumsum(layer.logical_slice_sizes)])
+    for t, slot in enumerate(IDX):
+        if slot not in adapters:
+            continue
+        a, b, m = adapters[slot]
+        delta = np.zeros_like(W)
+        for s in range(layer.n_slices):
+            delta[:, offs[s] : offs[s + 1]] = (b[s] @ a[s]).T
+        g = 1.0 if m is None else np.concatenate(m) / np.linalg.norm(W + delta, axis=0)
+        y[t] = g * (x[t] @ (W + delta)) + np.concatenate(bs)
+    return y
+
+
+@nnx.jit
+def _forward(layer, x, idx):
+    lj.set_lora_mapping(layer, idx)
+    return layer(x)
+
+
+@pytest.mark.parametrize("mesh", [None, (2, 4)], ids=["one_device", "dp2tp4"])
+@pytest.mark.parametrize("kind", KIND_PARAMS)
+def test_every_kind_scales_its_dora_slots(kind, mesh):
+    """Slot 1 DoRA, slot 2 plain LoRA, slot 0 empty: each token as the oracle says, on one
+    device and on a dp x tp mesh (kv head replicas, per-shard packing, the row reduction,
+    the S-LoRA layouts)."""
+    layer, ks, bs = _layer(kind, mesh)
+    dora, plain = _adapter(layer, 1), _adapter(layer, 2)
+    layer.set_lora(1, dora[0], dora[1])
+    layer.set_dora(1, dora[2])
+    layer.set_lora(2, plain[0], plain[1])
+    x = np.random.default_rng(3).normal(size=(len(IDX), layer.base_layer.in_features))
+    y = _forward(layer, jnp.asarray(x, jnp.float32), jnp.asarray(IDX))
+    want = _oracle(layer, ks, bs, x, {1: dora, 2: (*plain[:2], None)})
+    np.testing.assert_allclose(logical_output(layer, y), want, rtol=2e-5, atol=2e-5)
+    # set_lora makes the slot plain LoRA again
+    layer.set_lora(1, dora[0], dora[1])
+    y = _forward(layer, jnp.asarray(x, jnp.float32), jnp.asarray(IDX))
+    want = _oracle(layer, ks, bs, x, {1: (*dora[:2], None), 2: (*plain[:2], None)})
+    np.testing.assert_allclose(logical_output(layer, y), want, rtol=2e-5, atol=2e-5)
+
+
+def test_bad_magnitudes_are_refused_and_change_nothing():
+    kind = next(k for k in KINDS if k.name == "merged_qkv")
+    layer, *_ = _layer(kind, None)
+    a, b, m = _adapter(layer, 1)
+    layer.set_lora(1, a, b)
+    layer.set_dora(1, m)
+    before = np.asarray(layer.dora_scale[...])
+    for bad, msg in (
+        ([m[0][:-1], m[1], m[2]], r"magnitude of slice 0 must be \[\d+\] finite"),
+        ([m[0], np.full_like(m[1], np.nan), m[2]], "slice 1 must be"),
+        (m[:2], "2 DoRA magnitudes for 3 slices"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            layer.set_dora(1, bad)
+    np.testing.assert_array_equal(np.asarray(layer.dora_scale[...]), before)
+    off, *_ = _layer(kind, None, enable=False)
+    assert off.dora_scale is None  # nothing allocated without enable_dora
+    with pytest.raises(ValueError, match=r"enable_dora=True"):
+        off.set_dora(0, m)
+
+
+def test_the_manager_writes_dora_and_a_refused_adapter_changes_nothing():
+    """Through the manager's one write: a DoRA adapter serves as the layer's own
+    set_lora + set_dora; a bad one (a magnitude of the wrong width) is refused before any
+    slot changes."""
+    kind = next(k for k in KINDS if k.name == "row")
+
+    class Tiny(nnx.Module):
+        def __init__(self):
+            self.proj = kind.make_base(lj.ShardingRules(), jnp.float32)
+            self.proj.load_kernel(*random_weights(self.proj, 0))  # the weights _layer loads
+
+    model = Tiny()
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, enable_dora=True)
+    lj.serving.wrap.wrap_model(model, cfg)
+    layer = model.proj
+    a, b, m = _adapter(layer, 4)
+    good = LoRAAdapter(1, "good", 4, {"proj": ModuleLoRA("proj", (a[0],), (b[0],), (m[0],))})
+    bad = LoRAAdapter(2, "bad", 4, {"proj": ModuleLoRA("proj", (a[0],), (b[0],), (m[0][:3],))})
+    mgr = LoRAModelManager(model, cfg)
+    mgr.add_adapter(good)
+    mgr.activate_adapter(1)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(len(IDX), layer.base_layer.in_features)))
+    slots = np.where(IDX >= 0, mgr.lora_index_to_id.index(1), -1).astype(np.int32)
+    y = np.asarray(_forward(layer, x, jnp.asarray(slots)))
+    state = [np.asarray(v[...]) for v in (*layer.lora_a, *layer.lora_b, layer.dora_scale)]
+    with pytest.raises(ValueError, match="magnitude of slice 0"):
+        mgr.add_adapter(bad)
+        mgr.activate_adapter(2)
+    for v, s in zip((*layer.lora_a, *layer.lora_b, layer.dora_scale), state):
+        np.testing.assert_array_equal(np.asarray(v[...]), s)
+    ref, *_ = _layer(kind, None)
+    ref.set_lora(0, a, b)
+    ref.set_dora(0, m)
+    want = np.asarray(_forward(ref, x, jnp.asarray(np.where(IDX >= 0, 0, -1).astype(np.int32))))
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,101 @@
+"""DoRA adapters (PEFT `use_dora`) against HF peft on CPU: each served beside a plain LoRA
+adapter and the base in one batch, row by row as PEFT computes them."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from hf_tiny import V, peft_rows, tiny_llama_dir  # noqa: E402
+from layer_cases import make_mesh  # noqa: E402
+
+import lora_jax as lj  # noqa: E402
+from lora_jax.models import load_hf_model  # noqa: E402
+from lora_jax.serving.export import save_peft_adapter  # noqa: E402
+from lora_jax.serving.manager import LRUCacheLoRAModelManager  # noqa: E402
+from lora_jax.serving.merge import merge_adapter  # noqa: E402
+from lora_jax.serving.wrap import lora_layers, wrap_model  # noqa: E402
+
+pytestmark = pytest.mark.oracle
+
+TOL = dict(rtol=2e-4, atol=2e-4)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _adapter(base_dir, out, seed, **spec):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(lora_dropout=0.0, **spec))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # random factors; magnitudes away from the norms they start at
+        for name, p in pm.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            elif "lora_magnitude_vector" in name:
+                p.mul_(torch.rand(p.shape, generator=g) + 0.5)
+    pm.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+@nnx.jit
+def _forward(model, ids, slots):
+    lj.set_lora_mapping(model, slots)
+    pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+    return model(ids, pos)[0]
+
+
+@pytest.mark.parametrize("mesh", [None, (2, 2)], ids=["one_device", "dp2tp2"])
+def test_dora_adapters_match_peft_in_a_mixed_batch(tmp_path, mesh):
+    """Two DoRA adapters (one on every projection, one rsLoRA on a few with a rank
+    pattern) and a plain one, in one batch with the base: each row as PEFT gives it;
+    on a dp = 2 x tp = 2 mesh too. Merge and export refuse such a slot."""
+    base_dir = tiny_llama_dir(tmp_path)
+    dirs = {
+        "dora": _adapter(base_dir, str(tmp_path / "d"), 1, r=4, lora_alpha=8,
+                         target_modules=TARGETS, use_dora=True),
+        "dora_rs": _adapter(base_dir, str(tmp_path / "r"), 2, r=8, lora_alpha=4,
+                            target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True,
+                            use_rslora=True, rank_pattern={"v_proj": 2}),
+        "plain": _adapter(base_dir, str(tmp_path / "p"), 3, r=4, lora_alpha=8,
+                          target_modules=TARGETS),
+    }  # fmt: skip
+    rules = None if mesh is None else lj.ShardingRules(make_mesh(*mesh))
+    model = load_hf_model(base_dir, rules=rules)
+    cfg = lj.LoRAConfig(max_loras=3, max_lora_rank=8, enable_dora=True)
+    wrap_model(model, cfg)
+    mgr = LRUCacheLoRAModelManager(model, cfg)
+    loaded = {a.name: a.id for a in mgr.load_adapters(dirs, activate=True, progress=False)}
+    names = ["dora", "plain", "__base__", "dora_rs", "dora"]
+    ids = np.random.default_rng(0).integers(0, V, (len(names), 6)).astype(np.int32)
+    want = peft_rows(base_dir, dirs, ids, names)
+    slots = mgr.token_mapping([loaded.get(n) for n in names], tokens_per_request=6)
+    got = np.asarray(_forward(model, jnp.asarray(ids), jnp.asarray(slots)))
+    np.testing.assert_allclose(got, want, **TOL)
+    slot = mgr.lora_index_to_id.index(loaded["dora"])
+    with pytest.raises(ValueError, match="DoRA.*does not merge"):
+        merge_adapter(model, slot)
+    with pytest.raises(ValueError, match="DoRA.*export does not write"):
+        save_peft_adapter(model, slot, tmp_path / "saved")
+    # DoRA matters: the same slots as plain LoRA (every scale 1) give other logits
+    for layer in lora_layers(model).values():
+        if getattr(layer, "dora_scale", None) is not None:
+            for s in range(cfg.max_loras):
+                layer._zero_dora(s)
+    plain = np.asarray(_forward(model, jnp.asarray(ids), jnp.asarray(slots)))
+    assert np.abs(plain[[0, 3]] - want[[0, 3]]).max() > 1e-2
+    np.testing.assert_allclose(plain[[1, 2]], want[[1, 2]], **TOL)
+
+
+def test_a_dora_adapter_is_refused_without_enable_dora(tmp_path):
+    base_dir = tiny_llama_dir(tmp_path)
+    d = _adapter(base_dir, str(tmp_path / "d"), 1, r=4, lora_alpha=8, target_modules=["q_proj"],
+                 use_dora=True)  # fmt: skip
+    model = load_hf_model(base_dir)
+    cfg = lj.LoRAConfig(max_loras=1, max_lora_rank=8)
+    wrap_model(model, cfg)
+    mgr = LRUCacheLoRAModelManager(model, cfg)
+    with pytest.raises(ValueError, match=r"DoRA adapter .*LoRAConfig\(enable_dora=True\)"):
+        mgr.load_adapters({"d": d}, activate=True, progress=False)
