@@ -5,7 +5,7 @@ like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` (`[r, in]`
 `....lora_B.weight` (`[out, r]`); embeddings use `lora_embedding_A` (`[r, V]`) and
 `lora_embedding_B` (`[D, r]`). Loading:
 
-1. reads the config and refuses what cannot be served exactly (DoRA, QALoRA,
+1. reads the config and refuses what cannot be served exactly (QALoRA,
    `modules_to_save`, LoRA bias, layer replication, initialisations that
    changed the base weights such as PiSSA / OLoRA / LoftQ) or what PEFT refuses; a null
    `target_modules` is PEFT's default for the model's type (`q_proj`, `v_proj` for the
@@ -45,7 +45,8 @@ A BD-LoRA adapter (`use_bdlora`) has its block-diagonal factors made dense
 activated LoRA (`alora_invocation_tokens`) keeps its invocation sequence on the adapter
 (`LoRAAdapter.invocation_tokens`; `lora_jax.serving.alora` says how it is served).
 Trainable tokens (`trainable_token_indices`) become `LoRAAdapter.trainable_tokens`
-(`lora_jax.serving.peft_tokens`).
+(`lora_jax.serving.peft_tokens`); DoRA's `lora_magnitude_vector`s (`use_dora`) become
+`ModuleLoRA.magnitude` (`lora_jax.layers.dora`).
 """
 
 from __future__ import annotations

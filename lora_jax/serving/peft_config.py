@@ -1,7 +1,7 @@
 """A PEFT `adapter_config.json` → `PEFTConfig`: what decides how an adapter is served.
 
-Refuses what cannot be served exactly (DoRA, `modules_to_save`, LoRA bias, trainable
-tokens, `target_parameters` other than fused MoE experts and 2-D `<module>.weight`s such as
+Refuses what cannot be served exactly (`modules_to_save`, LoRA bias,
+`target_parameters` other than fused MoE experts and 2-D `<module>.weight`s such as
 the MoE router `gate.weight`) and what PEFT's `LoraConfig` refuses (a layer filter with a
 string `target_modules`), keeps PEFT's layer filter (`layers_to_transform` /
 `layers_pattern`), reads a null `target_modules` as PEFT's default for the model type
