@@ -2,6 +2,7 @@
 `y = g ⊙ (x @ (W + (B @ A)ᵀ)) + bias`, `g = magnitude / ||W + (B @ A)ᵀ||` per output unit;
 HF peft is the oracle in test_dora_hf.py."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,7 +10,9 @@ from flax import nnx
 from layer_cases import KINDS, Kind, logical_output, make_mesh, random_weights
 
 import lora_jax as lj
+from lora_jax.serving.export import adapter_from_slot
 from lora_jax.serving.manager import LoRAModelManager
+from lora_jax.serving.merge import merge_adapter, unmerge_adapter
 from lora_jax.serving.peft import LoRAAdapter, ModuleLoRA
 
 _FAST = {"replicated", "merged_qkv", "row", "merged_qkv_sharded", "row_sharded", "qkv"}
@@ -37,11 +40,11 @@ def _adapter(layer, seed):
     return a, b, m
 
 
-def _oracle(layer, ks, bs, x, adapters):
+def _oracle(layer, ks, bs, x, adapters, idx=IDX):
     W = np.concatenate(ks, 1).astype(np.float64)
     y = x @ W + np.concatenate(bs)
     offs = np.concatenate([[0], np.cumsum(layer.logical_slice_sizes)])
-    for t, slot in enumerate(IDX):
+    for t, slot in enumerate(idx):
         if slot not in adapters:
             continue
         a, b, m = adapters[slot]
@@ -79,6 +82,53 @@ def test_every_kind_scales_its_dora_slots(kind, mesh):
     y = _forward(layer, jnp.asarray(x, jnp.float32), jnp.asarray(IDX))
     want = _oracle(layer, ks, bs, x, {1: (*dora[:2], None), 2: (*plain[:2], None)})
     np.testing.assert_allclose(logical_output(layer, y), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("mesh", [None, (2, 4)], ids=["one_device", "dp2tp4"])
+@pytest.mark.parametrize("kind", KIND_PARAMS)
+def test_every_kind_merges_and_exports_its_dora_slots(kind, mesh):
+    """merge_adapter of a DoRA slot gives its tokens' outputs with no mapping (PEFT's DoRA
+    merge, `g ⊙ (W + B @ A)`); adapter_from_slot reads back PEFT's magnitudes, none for
+    a plain LoRA slot; unmerge_adapter puts the kernel back."""
+    layer, ks, bs = _layer(kind, mesh)
+    model = nnx.Dict(proj=layer)
+    dora, plain = _adapter(layer, 1), _adapter(layer, 2)
+    layer.set_lora(1, dora[0], dora[1])
+    layer.set_dora(1, dora[2])
+    layer.set_lora(2, plain[0], plain[1])
+    got = adapter_from_slot(model, 1).modules["proj"]
+    for g, m in zip(got.magnitude, dora[2]):
+        np.testing.assert_allclose(g, m, rtol=1e-5)
+    assert adapter_from_slot(model, 2).modules["proj"].magnitude is None
+    kernel = np.asarray(layer.base_layer.kernel[...])
+    x = np.random.default_rng(3).normal(size=(len(IDX), layer.base_layer.in_features))
+    for slot, adapter in ((1, dora), (2, (*plain[:2], None))):
+        merge_adapter(model, slot)
+        y = jax.jit(lambda x: layer(x))(jnp.asarray(x, jnp.float32))  # no mapping: base only
+        want = _oracle(layer, ks, bs, x, {slot: adapter}, np.full(len(IDX), slot))
+        np.testing.assert_allclose(logical_output(layer, y), want, rtol=2e-5, atol=2e-5)
+        unmerge_adapter(model)
+        np.testing.assert_array_equal(np.asarray(layer.base_layer.kernel[...]), kernel)
+
+
+def test_a_dora_slot_with_lora_on_a_layer_without_dora_is_not_exported():
+    """PEFT's use_dora is the whole adapter's: a slot with DoRA in one layer and LoRA in a
+    plain Flax layer (no DoRA scale) is refused by name, not written half DoRA."""
+    kind = next(k for k in KINDS if k.name == "row")
+    proj = kind.make_base(lj.ShardingRules(), jnp.float32)
+    model = nnx.Dict(proj=proj, lin=nnx.Linear(16, 8, rngs=nnx.Rngs(0)))
+    model["proj"].load_kernel(*random_weights(model["proj"], 0))
+    lj.serving.wrap.wrap_model(model, lj.LoRAConfig(max_loras=2, max_lora_rank=8, enable_dora=True))
+    layer, lin = model["proj"], model["lin"]
+    assert lin.dora_scale is None
+    a, b, m = _adapter(layer, 4)
+    layer.set_lora(1, a, b)
+    layer.set_dora(1, m)
+    lin.set_lora(1, np.ones((2, 16), np.float32), np.ones((8, 2), np.float32))
+    with pytest.raises(ValueError, match=r"slot 1 holds a DoRA adapter .*'proj'.* LoRA in lin"):
+        adapter_from_slot(model, 1)
+    lin.reset_lora(1)
+    assert adapter_from_slot(model, 1).modules["proj"].magnitude is not None
 
 
 def test_bad_magnitudes_are_refused_and_change_nothing():

@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import jax.numpy as jnp  # noqa: E402
+import safetensors.numpy  # noqa: E402
 from flax import nnx  # noqa: E402
 from hf_tiny import V, peft_rows, tiny_llama_dir  # noqa: E402
 from layer_cases import make_mesh  # noqa: E402
@@ -17,7 +18,8 @@ import lora_jax as lj  # noqa: E402
 from lora_jax.models import load_hf_model  # noqa: E402
 from lora_jax.serving.export import save_peft_adapter  # noqa: E402
 from lora_jax.serving.manager import LRUCacheLoRAModelManager  # noqa: E402
-from lora_jax.serving.merge import merge_adapter  # noqa: E402
+from lora_jax.serving.merge import merge_adapter, unmerge_adapter  # noqa: E402
+from lora_jax.serving.peft import WEIGHTS_NAME  # noqa: E402
 from lora_jax.serving.wrap import lora_layers, wrap_model  # noqa: E402
 
 pytestmark = pytest.mark.oracle
@@ -74,11 +76,6 @@ def test_dora_adapters_match_peft_in_a_mixed_batch(tmp_path, mesh):
     slots = mgr.token_mapping([loaded.get(n) for n in names], tokens_per_request=6)
     got = np.asarray(_forward(model, jnp.asarray(ids), jnp.asarray(slots)))
     np.testing.assert_allclose(got, want, **TOL)
-    slot = mgr.lora_index_to_id.index(loaded["dora"])
-    with pytest.raises(ValueError, match="DoRA.*does not merge"):
-        merge_adapter(model, slot)
-    with pytest.raises(ValueError, match="DoRA.*export does not write"):
-        save_peft_adapter(model, slot, tmp_path / "saved")
     # DoRA matters: the same slots as plain LoRA (every scale 1) give other logits
     for layer in lora_layers(model).values():
         if getattr(layer, "dora_scale", None) is not None:
@@ -99,3 +96,41 @@ def test_a_dora_adapter_is_refused_without_enable_dora(tmp_path):
     mgr = LRUCacheLoRAModelManager(model, cfg)
     with pytest.raises(ValueError, match=r"DoRA adapter .*LoRAConfig\(enable_dora=True\)"):
         mgr.load_adapters({"d": d}, activate=True, progress=False)
+
+
+@pytest.mark.parametrize("mesh", [None, (1, 2)], ids=["one_device", "tp2"])
+def test_a_dora_slot_merges_and_saves_as_peft_does(tmp_path, mesh):
+    """merge_adapter of a DoRA slot (an rsLoRA one with a rank pattern) gives PEFT's logits
+    with no mapping, as PEFT's merge_and_unload does; save_peft_adapter writes magnitudes
+    that PEFT loads to the same logits, equal to the file's own."""
+    base_dir = tiny_llama_dir(tmp_path)
+    src = _adapter(base_dir, str(tmp_path / "r"), 2, r=8, lora_alpha=4, use_dora=True,
+                   target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],
+                   use_rslora=True, rank_pattern={"v_proj": 2})  # fmt: skip
+    ids = np.random.default_rng(0).integers(0, V, (2, 6)).astype(np.int32)
+    want = peft_rows(base_dir, {"d": src}, ids, ["d", "d"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    merged = peft.PeftModel.from_pretrained(hf, src).merge_and_unload().eval()
+    with torch.no_grad():
+        hf_merged = merged(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(hf_merged, want, **TOL)  # PEFT's merge: its own forward
+    rules = None if mesh is None else lj.ShardingRules(make_mesh(*mesh))
+    model = load_hf_model(base_dir, rules=rules)
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, enable_dora=True)
+    wrap_model(model, cfg)
+    mgr = LRUCacheLoRAModelManager(model, cfg)
+    (adapter,) = mgr.load_adapters({"d": src}, activate=True, progress=False)
+    slot = mgr.lora_index_to_id.index(adapter.id)
+    merge_adapter(model, slot)
+    pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), ids.shape)
+    got = np.asarray(nnx.jit(lambda m, i, p: m(i, p)[0])(model, jnp.asarray(ids), pos))
+    np.testing.assert_allclose(got, want, **TOL)
+    unmerge_adapter(model)
+    saved = save_peft_adapter(model, slot, tmp_path / "saved")
+    assert peft.LoraConfig.from_pretrained(saved).use_dora
+    np.testing.assert_allclose(peft_rows(base_dir, {"d": saved}, ids, ["d", "d"]), want, **TOL)
+    ours, theirs = (safetensors.numpy.load_file(f"{d}/{WEIGHTS_NAME}") for d in (saved, src))
+    mags = sorted(k for k in theirs if "lora_magnitude_vector" in k)
+    assert sorted(k for k in ours if "lora_magnitude_vector" in k) == mags and len(mags) == 8
+    for k in mags:
+        np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6)

@@ -54,10 +54,10 @@ def apply_dora(y: jax.Array, scale_l: jax.Array, slots: jax.Array) -> jax.Array:
 
 
 def weight_norms(layer, slot: int) -> np.ndarray:
-    """`||W + B @ A||` per physical output unit of `slot` (f32 host `[out]`), from the
-    layer's own forward of the identity (every row on `slot`) less the bias, so packing,
-    replicas and sharding are the forward's. The slot's DoRA scale must be zero (as a
-    slot write leaves it) and is then not applied."""
+    """`||g ⊙ (W + B @ A)||` per physical output unit of `slot` (f32 host `[out]`), from
+    the layer's own forward of the identity (every row on `slot`) less the bias, so
+    packing, replicas and sharding are the forward's. `g` is the slot's DoRA scale: 1
+    where it is zero (as a slot write leaves it), giving `||W + B @ A||`."""
     base = layer.base_layer
     eye = jnp.eye(base.in_features, dtype=base.dtype or base.param_dtype)  # [in, in]
     slots = jnp.full((base.in_features,), slot, jnp.int32)
@@ -96,6 +96,15 @@ def dora_scale_for(layer, magnitudes: Sequence[np.ndarray | None], norms: np.nda
     with np.errstate(divide="ignore", invalid="ignore"):
         g = np.where(np.isnan(mag), 1.0, mag / norms)
     return (g - 1.0).astype(np.float32)
+
+
+def slot_magnitudes(layer, slot: int) -> np.ndarray:
+    """PEFT's `lora_magnitude_vector` of the DoRA adapter in `slot` per physical output
+    unit (f32 host `[out]`): `g · ||W + B @ A||`, the norm of the slot's forward (which
+    applies `g`) with `g`'s sign. A slot of plain LoRA (`g = 1`) gives `||W + B @ A||`,
+    the magnitude PEFT starts a DoRA adapter with."""
+    g = 1.0 + np.asarray(layer.dora_scale[...][int(slot)], np.float32)
+    return (np.sign(g) * weight_norms(layer, slot)).astype(np.float32)
 
 
 def check_magnitudes(layer, magnitudes: Sequence[np.ndarray | None]) -> None:
@@ -138,10 +147,8 @@ def check_layer_dora(layer, magnitudes) -> None:
     layer.check_dora(magnitudes)
 
 
-def unpacked_scale(layer, slot: int) -> list[np.ndarray]:
-    """The slot's `g - 1` per base sub-slice (physical sizes), for reading it back."""
+def unpacked_magnitudes(layer, slot: int) -> list[np.ndarray]:
+    """`slot_magnitudes` per base sub-slice (physical sizes: kv-head replicas kept)."""
     base = layer.base_layer
-    d = np.asarray(layer.dora_scale[...][slot])
-    return [
-        np.asarray(v) for v in unpack_shards(jnp.asarray(d), base.physical_sizes, 0, base.out_tp)
-    ]
+    mags = slot_magnitudes(layer, slot)
+    return [np.asarray(v) for v in unpack_shards(mags, base.physical_sizes, 0, base.out_tp)]

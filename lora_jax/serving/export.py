@@ -6,7 +6,9 @@ cut to the slot's true rank per slice, and laid out as the checkpoint's modules 
 undone; the token embedding as `lora_embedding_A` / `lora_embedding_B`, the lm_head's
 rows back in token order). B holds the scaling, so each module is written with
 `lora_alpha` equal to its rank (scaling 1) and per-module ranks go to `rank_pattern` /
-`alpha_pattern`.
+`alpha_pattern`. A DoRA slot (PEFT `use_dora`) is written with each module's
+`lora_magnitude_vector`: `g · ||W + B @ A||` per output unit, its scale `g` times the norm
+of its merged weight (`lora_jax.layers.dora.slot_magnitudes`).
 PEFT (`PeftModel.from_pretrained`), vLLM and `load_peft_adapter` load the result; a slot
 trained with `lora_jax.serving.training` leaves the library this way.
 
@@ -29,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from lora_jax.config import float_dtype
-from lora_jax.layers.dora import is_dora_slot
+from lora_jax.layers.dora import is_dora_slot, unpacked_magnitudes
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.linear import unpack_shards
@@ -63,6 +65,7 @@ from lora_jax.serving.wrap import layer_packed_modules, lora_layers, packed_name
 # layers and the lm_head; an embedding's factors are bare parameters.
 LINEAR_KEYS = (".lora_A.weight", ".lora_B.weight")
 EMBEDDING_KEYS = (".lora_embedding_A", ".lora_embedding_B")
+MAGNITUDE_KEY = ".lora_magnitude_vector"  # DoRA's, as PEFT writes it
 
 
 def _check_slot(model, slot) -> None:
@@ -91,21 +94,49 @@ def _logical_b(layer, s: int, b: np.ndarray, name: str) -> np.ndarray:
     base = layer.base_layer
     group = layer.slice_groups[s]
     parts = unpack_shards(b, [base.physical_sizes[i] for i in group], 0, base.out_tp)
+    return _logical_members(layer, group, parts, name)
+
+
+def _logical_members(layer, group, parts, name: str, check: bool = True) -> np.ndarray:
+    """Per base sub-slice physical parts (`[out_i (physical), ...]`) of one slice's members
+    → the slice's logical rows: one copy of each kv head (``check``: its replicas equal)."""
+    base = layer.base_layer
     out = []
     for i, part in zip(group, parts):
         part = np.asarray(part)
         reps = getattr(base, "num_kv_head_replicas", 1)
         if i > 0 and reps > 1:  # kv heads repeated for tp > kv heads: one copy of each
             heads = part.reshape(base.total_num_kv_heads, reps, base.head_size, -1)
-            if not np.array_equal(heads, np.broadcast_to(heads[:, :1], heads.shape)):
+            if check and not np.array_equal(heads, np.broadcast_to(heads[:, :1], heads.shape)):
                 raise ValueError(
                     f"export: {name}: the replicas of a kv head's B differ (trained apart), "
                     "so the slot is not one adapter of the logical model; train with "
                     "lora_jax.serving.training.tie_kv_replicas(model) first in the optax chain"
                 )
-            part = heads[:, 0].reshape(-1, part.shape[-1])
+            part = heads[:, 0].reshape(-1, *part.shape[1:])
         out.append(part)
     return np.concatenate(out, axis=0)
+
+
+def _magnitudes(layer, slot: int, ranks, name: str, dora_at: str):
+    """Per slice the logical DoRA magnitudes (PEFT `lora_magnitude_vector`) of a DoRA slot,
+    None for a slice without LoRA; a layer without DoRA scales is refused by name."""
+    _check_dora_layer(layer, slot, name, dora_at)
+    parts = unpacked_magnitudes(layer, slot)
+    return tuple(
+        None if r == 0 else _logical_members(layer, g, [parts[i] for i in g], name, check=False)
+        for g, r in zip(layer.slice_groups, ranks)
+    )
+
+
+def _check_dora_layer(layer, slot: int, name: str, dora_at: str) -> None:
+    """A layer with LoRA in a DoRA slot can write its magnitudes (it has DoRA scales)."""
+    if getattr(layer, "dora_scale", None) is None:
+        raise ValueError(
+            f"export: slot {slot} holds a DoRA adapter (PEFT use_dora, at {dora_at!r}) and "
+            f"LoRA in {name} ({type(layer).__name__}), which has no DoRA scale: PEFT's "
+            "use_dora makes every module of the adapter DoRA"
+        )
 
 
 def adapter_from_slot(
@@ -121,16 +152,14 @@ def adapter_from_slot(
     """
     _check_id(adapter_id, "adapter_from_slot: adapter_id", "the manager key")
     _check_slot(model, slot)
-    dora = [n for n, la in lora_layers(model).items() if is_dora_slot(la, int(slot))]
-    if dora:
-        raise ValueError(
-            f"export: slot {slot} holds a DoRA adapter (PEFT use_dora: {dora[0]!r}), which "
-            "export does not write"
-        )
+    # DoRA (PEFT use_dora) is the whole adapter's: every module then has its magnitudes
+    dora = next((n for n, la in lora_layers(model).items() if is_dora_slot(la, int(slot))), None)
     modules = {}
     for lname, layer in trainable_layers(model).items():
         if isinstance(layer, WHOLE_LAYERS):
             found = layer.read_lora(int(slot))  # (A, B) as set_lora takes them, or None
+            if found is not None and dora is not None:
+                _check_dora_layer(layer, int(slot), lname, dora)  # the embedding, lm_head
             if found is not None:
                 a, b = found
                 whole = not isinstance(a, list)  # the embedding / lm_head: one pair
@@ -151,7 +180,8 @@ def adapter_from_slot(
             b = np.asarray(layer.lora_b[s][...][int(slot)], np.float32)[:, :r]  # [out_s, r]
             a_list.append(a)
             b_list.append(_logical_b(layer, s, b, lname))
-        modules[lname] = ModuleLoRA(lname, tuple(a_list), tuple(b_list))
+        mags = None if dora is None else _magnitudes(layer, int(slot), ranks, lname, dora)
+        modules[lname] = ModuleLoRA(lname, tuple(a_list), tuple(b_list), mags)
     if not modules:
         raise ValueError(f"export: slot {slot} holds no adapter")
     rank = max(m.rank for m in modules.values())
@@ -191,6 +221,7 @@ class _Pair(NamedTuple):
     keys: tuple[str, str]
     param: str | None = None  # target_parameters: the LoRA is on `<module>.<param>`
     experts: int = 1  # a ParamWrapper over E experts: A `[r*E, in]`, B `[out, r*E]`
+    magnitude: np.ndarray | None = None  # DoRA: `<module>.lora_magnitude_vector` `[out]`
 
     @property
     def rank(self) -> int:
@@ -222,9 +253,10 @@ def _checkpoint_modules(model, adapter: LoRAAdapter, expert_layout: str) -> list
                 keys = tuple(".base_layer" * nested + k for k in LINEAR_KEYS)
                 out.append(_Pair(lname, a, b, keys, param, layer.base_layer.num_experts))
         elif len(members) == len(m.lora_a):
-            for member, a, b in zip(members, m.lora_a, m.lora_b):
+            mags = m.magnitude or (None,) * len(members)
+            for member, a, b, mag in zip(members, m.lora_a, m.lora_b, mags):
                 if a is not None:
-                    out.append(_Pair(member, a, b, LINEAR_KEYS))
+                    out.append(_Pair(member, a, b, LINEAR_KEYS, magnitude=mag))
         elif len(members) == 1:  # one module over every slice: one A, B side by side
             present = [a for a in m.lora_a if a is not None]
             if len(present) != len(m.lora_a) or any(
@@ -235,7 +267,8 @@ def _checkpoint_modules(model, adapter: LoRAAdapter, expert_layout: str) -> list
                     "slices hold different A matrices: not one PEFT module"
                 )
             b = np.concatenate(m.lora_b, axis=0)
-            out.append(_Pair(members[0], present[0], b, LINEAR_KEYS))
+            mag = None if m.magnitude is None else np.concatenate(m.magnitude)
+            out.append(_Pair(members[0], present[0], b, LINEAR_KEYS, magnitude=mag))
         else:
             raise ValueError(f"export: {lname} has {len(m.lora_a)} slices but answers to {members}")
     return out
@@ -331,6 +364,9 @@ def save_peft_adapter(
         for suffix, value in zip(pair.keys, (pair.a, pair.b)):  # A [r, in], B [out, r]
             stored = _finite_in(value, dtype, f"{pair.module}{suffix}")
             tensors[f"{PEFT_PREFIX}{pair.module}{suffix}"] = stored
+        if pair.magnitude is not None:
+            key = f"{pair.module}{MAGNITUDE_KEY}"
+            tensors[PEFT_PREFIX + key] = _finite_in(pair.magnitude, dtype, key)
     r = max(pair.rank for pair in pairs)
     # PEFT on transformers 5 wraps a module that is no nn.Linear (an MoE router) through
     # its weight and looks its rank up as `<module>.weight`: a key matches either way
@@ -354,7 +390,7 @@ def save_peft_adapter(
         "lora_dropout": 0.0,
         "bias": "none",
         "use_rslora": False,
-        "use_dora": False,
+        "use_dora": any(p.magnitude is not None for p in pairs),
         "fan_in_fan_out": False,
         "modules_to_save": None,
         "init_lora_weights": True,

@@ -3,7 +3,8 @@
 `merge_adapter(model, slot)` adds that slot's `B @ A` into the base weights of every LoRA
 layer, as PEFT's `merge_adapter` does:
 
-* linears: `kernel += (B @ A).T`, per packed slice;
+* linears: `kernel += (B @ A).T`, per packed slice; a DoRA slot's kernel then times its
+  per-output-unit scale `g` (PEFT's DoRA merge: `g ⊙ (W + B @ A)`, the bias unscaled);
 * fused MoE experts: `w13[e] += (B13 @ A13).T` per slice (gate / up placed as the base
   stores them: concatenated or interleaved per tensor shard) and `w2[e] += (B2 @ A2).T`;
 * vocab embeddings: `table[v] += B @ A[:, v]` (A is a lookup table over token ids);
@@ -35,7 +36,6 @@ import numpy as np
 from flax import nnx
 
 from lora_jax.layers import find_lora_context
-from lora_jax.layers.dora import is_dora_slot
 from lora_jax.serving.merge_checks import _check_not_traced as _check_not_traced
 from lora_jax.serving.merge_checks import _slot_in_use as _slot_in_use
 from lora_jax.serving.merge_checks import _slot_index as _slot_index
@@ -125,15 +125,6 @@ def _check_not_activated(model: nnx.Module, slot: int) -> None:
             )
 
 
-def _check_no_dora(model: nnx.Module, slot: int) -> None:
-    """A DoRA slot scales each output unit: `B @ A` added to the kernel is not its forward."""
-    if any(is_dora_slot(layer, slot) for layer in lora_layers(model).values()):
-        raise ValueError(
-            f"merge_adapter: slot {slot} holds a DoRA adapter (PEFT use_dora), which "
-            "merge_adapter does not merge; serve the slot unmerged"
-        )
-
-
 def _check_no_trainable_tokens(model: nnx.Module, slot: int) -> None:
     """A slot's trainable tokens replace table rows per slot; merge_adapter merges LoRA
     deltas only, so merged, the slot would lose them."""
@@ -187,7 +178,6 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
             )
     _check_not_activated(model, slot)
     _check_no_trainable_tokens(model, slot)
-    _check_no_dora(model, slot)
     # Layers that share a weight variable (tied weights): a delta merged into it would
     # reach every one of them, so such a slot is refused; with the slot empty they are
     # left as they are.

@@ -3,6 +3,7 @@
 A plan is `(weights, local_fn, (weight specs, lora specs), lora arrays)`: the base weight
 variables to change, a function giving one shard's merged weights in the weight's own
 physical layout, the logical axes both are sharded over, and the stacked LoRA arrays.
+A DoRA slot's linear kernels also take its per-output-unit scale.
 `_plan(layer)` picks the plan for a layer's kind (linears, fused MoE experts, vocab
 embeddings, lm_heads), or None where `_unmergeable(layer)` says why it cannot be merged.
 """
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from lora_jax.layers import BaseLayerWithLoRA
+from lora_jax.layers.dora import dora_axes
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.layers.flax_embed import FlaxEmbedWithLoRA
 from lora_jax.layers.flax_general import FlaxGeneralLinear, unmergeable_reason
@@ -35,7 +37,9 @@ def _add(w: jax.Array, delta: jax.Array) -> jax.Array:
 
 
 def _linear_plan(layer: BaseLayerWithLoRA):
-    """`kernel [in, out_physical] += (B @ A).T` per slice, per shard."""
+    """`kernel [in, out_physical] += (B @ A).T` per slice, per shard; a DoRA slot's kernel
+    then times its scale `g` per output unit (PEFT's DoRA merge: `g ⊙ (W + B @ A)`, the
+    bias as it was)."""
     base = layer.base_layer
     rules = base.rules
     a_axes, b_axes = layer.lora_axes()
@@ -43,7 +47,8 @@ def _linear_plan(layer: BaseLayerWithLoRA):
     sharded = layer.fully_sharded and tp_axis is not None and base.tp > 1
     row = base.parallel == "row"
 
-    def local(k, a, b, idx):
+    def local(k, a, b, *dora_idx):
+        *dora, idx = dora_idx
         deltas = []
         for a_s, b_s in zip(a, b):
             a_rk, b_nr = _pick(a_s, idx), _pick(b_s, idx)  # [R(/tp), in_l], [out_l, R]
@@ -55,13 +60,19 @@ def _linear_plan(layer: BaseLayerWithLoRA):
         delta = jnp.concatenate(deltas, axis=1)
         if isinstance(base, FlaxGeneralLinear):  # the flat map → the source kernel's axes
             delta = base.kernel_delta(delta)
-        return (_add(k, delta),)  # the local kernel layout
+        if not dora:
+            return (_add(k, delta),)  # the local kernel layout
+        g = 1.0 + _pick(dora[0], idx)  # [out_l]: the slot's DoRA scale (1: plain LoRA)
+        return (((k.astype(jnp.float32) + delta) * g).astype(k.dtype),)
 
     n = len(layer.lora_a)
     k_axes = _KERNEL_AXES[base.parallel]
-    specs = ((k_axes,), ((a_axes,) * n, (b_axes,) * n))
     lora = (tuple(v[...] for v in layer.lora_a), tuple(v[...] for v in layer.lora_b))
-    return (base.kernel,), local, specs, lora
+    l_specs = ((a_axes,) * n, (b_axes,) * n)
+    if getattr(layer, "dora_scale", None) is not None:
+        lora += (layer.dora_scale[...],)
+        l_specs += (dora_axes(base),)
+    return (base.kernel,), local, ((k_axes,), l_specs), lora
 
 
 def _moe_plan(layer: FusedMoEWithLoRA):
