@@ -1,6 +1,7 @@
 """Trainable tokens (PEFT `trainable_token_indices`) in the vocab LoRA layers and the
 loader, against numpy oracles; HF peft is the oracle in test_trainable_tokens_hf.py."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from layer_cases import make_mesh
 import lora_jax as lj
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
 from lora_jax.serving.peft import PEFTConfig, adapter_from_tensors
+from lora_jax.serving.training import init_lora_slot
 from lora_jax.serving.wrap import lora_layers, wrap_model
 from lora_jax.vocab import ParallelLMHead, VocabParallelEmbedding
 
@@ -197,6 +199,93 @@ def test_a_tied_model_s_logits_take_the_rows_with_or_without_lm_head_lora():
         moved = np.abs(out[targets is None][0] - base[0]).max(axis=0) > 1e-6
         assert moved[[5, 200]].all()
     np.testing.assert_allclose(out[True], out[False], rtol=1e-5, atol=1e-5)
+
+
+def _state(model):
+    return [np.asarray(v) for v in jax.tree.leaves(nnx.state(model, nnx.Variable))]
+
+
+@pytest.mark.parametrize("mesh", [None, (2, 4)], ids=["one_device", "dp2tp4"])
+def test_init_lora_slot_starts_trainable_tokens_at_the_base_rows_and_trains_them(mesh):
+    """init_lora_slot's trainable_token_indices: the slot's rows are copies of the base
+    table's (the embedding's and the untied lm_head's), so its logits are the base's; a
+    stale token row of the slot is emptied; one SGD step moves the rows as on one
+    device. Bad ids, a module it cannot name and too little room change nothing."""
+    model = DecoderForCausalLM(
+        DecoderConfig.tiny(tie_word_embeddings=False), rules=_rules(mesh), rngs=nnx.Rngs(0)
+    )
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, max_lora_trainable_tokens=2)
+    wrap_model(model, cfg)
+    emb, head = (lora_layers(model)[n] for n in ("model.embed_tokens", "lm_head"))
+    emb.set_tokens(1, [4], np.ones((1, 64), np.float32))  # stale: the fresh slot drops it
+    init_lora_slot(model, 1, 4, target_modules=["q_proj"])
+    assert emb.read_tokens(1) is None and head.read_tokens(1) is None
+    spec = {"embed_tokens": [3, 7], "lm_head": [9]}
+    init_lora_slot(model, 1, 4, target_modules=["q_proj"], trainable_token_indices=spec)
+    for layer, ids in ((emb, (3, 7)), (head, (9,))):
+        table = np.asarray(layer.base_layer.embedding[...], np.float32)
+        got_ids, rows = layer.read_tokens(1)
+        assert got_ids == ids
+        np.testing.assert_array_equal(rows, table[list(ids)])
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 5)), jnp.int32)
+    ids = ids.at[:, 1].set(3).at[:, 3].set(7)
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+
+    def loss(m, slots):
+        with lj.lora_mapping(m, slots):
+            return jnp.mean(m(ids, pos)[0][..., [3, 7, 9, 11]] ** 2)
+
+    @nnx.jit
+    def logits(m, slots):
+        lj.set_lora_mapping(m, slots)
+        return m(ids, pos)[0]
+
+    np.testing.assert_allclose(  # the fresh slot is the base model
+        logits(model, jnp.full((10,), 1)), logits(model, jnp.full((10,), -1)), rtol=1e-6, atol=1e-6
+    )
+    grads = nnx.jit(
+        lambda m: nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(m, jnp.full((10,), 1))
+    )(model)
+    moved = {n: np.asarray(g[...])[1] for n, g in nnx.to_flat_state(grads) if "token_rows" in n}
+    assert len(moved) == 2 and all(np.abs(g).max() > 0 for g in moved.values())
+    if mesh is not None:  # the same gradient as on one device
+        one = DecoderForCausalLM(DecoderConfig.tiny(tie_word_embeddings=False), rngs=nnx.Rngs(0))
+        wrap_model(one, cfg)
+        init_lora_slot(one, 1, 4, target_modules=["q_proj"], trainable_token_indices=spec)
+        g1 = nnx.jit(
+            lambda m: nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(m, jnp.full((10,), 1))
+        )(one)
+        want = {n: np.asarray(g[...])[1] for n, g in nnx.to_flat_state(g1) if "token_rows" in n}
+        for n in want:
+            np.testing.assert_allclose(moved[n], want[n], rtol=1e-5, atol=1e-7)
+
+    state = _state(model)
+    for bad, msg in (
+        ({"embed_tokens": [3, 7, 8]}, "more than LoRAConfig.max_lora_trainable_tokens=2"),
+        ({"nope": [3]}, r"names 'nope', which is none of the model's vocab LoRA layers"),
+        ([3, 256], r"trainable token ids \[256\] are outside the vocabulary"),
+        ([3, 3], "repeats an id"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            init_lora_slot(model, 0, 4, target_modules=["q_proj"], trainable_token_indices=bad)
+    for a, b in zip(_state(model), state):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_tied_lm_head_trains_the_embedding_s_rows():
+    """Tied, the lm_head reads the embedding's rows: naming it with the embedding's ids
+    is the same as not naming it; with other ids it is refused."""
+    model, _ = _tiny()
+    init_lora_slot(model, 1, 4, target_modules=["q_proj"],
+                   trainable_token_indices={"embed_tokens": [3], "lm_head": [3]})  # fmt: skip
+    assert lora_layers(model)["model.embed_tokens"].read_tokens(1)[0] == (3,)
+    with pytest.raises(ValueError, match="tied to the embedding.*name the embedding"):
+        init_lora_slot(model, 1, 4, target_modules=["q_proj"],
+                       trainable_token_indices={"embed_tokens": [3], "lm_head": [5]})  # fmt: skip
+    off = DecoderForCausalLM(DecoderConfig.tiny(), rngs=nnx.Rngs(0))
+    wrap_model(off, lj.LoRAConfig(max_loras=2, max_lora_rank=8))
+    with pytest.raises(ValueError, match="max_lora_trainable_tokens=0; set it to at least 1"):
+        init_lora_slot(off, 1, 4, target_modules=["q_proj"], trainable_token_indices=[3])
 
 
 def test_a_plain_flax_embed_refuses_trainable_tokens():

@@ -155,3 +155,82 @@ def test_adapters_with_trainable_tokens_are_refused_without_room(tmp_path):
             mgr.load_adapters({"tok": dirs["tok"]}, activate=True, progress=False)
         after = _ours(model, mgr, _ids(), [plain.id, None, None, plain.id])
         np.testing.assert_array_equal(after, before)
+
+
+@pytest.mark.parametrize(
+    "tied,spec", [(False, "dict"), (True, "list")], ids=["untied_dict", "tied_list"]
+)
+def test_trainable_tokens_train_here_as_peft_trains_them(tmp_path, tied, spec):
+    """init_lora_slot with trainable_token_indices starts the slot as the base model (the
+    rows are the base's); two SGD steps here and in PEFT (from the same saved start, on
+    the same loss) give the same LoRA factors and token rows. Tied, the lm_head trains
+    the embedding's rows with it, as PEFT ties them. Other slots' rows stay as they were."""
+    import jax
+    import optax
+    import safetensors.numpy
+
+    from lora_jax.serving.peft import WEIGHTS_NAME
+    from lora_jax.serving.training import init_lora_slot, train_only_slots
+
+    base_dir, dirs, model, mgr, loaded = _served(tmp_path, tied, SPECS[spec])
+    other = mgr.lora_index_to_id.index(loaded["tok"])
+    mgr.deactivate_adapter(loaded["plain"])
+    slot = 1 - other
+    kept = [la.read_tokens(other) for la in _token_layers(model, other)]
+    init_lora_slot(model, slot, 4, target_modules=["q_proj", "v_proj"],
+                   trainable_token_indices=SPECS[spec])  # fmt: skip
+    ids = _ids()
+    slots = jnp.full(ids.size, slot, jnp.int32)
+    base = peft_rows(base_dir, dirs, ids, ["__base__"] * len(ids))
+    np.testing.assert_allclose(np.asarray(_forward(model, jnp.asarray(ids), slots)), base, **TOL)
+    start = save_peft_adapter(model, slot, tmp_path / "start")
+    lr = 0.5
+
+    def loss_fn(m):
+        with lj.lora_mapping(m, slots):
+            logits = m(jnp.asarray(ids), jnp.broadcast_to(jnp.arange(6), ids.shape))[0]
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(logp, jnp.asarray(ids)[:, 1:, None], -1))
+
+    opt = nnx.Optimizer(model, optax.chain(optax.sgd(lr), train_only_slots([slot])),
+                        wrt=nnx.LoRAParam)  # fmt: skip
+
+    @nnx.jit
+    def step(model, opt):
+        g = nnx.grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+        opt.update(model, g)
+
+    for _ in range(2):
+        step(model, opt)
+    ours = save_peft_adapter(model, slot, tmp_path / "ours")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(hf, start, is_trainable=True)
+    sgd = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=lr)
+    x = torch.tensor(ids, dtype=torch.long)
+    for _ in range(2):
+        sgd.zero_grad()
+        logits = pm(input_ids=x).logits[:, :-1]
+        torch.nn.functional.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1)).backward()
+        sgd.step()
+    pm.save_pretrained(str(tmp_path / "theirs"), safe_serialization=True)
+    got, want = (
+        safetensors.numpy.load_file(f"{d}/{WEIGHTS_NAME}") for d in (ours, tmp_path / "theirs")
+    )
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    first = safetensors.numpy.load_file(f"{start}/{WEIGHTS_NAME}")
+    moved = [k for k in want if "trainable_tokens" in k]
+    assert moved and all(np.abs(want[k] - first[k]).max() > 1e-3 for k in moved)
+    assert any(k is not None for k in kept)
+    for la, (ids_before, rows) in zip(_token_layers(model, other), kept):
+        ids_now, rows_now = la.read_tokens(other)
+        assert ids_now == ids_before
+        np.testing.assert_array_equal(rows_now, rows)
+
+
+def _token_layers(model, slot):
+    from lora_jax.serving.wrap import lora_layers
+
+    layers = lora_layers(model).values()
+    return [la for la in layers if getattr(la, "read_tokens", None) and la.read_tokens(slot)]

@@ -124,6 +124,10 @@ class ParallelLMHeadWithLoRA(nnx.Module):
     def set_tokens(self, index: int, token_ids, rows) -> None:
         self.logits_processor.set_tokens(index, token_ids, rows)
 
+    def reset_tokens(self, index: int) -> None:
+        if not self.tied:  # a tied head's rows are the embedding's
+            self.logits_processor.reset_tokens(index)
+
     def read_tokens(self, index: int):
         return None if self.tied else self.logits_processor.read_tokens(index)
 

@@ -12,7 +12,8 @@ to `M = max_lora_trainable_tokens` of them:
 * `token_rows [max_loras, M, D]`: the rows, absolute (not deltas), split on `embed` like
   the table.
 
-Neither is an `nnx.LoRAParam`: training a slot leaves them as loaded.
+The rows are `nnx.LoRAParam`s: an optimizer over `wrt=nnx.LoRAParam` trains a slot's
+rows with its LoRA (`lora_jax.serving.training_tokens`); the ids are not parameters.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class TrainableTokenIds(nnx.Variable):
     """`i32[max_loras, max_lora_trainable_tokens]`: each row's token id + 1, 0 = unused."""
 
 
-class TrainableTokenRows(nnx.Variable):
-    """`[max_loras, max_lora_trainable_tokens, D]`: each adapter's replacement rows."""
+class TrainableTokenRows(nnx.LoRAParam):
+    """`[max_loras, max_lora_trainable_tokens, D]`: each adapter's replacement rows (an
+    `nnx.LoRAParam`: trained with the slot's LoRA, as PEFT trains them)."""
 
 
 class TokenRowsMixin:
@@ -137,6 +139,16 @@ class TokenRowsMixin:
         for var, value in ((self.token_ids, ids_p), (self.token_rows, rows_p)):
             stack = var[...]
             var.set_value(_write_slot(stack, jnp.int32(index), _place_like(value, stack)))
+
+    def reset_tokens(self, index: int) -> None:
+        """Empties slot `index`'s trainable tokens (its ids and rows zero)."""
+        if self.token_ids is None:
+            return
+        check_host_write(self.name, "reset_tokens", self.token_ids)
+        for var in (self.token_ids, self.token_rows):
+            stack = var[...]
+            zeros = np.zeros(var.shape[1:], np.dtype(var.dtype))
+            var.set_value(_write_slot(stack, jnp.int32(index), _place_like(zeros, stack)))
 
     def read_tokens(self, index: int) -> tuple[tuple[int, ...], np.ndarray] | None:
         """Slot `index`'s trainable tokens `(ids, rows [n, D] f32)`, or None."""

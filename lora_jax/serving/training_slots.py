@@ -8,7 +8,7 @@ train (and `save_peft_adapter` exports). The overview is in `lora_jax.serving.tr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -19,6 +19,7 @@ from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.serving.manager import managers_of
 from lora_jax.serving.merge import merged_slot
 from lora_jax.serving.peft_config import ALL_LINEAR, matches_targets
+from lora_jax.serving.training_tokens import token_plans, write_tokens
 from lora_jax.serving.wrap import (
     _normalize_targets,
     layer_packed_modules,
@@ -52,6 +53,7 @@ def init_lora_slot(
     *,
     seed: int = 0,
     target_modules: Sequence[str] | str | None = None,
+    trainable_token_indices: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
 ) -> list[str]:
     """Writes a fresh PEFT-initialised adapter of ``rank`` into ``slot``; returns the
     checkpoint names of the modules it covers.
@@ -67,6 +69,13 @@ def init_lora_slot(
     checkpoint names); None or "all-linear": every linear LoRA layer (PEFT's: the embedding,
     lm_head and experts only when named). Everything is checked before the first write:
     on error no slot changes.
+
+    ``trainable_token_indices`` as in PEFT (a list of token ids: the input embedding's; or
+    `{module: ids}` naming the embedding and / or an untied lm_head) gives the slot its own
+    rows of those tokens (`LoRAConfig.max_lora_trainable_tokens` of room), starting as
+    copies of the base rows; they are `nnx.LoRAParam`s and train with the slot's LoRA
+    (`lora_jax.serving.training_tokens`). A tied lm_head reads the embedding's rows. The
+    other vocab layers' trainable tokens of the slot are emptied.
 
     A layer whose one checkpoint module spans several LoRA slices (a packed module of 3+
     output slices saved as one) is refused when targeted and skipped otherwise: its
@@ -153,11 +162,13 @@ def init_lora_slot(
         raise ValueError(
             f"init_lora_slot: target_modules {targets!r} cover no module that trains here"
         )
+    tokens = token_plans(model, int(slot), trainable_token_indices)
     for name, layer in everything.items():  # every layer checked before the first write
         if name in plans:
             layer.write_lora(slot, plans[name])
         else:
             layer.reset_lora(slot)
+    write_tokens(model, int(slot), tokens)
     return covered
 
 
