@@ -91,7 +91,9 @@ class LoRASlotRanks(nnx.Variable):
 
     The ops mask each slot's rank columns past its rank, so stacks written other than by
     `set_lora` / the managers (`nnx.update`, a restored state) need their ranks too:
-    `nnx.state(model, nnx.LoRAParam, LoRASlotRanks)` carries both.
+    `nnx.state(model, nnx.LoRAParam, LoRASlotRanks)` carries both (and
+    `lora_jax.layers.token_rows.TrainableTokenIds` the ids of trainable-token rows, where
+    the model has room for them).
     """
 
 
