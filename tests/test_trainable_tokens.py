@@ -288,6 +288,25 @@ def test_a_tied_lm_head_trains_the_embedding_s_rows():
         init_lora_slot(off, 1, 4, target_modules=["q_proj"], trainable_token_indices=[3])
 
 
+def test_reset_lora_drops_a_slot_s_trainable_tokens():
+    """reset_lora gives the base output: the embedding's and an untied head's token rows
+    go with it; a tied head's reset leaves the embedding's rows (its own reset drops them)."""
+    rows = np.ones((1, 64), np.float32)
+    untied, _ = _tiny(tied=False)
+    tied, _ = _tiny()
+    for model in (untied, tied):
+        emb, head = (lora_layers(model)[n] for n in ("model.embed_tokens", "lm_head"))
+        emb.set_tokens(1, [4], rows)
+        emb.set_tokens(0, [5], rows)
+        if not head.tied:
+            head.set_tokens(1, [6], rows)
+        head.reset_lora(1)
+        assert head.read_tokens(1) is None
+        assert emb.read_tokens(1)[0] == (4,)
+        emb.reset_lora(1)
+        assert emb.read_tokens(1) is None and emb.read_tokens(0)[0] == (5,)
+
+
 def test_a_plain_flax_embed_refuses_trainable_tokens():
     """A wrapped `nnx.Embed` runs its own lookup and `attend`, which the rows would not
     reach: its adapters with trainable tokens are refused by name, not served without them."""

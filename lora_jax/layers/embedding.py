@@ -155,13 +155,16 @@ class VocabSlotsMixin:
         """
         self.write_lora(index, self.prepare_lora(index, lora_a, lora_b))
 
-    def reset_lora(self, index: int) -> None:
-        """Zeroes slot `index`: it then gives exactly the base output."""
+    def reset_lora(self, index: int, *, tokens: bool = True) -> None:
+        """Zeroes slot `index`, its trainable tokens too (``tokens``): it then gives
+        exactly the base output."""
         index = check_slot(self.name, "reset_lora", index, self.lora_config.max_loras)
         check_host_write(self.name, "reset_lora", self.slot_ranks)
         for var in (self.lora_a, self.lora_b):
             _write(var, index, np.zeros(var.shape[1:], np.float32))
         self._set_rank(index, 0)
+        if tokens and getattr(self, "token_ids", None) is not None:
+            self.reset_tokens(index)
 
     def _set_rank(self, index: int, rank: int) -> None:
         old = self.slot_ranks[...]

@@ -104,7 +104,9 @@ class ParallelLMHeadWithLoRA(nnx.Module):
         self.logits_processor.set_lora(index, lora_a, lora_b)
 
     def reset_lora(self, index: int) -> None:
-        self.logits_processor.reset_lora(index)
+        """Zeroes slot `index` (an untied head's trainable tokens too; a tied head's rows
+        are the embedding's, which its own `reset_lora` drops)."""
+        self.logits_processor.reset_lora(index, tokens=not self.tied)
 
     def read_lora(self, index: int):
         """Slot `index` as `set_lora` takes it (`lora_A [r, D]`, `lora_B [V, r]`), or None."""
