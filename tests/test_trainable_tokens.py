@@ -10,6 +10,7 @@ from layer_cases import make_mesh
 
 import lora_jax as lj
 from lora_jax.models import DecoderConfig, DecoderForCausalLM
+from lora_jax.serving.merge import merge_adapter, unmerge_adapter
 from lora_jax.serving.peft import PEFTConfig, adapter_from_tensors
 from lora_jax.serving.training import init_lora_slot
 from lora_jax.serving.wrap import lora_layers, wrap_model
@@ -286,6 +287,55 @@ def test_a_tied_lm_head_trains_the_embedding_s_rows():
     wrap_model(off, lj.LoRAConfig(max_loras=2, max_lora_rank=8))
     with pytest.raises(ValueError, match="max_lora_trainable_tokens=0; set it to at least 1"):
         init_lora_slot(off, 1, 4, target_modules=["q_proj"], trainable_token_indices=[3])
+
+
+@pytest.mark.parametrize(
+    "tied,mesh", [(False, None), (True, None), (False, (2, 4)), (True, (2, 4))],
+    ids=["untied", "tied", "untied_dp2tp4", "tied_dp2tp4"],
+)  # fmt: skip
+def test_merge_adapter_puts_the_token_rows_in_the_tables(tied, mesh):
+    """merge_adapter of a slot with trainable tokens (and LoRA on q_proj) gives, with no
+    mapping, the logits the slot serves: its rows replace their ids' rows of the
+    embedding table (and of the untied lm_head's; tied, the one table serves both);
+    unmerge_adapter puts the tables back bit for bit."""
+    model = DecoderForCausalLM(
+        DecoderConfig.tiny(tie_word_embeddings=tied), rules=_rules(mesh), rngs=nnx.Rngs(0)
+    )
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, max_lora_trainable_tokens=2)
+    wrap_model(model, cfg, target_modules=["q_proj", "embed_tokens"] + ["lm_head"] * (not tied))
+    spec = [3, 7] if tied else {"embed_tokens": [3, 7], "lm_head": [9, 3]}
+    init_lora_slot(model, 1, 4, target_modules=["q_proj"], trainable_token_indices=spec)
+    rng = np.random.default_rng(4)
+    for name, layer in lora_layers(model).items():  # rows and q_proj's B away from the base
+        if layer.read_tokens(1) if hasattr(layer, "read_tokens") else None:
+            ids, _ = layer.read_tokens(1)
+            layer.set_tokens(1, ids, rng.normal(size=(len(ids), 64)).astype(np.float32))
+        if name.endswith("q_proj"):
+            a = rng.normal(0, 0.3, (4, 64)).astype(np.float32)
+            layer.set_lora(1, [a, None, None], [rng.normal(0, 0.3, (64, 4)), None, None])
+    ids = jnp.asarray(rng.integers(0, 256, (2, 5)), jnp.int32).at[:, 1].set(3).at[:, 3].set(7)
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+
+    @nnx.jit
+    def logits(m, slots):
+        lj.set_lora_mapping(m, slots)
+        return m(ids, pos)[0]
+
+    served = np.asarray(logits(model, jnp.full((10,), 1)))
+    base = np.asarray(logits(model, jnp.full((10,), -1)))
+    assert np.abs(served - base)[:, :, [3, 7]].max() > 1e-2  # the rows matter
+    tables = [np.asarray(la.base_layer.embedding[...]) for la in _vocab(model)]
+    merge_adapter(model, 1)
+    merged = np.asarray(nnx.jit(lambda m: m(ids, pos)[0])(model))  # no mapping: base math
+    np.testing.assert_allclose(merged, served, rtol=1e-5, atol=1e-5)
+    unmerge_adapter(model)
+    for la, t in zip(_vocab(model), tables):
+        np.testing.assert_array_equal(np.asarray(la.base_layer.embedding[...]), t)
+
+
+def _vocab(model):
+    layers = lora_layers(model)
+    return [layers[n] for n in ("model.embed_tokens", "lm_head") if n in layers]
 
 
 def test_reset_lora_drops_a_slot_s_trainable_tokens():

@@ -17,7 +17,7 @@ import lora_jax as lj  # noqa: E402
 from lora_jax.models import load_hf_model  # noqa: E402
 from lora_jax.serving.export import save_peft_adapter  # noqa: E402
 from lora_jax.serving.manager import LRUCacheLoRAModelManager  # noqa: E402
-from lora_jax.serving.merge import merge_adapter  # noqa: E402
+from lora_jax.serving.merge import merge_adapter, unmerge_adapter  # noqa: E402
 from lora_jax.serving.wrap import wrap_model  # noqa: E402
 
 pytestmark = pytest.mark.oracle
@@ -90,7 +90,8 @@ def _ids():
 def test_trainable_tokens_match_peft_in_a_mixed_batch(tmp_path, tied, spec):
     """Rows with the trainable-tokens adapter embed its ids to its rows (and, tied or
     named, take its lm_head columns of them); other rows are the plain adapter's or the
-    base's, as PEFT's mixed-batch forward gives them. The saved slot reads back in PEFT."""
+    base's, as PEFT's mixed-batch forward gives them. Merged, the slot gives its rows with
+    no mapping; saved, it reads back in PEFT."""
     base_dir, dirs, model, mgr, loaded = _served(tmp_path, tied, SPECS[spec])
     names = ["tok", "plain", "__base__", "tok"]
     ids = _ids()
@@ -101,8 +102,11 @@ def test_trainable_tokens_match_peft_in_a_mixed_batch(tmp_path, tied, spec):
     without = peft_rows(base_dir, dirs, ids, ["plain"] * 4)
     assert np.abs(want[0] - without[0]).max() > 1e-1
     slot = mgr.lora_index_to_id.index(loaded["tok"])
-    with pytest.raises(ValueError, match="trainable tokens.*does not merge"):
-        merge_adapter(model, slot)
+    merge_adapter(model, slot)  # no mapping after it: every row is the tok adapter's
+    merged = np.asarray(nnx.jit(lambda m, i: m(i, jnp.broadcast_to(jnp.arange(6), i.shape))[0])(
+        model, jnp.asarray(ids)))  # fmt: skip
+    np.testing.assert_allclose(merged[[0, 3]], want[[0, 3]], **TOL)
+    unmerge_adapter(model)
 
     save_peft_adapter(model, slot, tmp_path / "saved")
     hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)

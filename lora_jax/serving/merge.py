@@ -8,7 +8,10 @@ layer, as PEFT's `merge_adapter` does:
 * fused MoE experts: `w13[e] += (B13 @ A13).T` per slice (gate / up placed as the base
   stores them: concatenated or interleaved per tensor shard) and `w2[e] += (B2 @ A2).T`;
 * vocab embeddings: `table[v] += B @ A[:, v]` (A is a lookup table over token ids);
-* lm_heads: `table += B @ A` (B in the head's row order).
+* lm_heads: `table += B @ A` (B in the head's row order);
+* trainable tokens (PEFT `trainable_token_indices`): the slot's rows replace their ids'
+  rows of the embedding table and of an untied lm_head's (a tied model's one table serves
+  both, as PEFT ties them).
 
 Each delta is computed per shard inside `shard_map` in the weight's own physical layout
 (packed slices per tensor shard, kv-head replicas, S-LoRA rank / out shards gathered
@@ -36,6 +39,8 @@ import numpy as np
 from flax import nnx
 
 from lora_jax.layers import find_lora_context
+from lora_jax.layers.logits import ParallelLMHeadWithLoRA
+from lora_jax.layers.logits_processor import sharded_to_full_mapping
 from lora_jax.serving.merge_checks import _check_not_traced as _check_not_traced
 from lora_jax.serving.merge_checks import _slot_in_use as _slot_in_use
 from lora_jax.serving.merge_checks import _slot_index as _slot_index
@@ -125,15 +130,24 @@ def _check_not_activated(model: nnx.Module, slot: int) -> None:
             )
 
 
-def _check_no_trainable_tokens(model: nnx.Module, slot: int) -> None:
-    """A slot's trainable tokens replace table rows per slot; merge_adapter merges LoRA
-    deltas only, so merged, the slot would lose them."""
+def _tokens_in_use(layer, slot: int) -> bool:
+    """Whether `layer` holds trainable-token rows of its own in `slot`."""
+    return hasattr(layer, "read_tokens") and layer.read_tokens(slot) is not None
+
+
+def _check_token_rows(model: nnx.Module, slot: int) -> None:
+    """A head whose rows are not in token order (its own `get_sharded_to_full_mapping`)
+    cannot take a slot's trainable-token rows by id."""
     for name, layer in lora_layers(model).items():
-        if hasattr(layer, "read_tokens") and layer.read_tokens(slot) is not None:
+        if (
+            isinstance(layer, ParallelLMHeadWithLoRA)
+            and _tokens_in_use(layer, slot)
+            and sharded_to_full_mapping(layer.base_layer) is not None
+        ):
             raise ValueError(
-                f"merge_adapter: slot {slot} has trainable tokens in {name!r} (PEFT "
-                "trainable_token_indices), which merge_adapter does not merge; serve the "
-                "slot unmerged"
+                f"merge_adapter: slot {slot} has trainable tokens in {name!r}, whose table "
+                "rows are not in token order (get_sharded_to_full_mapping); serve the slot "
+                "unmerged"
             )
 
 
@@ -141,7 +155,8 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
     """Adds slot `slot`'s `B @ A` into every LoRA layer's base weights; returns how many
     layers were merged.
 
-    Linears, fused MoE experts, vocab embeddings and lm_heads are merged. Raises
+    Linears, fused MoE experts, vocab embeddings and lm_heads are merged, DoRA scales and
+    trainable-token rows included. Raises
     `ValueError` (changing nothing) if the model is already merged, `slot` is not an int
     (or a concrete integer scalar) in range,
     or a layer that cannot be merged holds an adapter in `slot`: a layer whose weight is
@@ -177,7 +192,7 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
                 f"slot {slot} and cannot be merged" + (f": {why}" if why else "")
             )
     _check_not_activated(model, slot)
-    _check_no_trainable_tokens(model, slot)
+    _check_token_rows(model, slot)
     # Layers that share a weight variable (tied weights): a delta merged into it would
     # reach every one of them, so such a slot is refused; with the slot empty they are
     # left as they are.
@@ -209,8 +224,11 @@ def merge_adapter(model: nnx.Module, slot: int) -> int:
                 f"hold an adapter in slot {slot}: merging it would change every user of "
                 "that weight"
             )
+        # trainable-token rows in a shared table (a tied model's embedding) are every
+        # user's, as PEFT ties them: the layer that holds them merges them, once
         for n in names:
-            plans.pop(n, None)
+            if not _tokens_in_use(all_layers[n], slot):
+                plans.pop(n, None)
     layers = [all_layers[n] for n in plans]
     new = _merged_weights(model, layers, list(plans.values()), slot)
     for layer, (weights, *_), values in zip(layers, plans.values(), new):

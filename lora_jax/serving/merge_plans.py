@@ -20,7 +20,9 @@ from lora_jax.layers.flax_embed import FlaxEmbedWithLoRA
 from lora_jax.layers.flax_general import FlaxGeneralLinear, unmergeable_reason
 from lora_jax.layers.flax_linear import FlaxLinearWithLoRA
 from lora_jax.layers.logits import ParallelLMHeadWithLoRA, _head_of
+from lora_jax.layers.logits_processor import sharded_to_full_mapping
 from lora_jax.layers.moe import FusedMoEWithLoRA
+from lora_jax.layers.token_rows import token_row_args
 from lora_jax.linear import _KERNEL_AXES
 from lora_jax.moe import _W2_AXES, _W13_AXES
 
@@ -117,25 +119,50 @@ def _moe_plan(layer: FusedMoEWithLoRA):
 
 
 def _embedding_plan(layer: VocabParallelEmbeddingWithLoRA):
-    """`table [V_pad, D] += A.T @ B.T` (row v gains `B @ A[:, v]`), per shard."""
+    """`table [V_pad, D] += A.T @ B.T` (row v gains `B @ A[:, v]`), per shard; then the
+    slot's trainable-token rows replace their ids' rows."""
+    rules = layer.base_layer.rules
+    tok, tok_specs = token_row_args(layer)
 
-    def local(table, a, b, idx):
-        return (_add(table, (_pick(b, idx) @ _pick(a, idx)).T),)  # [V_l, D_l]
+    def local(table, a, b, *tok_idx):
+        *tok, idx = tok_idx
+        merged = _add(table, (_pick(b, idx) @ _pick(a, idx)).T)  # [V_l, D_l]
+        return (_replace_rows(merged, *tok, idx, rules) if tok else merged,)
 
-    specs = ((_TABLE_AXES,), (layer.A_AXES, layer.B_AXES))
-    return (layer.base_layer.embedding,), local, specs, (layer.lora_a[...], layer.lora_b[...])
+    specs = ((_TABLE_AXES,), (layer.A_AXES, layer.B_AXES, *tok_specs))
+    lora = (layer.lora_a[...], layer.lora_b[...], *tok)
+    return (layer.base_layer.embedding,), local, specs, lora
 
 
 def _lm_head_plan(layer: ParallelLMHeadWithLoRA):
-    """`table [V_pad, D] += B @ A` (B already in the table's row order), per shard."""
+    """`table [V_pad, D] += B @ A` (B already in the table's row order), per shard; then an
+    untied head's trainable-token rows replace their ids' rows (a tied head's are the
+    embedding's, merged there)."""
     proc = layer.logits_processor
+    rules = proc.rules
+    tok, tok_specs = token_row_args(proc) if layer.token_ids is not None else ((), ())
+    if tok and sharded_to_full_mapping(layer.base_layer) is not None:
+        tok, tok_specs = (), ()  # rows not in token order: `_check_token_rows` refuses
 
-    def local(table, a, b, idx):
-        return (_add(table, _pick(b, idx) @ _pick(a, idx)),)  # [V_l, D_l]
+    def local(table, a, b, *tok_idx):
+        *tok, idx = tok_idx
+        merged = _add(table, _pick(b, idx) @ _pick(a, idx))  # [V_l, D_l]
+        return (_replace_rows(merged, *tok, idx, rules) if tok else merged,)
 
-    specs = ((_TABLE_AXES,), (proc.A_AXES, proc.B_AXES))
+    specs = ((_TABLE_AXES,), (proc.A_AXES, proc.B_AXES, *tok_specs))
     table = _head_of(layer.base_layer).embedding
-    return (table,), local, specs, (proc.lora_a[...], proc.lora_b[...])
+    return (table,), local, specs, (proc.lora_a[...], proc.lora_b[...], *tok)
+
+
+def _replace_rows(table, ids, rows, idx, rules):
+    """One shard's table `[V_l, D_l]` with slot `idx`'s trainable-token rows in place of
+    its ids' rows (`ids [L, M]` id + 1, 0 unused; `rows [L, M, D_l]`)."""
+    t_ids = jax.lax.dynamic_index_in_dim(ids, idx, 0, keepdims=False) - 1  # [M]
+    V_l = table.shape[0]
+    axis = rules.mesh_axis("vocab")
+    local = t_ids - (0 if axis is None else jax.lax.axis_index(axis) * V_l)
+    local = jnp.where((t_ids >= 0) & (local >= 0) & (local < V_l), local, V_l)
+    return table.at[local].set(_pick(rows, idx).astype(table.dtype), mode="drop")
 
 
 # Why a layer kind cannot be merged (when its slot holds an adapter).
