@@ -60,8 +60,9 @@ class LoRAConfig:
     bias_enabled: bool = False
     """vLLM parity; LoRA biases are not supported (PEFT `bias="none"` only)."""
     enable_dora: bool = False
-    """Serve DoRA adapters (PEFT `use_dora`): every linear LoRA layer keeps a per-slot
-    output scale `[max_loras, out]` (f32), `magnitude / ||W + B @ A||` per output unit."""
+    """Serve (and train) DoRA adapters (PEFT `use_dora`): every linear LoRA layer keeps per
+    slot the magnitude and the norm `||W + B @ A||` of each output unit (f32
+    `[max_loras, out]` each) and scales its output by their ratio."""
     max_lora_trainable_tokens: int = 0
     """Per adapter, how many token ids may carry their own embedding / lm_head rows
     (PEFT's `trainable_token_indices`); 0 refuses such adapters and allocates nothing."""

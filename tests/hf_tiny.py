@@ -39,3 +39,23 @@ def peft_rows(base_dir: str, dirs: dict, ids: np.ndarray, names: list) -> np.nda
             x = torch.tensor(ids[rows], dtype=torch.long)
             out[rows] = m.eval()(input_ids=x).logits.float().numpy()
     return out
+
+
+def peft_sgd_steps(base_dir: str, start: str, ids: np.ndarray, lr: float, steps: int, out):
+    """PEFT trains the adapter saved in `start` for `steps` SGD steps of next-token
+    cross-entropy on `ids` and saves it to `out`; returns `str(out)`."""
+    import peft
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(hf, start, is_trainable=True)
+    sgd = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=lr)
+    x = torch.tensor(ids, dtype=torch.long)
+    for _ in range(steps):
+        sgd.zero_grad()
+        logits = pm(input_ids=x).logits[:, :-1]
+        torch.nn.functional.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1)).backward()
+        sgd.step()
+    pm.save_pretrained(str(out), safe_serialization=True)
+    return str(out)

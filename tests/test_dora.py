@@ -120,7 +120,7 @@ def test_a_dora_slot_with_lora_on_a_layer_without_dora_is_not_exported():
     model["proj"].load_kernel(*random_weights(model["proj"], 0))
     lj.serving.wrap.wrap_model(model, lj.LoRAConfig(max_loras=2, max_lora_rank=8, enable_dora=True))
     layer, lin = model["proj"], model["lin"]
-    assert lin.dora_scale is None
+    assert lin.dora_norm is None and lin.dora_magnitude is None
     a, b, m = _adapter(layer, 4)
     layer.set_lora(1, a, b)
     layer.set_dora(1, m)
@@ -137,7 +137,7 @@ def test_bad_magnitudes_are_refused_and_change_nothing():
     a, b, m = _adapter(layer, 1)
     layer.set_lora(1, a, b)
     layer.set_dora(1, m)
-    before = np.asarray(layer.dora_scale[...])
+    before = [np.asarray(v[...]) for v in (layer.dora_magnitude, layer.dora_norm)]
     for bad, msg in (
         ([m[0][:-1], m[1], m[2]], r"magnitude of slice 0 must be \[\d+\] finite"),
         ([m[0], np.full_like(m[1], np.nan), m[2]], "slice 1 must be"),
@@ -145,9 +145,10 @@ def test_bad_magnitudes_are_refused_and_change_nothing():
     ):
         with pytest.raises(ValueError, match=msg):
             layer.set_dora(1, bad)
-    np.testing.assert_array_equal(np.asarray(layer.dora_scale[...]), before)
+    for v, was in zip((layer.dora_magnitude, layer.dora_norm), before):
+        np.testing.assert_array_equal(np.asarray(v[...]), was)
     off, *_ = _layer(kind, None, enable=False)
-    assert off.dora_scale is None  # nothing allocated without enable_dora
+    assert off.dora_norm is None and off.dora_magnitude is None  # nothing without enable_dora
     with pytest.raises(ValueError, match=r"enable_dora=True"):
         off.set_dora(0, m)
 
@@ -176,11 +177,14 @@ def test_the_manager_writes_dora_and_a_refused_adapter_changes_nothing():
     x = jnp.asarray(np.random.default_rng(5).normal(size=(len(IDX), layer.base_layer.in_features)))
     slots = np.where(IDX >= 0, mgr.lora_index_to_id.index(1), -1).astype(np.int32)
     y = np.asarray(_forward(layer, x, jnp.asarray(slots)))
-    state = [np.asarray(v[...]) for v in (*layer.lora_a, *layer.lora_b, layer.dora_scale)]
+    state = [
+        np.asarray(v[...])
+        for v in (*layer.lora_a, *layer.lora_b, layer.dora_magnitude, layer.dora_norm)
+    ]
     with pytest.raises(ValueError, match="magnitude of slice 0"):
         mgr.add_adapter(bad)
         mgr.activate_adapter(2)
-    for v, s in zip((*layer.lora_a, *layer.lora_b, layer.dora_scale), state):
+    for v, s in zip((*layer.lora_a, *layer.lora_b, layer.dora_magnitude, layer.dora_norm), state):
         np.testing.assert_array_equal(np.asarray(v[...]), s)
     ref, *_ = _layer(kind, None)
     ref.set_lora(0, a, b)

@@ -1,6 +1,8 @@
 """DoRA adapters (PEFT `use_dora`) against HF peft on CPU: each served beside a plain LoRA
 adapter and the base in one batch, row by row as PEFT computes them."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,7 @@ peft = pytest.importorskip("peft")
 import jax.numpy as jnp  # noqa: E402
 import safetensors.numpy  # noqa: E402
 from flax import nnx  # noqa: E402
-from hf_tiny import V, peft_rows, tiny_llama_dir  # noqa: E402
+from hf_tiny import V, peft_rows, peft_sgd_steps, tiny_llama_dir  # noqa: E402
 from layer_cases import make_mesh  # noqa: E402
 
 import lora_jax as lj  # noqa: E402
@@ -78,7 +80,7 @@ def test_dora_adapters_match_peft_in_a_mixed_batch(tmp_path, mesh):
     np.testing.assert_allclose(got, want, **TOL)
     # DoRA matters: the same slots as plain LoRA (every scale 1) give other logits
     for layer in lora_layers(model).values():
-        if getattr(layer, "dora_scale", None) is not None:
+        if getattr(layer, "dora_norm", None) is not None:
             for s in range(cfg.max_loras):
                 layer._zero_dora(s)
     plain = np.asarray(_forward(model, jnp.asarray(ids), jnp.asarray(slots)))
@@ -134,3 +136,74 @@ def test_a_dora_slot_merges_and_saves_as_peft_does(tmp_path, mesh):
     assert sorted(k for k in ours if "lora_magnitude_vector" in k) == mags and len(mags) == 8
     for k in mags:
         np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mesh", [None, (1, 4)], ids=["one_device", "tp4"])
+def test_a_dora_adapter_trains_here_as_peft_trains_it(tmp_path, mesh):
+    """init_lora_slot(use_dora=True) starts the slot as the base model with PEFT's
+    magnitudes (PEFT's own fresh DoRA adapter's, `||W||`); two SGD steps here (the norms
+    refreshed after each update) and in PEFT, from the same saved start on the same loss,
+    give the same factors and magnitudes; on tp = 4 too (each kv head held twice)."""
+    import jax
+    import optax
+
+    from lora_jax.serving.training import (
+        init_lora_slot,
+        refresh_dora_norms,
+        tie_kv_replicas,
+        train_only_slots,
+    )
+
+    base_dir = tiny_llama_dir(tmp_path)
+    rules = None if mesh is None else lj.ShardingRules(make_mesh(*mesh))
+    model = load_hf_model(base_dir, rules=rules)
+    wrap_model(model, lj.LoRAConfig(max_loras=2, max_lora_rank=8, enable_dora=True))
+    slot = 1
+    init_lora_slot(model, slot, 4, target_modules=TARGETS, use_dora=True)
+    ids = np.random.default_rng(0).integers(0, V, (2, 6)).astype(np.int32)
+    slots = jnp.full(ids.size, slot, jnp.int32)
+    base = peft_rows(base_dir, {}, ids, ["__base__"] * len(ids))
+    np.testing.assert_allclose(np.asarray(_forward(model, jnp.asarray(ids), slots)), base, **TOL)
+    start = save_peft_adapter(model, slot, tmp_path / "start")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    fresh = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=TARGETS, use_dora=True))
+    theirs = {k: v.detach().numpy() for k, v in peft.get_peft_model_state_dict(fresh).items()}
+    mine = safetensors.numpy.load_file(f"{start}/{WEIGHTS_NAME}")
+    mags = sorted(k for k in theirs if "lora_magnitude_vector" in k)
+    assert sorted(k for k in mine if "lora_magnitude_vector" in k) == mags and len(mags) == 14
+    for k in mags:
+        np.testing.assert_allclose(mine[k], theirs[k], rtol=1e-5, err_msg=k)  # PEFT's start
+    lr = 0.5
+
+    def loss_fn(m):
+        with lj.lora_mapping(m, slots):
+            logits = m(jnp.asarray(ids), jnp.broadcast_to(jnp.arange(6), ids.shape))[0]
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(logp, jnp.asarray(ids)[:, 1:, None], -1))
+
+    tx = optax.chain(tie_kv_replicas(model), optax.sgd(lr), train_only_slots([slot]))
+    with jax.set_mesh(rules.mesh) if rules else contextlib.nullcontext():
+        opt = nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)
+
+    @nnx.jit
+    def step(model, opt):
+        opt.update(model, nnx.grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model))
+        refresh_dora_norms(model, slot)
+
+    for _ in range(2):
+        step(model, opt)
+    ours = save_peft_adapter(model, slot, tmp_path / "ours")
+    peft_sgd_steps(base_dir, start, ids, lr, 2, tmp_path / "theirs")
+    got, want, first = (
+        safetensors.numpy.load_file(f"{d}/{WEIGHTS_NAME}")
+        for d in (ours, tmp_path / "theirs", start)
+    )
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    mags = [k for k in want if "lora_magnitude_vector" in k]
+    assert len(mags) == 14 and all(np.abs(want[k] - first[k]).max() > 1e-4 for k in mags)
+    # served, the trained slot gives PEFT's logits
+    want_rows = peft_rows(base_dir, {"t": str(tmp_path / "theirs")}, ids, ["t", "t"])
+    got_rows = np.asarray(_forward(model, jnp.asarray(ids), slots))
+    np.testing.assert_allclose(got_rows, want_rows, **TOL)

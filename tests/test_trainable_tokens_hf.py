@@ -11,7 +11,7 @@ peft = pytest.importorskip("peft")
 
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
-from hf_tiny import V, peft_rows, tiny_llama_dir  # noqa: E402
+from hf_tiny import V, peft_rows, peft_sgd_steps, tiny_llama_dir  # noqa: E402
 
 import lora_jax as lj  # noqa: E402
 from lora_jax.models import load_hf_model  # noqa: E402
@@ -207,16 +207,7 @@ def test_trainable_tokens_train_here_as_peft_trains_them(tmp_path, tied, spec):
     for _ in range(2):
         step(model, opt)
     ours = save_peft_adapter(model, slot, tmp_path / "ours")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    pm = peft.PeftModel.from_pretrained(hf, start, is_trainable=True)
-    sgd = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=lr)
-    x = torch.tensor(ids, dtype=torch.long)
-    for _ in range(2):
-        sgd.zero_grad()
-        logits = pm(input_ids=x).logits[:, :-1]
-        torch.nn.functional.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1)).backward()
-        sgd.step()
-    pm.save_pretrained(str(tmp_path / "theirs"), safe_serialization=True)
+    peft_sgd_steps(base_dir, start, ids, lr, 2, tmp_path / "theirs")
     got, want = (
         safetensors.numpy.load_file(f"{d}/{WEIGHTS_NAME}") for d in (ours, tmp_path / "theirs")
     )

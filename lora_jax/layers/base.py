@@ -36,7 +36,8 @@ from lora_jax.layers.dora import (
     apply_dora,
     check_magnitudes,
     dora_axes,
-    dora_scale_for,
+    dora_values,
+    has_dora,
     init_dora,
     weight_norms,
 )
@@ -120,7 +121,7 @@ class BaseLayerWithLoRA(SlotWriter, nnx.Module):
         )  # per slice [max_loras, out_s (physical), max_rank]
         ranks = jnp.zeros((len(self.slice_groups), L), jnp.int32)  # [S, max_loras]
         self.slot_ranks = LoRASlotRanks(rules.place(ranks, None, None))
-        init_dora(self)  # `dora_scale [max_loras, out]` with LoRAConfig.enable_dora
+        init_dora(self)  # `dora_magnitude`, `dora_norm` [max_loras, out] with enable_dora
 
     # -- structure ------------------------------------------------------------------------
     def _slice_groups(self, base: LinearBase) -> tuple[tuple[int, ...], ...]:
@@ -199,7 +200,7 @@ class BaseLayerWithLoRA(SlotWriter, nnx.Module):
         shard_tiles = mapping.prompt_tiles if aligned else None
         shard_whole = mapping.whole_tiles if aligned else None
 
-        dora = () if self.dora_scale is None else (self.dora_scale[...],)
+        dora = () if not has_dora(self) else (self.dora_magnitude[...], self.dora_norm[...])
 
         def local(xl, kl, a, b, ranks, m, *dora):
             if not isinstance(m, LoRAMapping):
@@ -217,7 +218,7 @@ class BaseLayerWithLoRA(SlotWriter, nnx.Module):
                 xl = jax.lax.optimization_barrier(xl)
             y = base.local_matmul(xl, kl)
             y = self._lora_local(y, xl, a, b, ranks, m)
-            return apply_dora(y, dora[0], m.token_lora_indices) if dora else y
+            return apply_dora(y, *dora, m.token_lora_indices) if dora else y
 
         specs = ((a_axes,) * len(a), (b_axes,) * len(b), (None, None), map_spec)
         specs += (dora_axes(base),) * len(dora)
@@ -230,10 +231,11 @@ class BaseLayerWithLoRA(SlotWriter, nnx.Module):
         check_magnitudes(self, magnitudes)
 
     def dora_updates(self, index: int, magnitudes) -> list:
-        """`[(dora_scale, 0, g - 1)]` for slot `index`, whose LoRA is written and whose scale
-        is zero (as a slot write leaves it): PEFT's `magnitude / ||W + B @ A||`."""
+        """`[(dora_magnitude, 0, m), (dora_norm, 0, ||W + B @ A||)]` for slot `index`, whose
+        LoRA is written: PEFT's gain `magnitude / ||W + B @ A||`."""
         check_magnitudes(self, magnitudes)
-        return [(self.dora_scale, 0, dora_scale_for(self, magnitudes, weight_norms(self, index)))]
+        m, n = dora_values(self, magnitudes, weight_norms(self, index))
+        return [(self.dora_magnitude, 0, m), (self.dora_norm, 0, n)]
 
     def set_dora(self, index: int, magnitudes) -> None:
         """Makes slot `index`'s adapter (written with `set_lora`) a DoRA adapter.
@@ -244,8 +246,8 @@ class BaseLayerWithLoRA(SlotWriter, nnx.Module):
         self._check_index(index, "set_dora")
         check_magnitudes(self, magnitudes)
         self._zero_dora(index)
-        ((var, _, value),) = self.dora_updates(index, magnitudes)
-        self._write(var, index, value)
+        for var, _, value in self.dora_updates(index, magnitudes):
+            self._write(var, index, value)
 
 
 def local_offsets(widths: Sequence[int], shards: int) -> tuple[int, ...]:

@@ -2,12 +2,17 @@
 
 PEFT's DoRA output is `g ⊙ (x @ W + s · x @ Aᵀ @ Bᵀ) + bias` with
 `g = magnitude / ||W + s · B @ A||` per output unit (the norm over the input dim, taken
-as a constant). The norm depends only on the weights, so it is computed once when an
-adapter is written to a slot, and the forward multiplies the slot's tokens' outputs by
-their slot's `g` after the LoRA joined (after the row-parallel reduction too: the scale is
-per output column). The slot stores `g - 1`, so a zeroed slot is plain LoRA.
+as a constant: PEFT detaches it). Each layer keeps, per slot and output unit, the
+magnitude (`dora_magnitude`, an `nnx.LoRAParam`: trained with the slot's LoRA) and the
+norm (`dora_norm`, a plain Variable: no gradient reaches it). The norm depends only on the
+weights, so it is computed when an adapter is written to a slot (a forward of the
+identity through the layer) and, while a slot trains, again before each step
+(`lora_jax.serving.training.refresh_dora_norms`, as PEFT takes it at each forward). The
+forward multiplies the slot's tokens' outputs by `g = magnitude / norm` after the LoRA
+joined (after the row-parallel reduction too: the scale is per output column). A norm of
+zero means plain LoRA (`g = 1`), so a zeroed slot is plain LoRA.
 
-`dora_scale [max_loras, out]` (f32) is laid out like the base output (packed slices, kv
+Both stacks are `f32[max_loras, out]`, laid out like the base output (packed slices, kv
 head replicas, split on the tensor axis for column layers). Layers over a plain Flax
 layer (whose forward adds its bias inside) and MoE experts have none.
 """
@@ -27,37 +32,57 @@ from lora_jax.linear import LinearBase, unpack_shards
 _Y_AXIS = {"replicated": None, "column": "tensor", "row": None}
 
 
-class DoRAScale(nnx.Variable):
-    """`f32[max_loras, out]`: each slot's DoRA scale minus one (0 = plain LoRA)."""
+class DoRAMagnitude(nnx.LoRAParam):
+    """`f32[max_loras, out]`: each slot's DoRA magnitude (PEFT `lora_magnitude_vector`)."""
+
+
+class DoRANorm(nnx.Variable):
+    """`f32[max_loras, out]`: each slot's `||W + B @ A||` per output unit (0: plain LoRA)."""
 
 
 def dora_axes(base: LinearBase) -> tuple:
     return ("lora_slot", _Y_AXIS[base.parallel])
 
 
+def has_dora(layer) -> bool:
+    """Whether the layer keeps DoRA magnitudes (LoRAConfig.enable_dora on a lora_jax linear)."""
+    return getattr(layer, "dora_norm", None) is not None
+
+
 def init_dora(layer) -> None:
-    """Allocates `layer.dora_scale` when the config enables DoRA and the base supports it."""
+    """Allocates `dora_magnitude` and `dora_norm` when the config enables DoRA and the base
+    supports it (else both are None)."""
     base = layer.base_layer
     ok = layer.lora_config.enable_dora and isinstance(base, LinearBase) and base.dora_ok
     if not ok:
-        layer.dora_scale = None
+        layer.dora_magnitude = layer.dora_norm = None
         return
     L = layer.lora_config.max_loras
-    zeros = jnp.zeros((L, base.out_features), jnp.float32)  # [max_loras, out (physical)]
-    layer.dora_scale = DoRAScale(base.rules.place(zeros, *dora_axes(base)))
+
+    def zeros():  # [max_loras, out (physical)]: one buffer each (slot writes donate them)
+        return base.rules.place(jnp.zeros((L, base.out_features), jnp.float32), *dora_axes(base))
+
+    layer.dora_magnitude = DoRAMagnitude(zeros())
+    layer.dora_norm = DoRANorm(zeros())
 
 
-def apply_dora(y: jax.Array, scale_l: jax.Array, slots: jax.Array) -> jax.Array:
-    """`y [T, out_l]` times `1 + scale[slot]` per token (-1 tokens unchanged)."""
-    d = jnp.where((slots >= 0)[:, None], scale_l[jnp.maximum(slots, 0)], 0.0)
-    return (y.astype(jnp.float32) * (1.0 + d)).astype(y.dtype)
+def dora_gain(magnitude: jax.Array, norm: jax.Array) -> jax.Array:
+    """`g = magnitude / norm` where the norm is positive, 1 where it is zero (plain LoRA)."""
+    on = norm > 0
+    return jnp.where(on, magnitude / jnp.where(on, norm, 1.0), 1.0)
+
+
+def apply_dora(y: jax.Array, m_l: jax.Array, n_l: jax.Array, slots: jax.Array) -> jax.Array:
+    """`y [T, out_l]` times its slot's `g` per token (-1 tokens unchanged)."""
+    at = jnp.maximum(slots, 0)
+    g = jnp.where((slots >= 0)[:, None], dora_gain(m_l[at], n_l[at]), 1.0)
+    return (y.astype(jnp.float32) * g).astype(y.dtype)
 
 
 def weight_norms(layer, slot: int) -> np.ndarray:
-    """`||g ⊙ (W + B @ A)||` per physical output unit of `slot` (f32 host `[out]`), from
-    the layer's own forward of the identity (every row on `slot`) less the bias, so
-    packing, replicas and sharding are the forward's. `g` is the slot's DoRA scale: 1
-    where it is zero (as a slot write leaves it), giving `||W + B @ A||`."""
+    """`||W + B @ A||` per physical output unit of `slot` (f32 host `[out]`, summed in
+    f64), from the layer's own forward of the identity (every row on `slot`, DoRA off)
+    less the bias, so packing, replicas and sharding are the forward's."""
     base = layer.base_layer
     eye = jnp.eye(base.in_features, dtype=base.dtype or base.param_dtype)  # [in, in]
     slots = jnp.full((base.in_features,), slot, jnp.int32)
@@ -67,8 +92,36 @@ def weight_norms(layer, slot: int) -> np.ndarray:
 
 @nnx.jit
 def _identity_forward(layer, eye, slots):
-    with lora_mapping(layer, slots):
-        return base_output_without_bias(layer, eye)
+    return _forward_without_dora(layer, eye, slots)
+
+
+def _forward_without_dora(layer, x: jax.Array, slots: jax.Array) -> jax.Array:
+    """The layer's forward of `x` on `slots` less the bias, with every slot's DoRA gain 1
+    (the norms set to zero for the call, then put back)."""
+    norms = layer.dora_norm[...] if has_dora(layer) else None
+    if norms is not None:
+        layer.dora_norm.set_value(jnp.zeros_like(norms))
+    try:
+        with lora_mapping(layer, slots):
+            return base_output_without_bias(layer, x)
+    finally:
+        if norms is not None:
+            layer.dora_norm.set_value(norms)
+
+
+def refresh_slot_norm(layer, slot) -> None:
+    """Sets slot `slot`'s DoRA norms to `||W + B @ A||` of its current weights, where the
+    slot has DoRA (units of plain LoRA keep a norm of zero). Traceable: `slot` may be a
+    traced int; call it before (not inside) the gradient."""
+    base = layer.base_layer
+    eye = jnp.eye(base.in_features, dtype=base.dtype or base.param_dtype)  # [in, in]
+    slot = jnp.asarray(slot, jnp.int32)
+    y = _forward_without_dora(layer, eye, jnp.full((base.in_features,), slot))  # [in, out]
+    fresh = jnp.sqrt(jnp.sum(jnp.square(y.astype(jnp.float32)), axis=0))  # [out]
+    norms = layer.dora_norm[...]
+    old = jax.lax.dynamic_index_in_dim(norms, slot, axis=0, keepdims=False)
+    new = jnp.where(old > 0, fresh, 0.0)
+    layer.dora_norm.set_value(jax.lax.dynamic_update_index_in_dim(norms, new, slot, axis=0))
 
 
 def base_output_without_bias(layer, x: jax.Array) -> jax.Array:
@@ -81,9 +134,10 @@ def base_output_without_bias(layer, x: jax.Array) -> jax.Array:
     return y
 
 
-def dora_scale_for(layer, magnitudes: Sequence[np.ndarray | None], norms: np.ndarray):
-    """`g - 1` `[out]` (physical, packed) from per-member magnitudes (logical, `None` for a
-    member without DoRA: scale 1) and the slot's `weight_norms`."""
+def dora_values(layer, magnitudes: Sequence[np.ndarray | None], norms: np.ndarray):
+    """`(magnitude, norm)`, each `[out]` (physical, packed), of a slot from per-member
+    magnitudes (logical, `None` for a member without DoRA: both zero, gain 1) and the
+    slot's `weight_norms`."""
     base = layer.base_layer
     subs = []
     for group, m in zip(layer.slice_groups, magnitudes):
@@ -93,24 +147,26 @@ def dora_scale_for(layer, magnitudes: Sequence[np.ndarray | None], norms: np.nda
         else:
             subs += np.split(np.asarray(m, np.float32), np.cumsum(sizes)[:-1])
     mag = np.asarray(base.pack([jnp.asarray(v) for v in subs], axis=0), np.float32)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        g = np.where(np.isnan(mag), 1.0, mag / norms)
-    return (g - 1.0).astype(np.float32)
+    off = np.isnan(mag)
+    return np.where(off, 0.0, mag).astype(np.float32), np.where(off, 0.0, norms).astype(np.float32)
 
 
 def slot_magnitudes(layer, slot: int) -> np.ndarray:
     """PEFT's `lora_magnitude_vector` of the DoRA adapter in `slot` per physical output
-    unit (f32 host `[out]`): `g · ||W + B @ A||`, the norm of the slot's forward (which
-    applies `g`) with `g`'s sign. A slot of plain LoRA (`g = 1`) gives `||W + B @ A||`,
-    the magnitude PEFT starts a DoRA adapter with."""
-    g = 1.0 + np.asarray(layer.dora_scale[...][int(slot)], np.float32)
-    return (np.sign(g) * weight_norms(layer, slot)).astype(np.float32)
+    unit (f32 host `[out]`): the slot's magnitudes where it has DoRA, `||W + B @ A||`
+    elsewhere (a slot of plain LoRA: the magnitude PEFT starts a DoRA adapter with)."""
+    slot = int(slot)
+    norms = np.asarray(layer.dora_norm[...][slot], np.float32)
+    mags = np.asarray(layer.dora_magnitude[...][slot], np.float32)
+    if np.all(norms > 0):
+        return mags
+    return np.where(norms > 0, mags, weight_norms(layer, slot)).astype(np.float32)
 
 
 def check_magnitudes(layer, magnitudes: Sequence[np.ndarray | None]) -> None:
     """Each member's magnitude is `[out_s]` (its logical width) and finite, else a
     ValueError naming the layer."""
-    if layer.dora_scale is None:
+    if not has_dora(layer):
         raise ValueError(
             f"{layer.name}: the adapter is a DoRA adapter (PEFT use_dora); serve it with "
             "LoRAConfig(enable_dora=True) on lora_jax's linear layers"
@@ -131,9 +187,10 @@ def check_magnitudes(layer, magnitudes: Sequence[np.ndarray | None]) -> None:
 
 
 def is_dora_slot(layer, slot: int) -> bool:
-    """Whether `slot` of `layer` holds a DoRA adapter (a non-zero scale)."""
-    scale = getattr(layer, "dora_scale", None)
-    return scale is not None and bool(np.any(np.asarray(scale[...][int(slot)]) != 0))
+    """Whether `slot` of `layer` holds a DoRA adapter (a non-zero norm)."""
+    if not has_dora(layer):
+        return False
+    return bool(np.any(np.asarray(layer.dora_norm[...][int(slot)]) != 0))
 
 
 def check_layer_dora(layer, magnitudes) -> None:

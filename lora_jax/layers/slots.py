@@ -93,7 +93,8 @@ class LoRASlotRanks(nnx.Variable):
     `set_lora` / the managers (`nnx.update`, a restored state) need their ranks too:
     `nnx.state(model, nnx.LoRAParam, LoRASlotRanks)` carries both (and
     `lora_jax.layers.token_rows.TrainableTokenIds` the ids of trainable-token rows, where
-    the model has room for them).
+    the model has room for them, and `lora_jax.layers.dora.DoRANorm` the DoRA norms, where
+    it keeps DoRA).
     """
 
 
@@ -229,7 +230,7 @@ class SlotWriter:
         """`(variable, slot axis, new slot content)` per stacked variable, for writers that
         update many layers in one jitted call (the adapter manager). `prepared=None` means a
         reset: every content is `None` (zeros)."""
-        dora = [] if getattr(self, "dora_scale", None) is None else [(self.dora_scale, 0, None)]
+        dora = [(v, 0, None) for v in _dora_stacks(self)]
         if prepared is None:
             return (
                 [(v, 0, None) for v in (*self.lora_a, *self.lora_b)]
@@ -273,12 +274,18 @@ class SlotWriter:
         self._zero_dora(index)
 
     def _zero_dora(self, index: int) -> None:
-        scale = getattr(self, "dora_scale", None)
-        if scale is not None:
-            self._write(scale, index, np.zeros(scale.shape[1:], np.float32))
+        for var in _dora_stacks(self):
+            self._write(var, index, np.zeros(var.shape[1:], np.float32))
 
     def _set_ranks(self, index: int, ranks: Sequence[int]) -> None:
         old = self.slot_ranks[...]
         new = np.array(old)
         new[:, int(index)] = ranks
         self.slot_ranks.set_value(put_like(new, old))
+
+
+def _dora_stacks(layer) -> tuple[nnx.Variable, ...]:
+    """The layer's DoRA magnitude and norm stacks (none without DoRA)."""
+    if getattr(layer, "dora_norm", None) is None:
+        return ()
+    return (layer.dora_magnitude, layer.dora_norm)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lora_jax.layers.dora import is_dora_slot, unpacked_magnitudes
+from lora_jax.layers.dora import has_dora, is_dora_slot, unpacked_magnitudes
 from lora_jax.linear import unpack_shards
 from lora_jax.serving.adapters import LoRAAdapter, ModuleLoRA, TrainableTokens
 from lora_jax.serving.manager_request import _check_id
@@ -83,7 +83,7 @@ def _magnitudes(layer, slot: int, ranks, name: str, dora_at: str):
 
 def _check_dora_layer(layer, slot: int, name: str, dora_at: str) -> None:
     """A layer with LoRA in a DoRA slot can write its magnitudes (it has DoRA scales)."""
-    if getattr(layer, "dora_scale", None) is None:
+    if not has_dora(layer):
         raise ValueError(
             f"export: slot {slot} holds a DoRA adapter (PEFT use_dora, at {dora_at!r}) and "
             f"LoRA in {name} ({type(layer).__name__}), which has no DoRA scale: PEFT's "

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from lora_jax.layers import BaseLayerWithLoRA
-from lora_jax.layers.dora import dora_axes
+from lora_jax.layers.dora import dora_axes, dora_gain, has_dora
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.layers.flax_embed import FlaxEmbedWithLoRA
 from lora_jax.layers.flax_general import FlaxGeneralLinear, unmergeable_reason
@@ -64,16 +64,16 @@ def _linear_plan(layer: BaseLayerWithLoRA):
             delta = base.kernel_delta(delta)
         if not dora:
             return (_add(k, delta),)  # the local kernel layout
-        g = 1.0 + _pick(dora[0], idx)  # [out_l]: the slot's DoRA scale (1: plain LoRA)
+        g = dora_gain(_pick(dora[0], idx), _pick(dora[1], idx))  # [out_l]: 1 for plain LoRA
         return (((k.astype(jnp.float32) + delta) * g).astype(k.dtype),)
 
     n = len(layer.lora_a)
     k_axes = _KERNEL_AXES[base.parallel]
     lora = (tuple(v[...] for v in layer.lora_a), tuple(v[...] for v in layer.lora_b))
     l_specs = ((a_axes,) * n, (b_axes,) * n)
-    if getattr(layer, "dora_scale", None) is not None:
-        lora += (layer.dora_scale[...],)
-        l_specs += (dora_axes(base),)
+    if has_dora(layer):
+        lora += (layer.dora_magnitude[...], layer.dora_norm[...])
+        l_specs += (dora_axes(base),) * 2
     return (base.kernel,), local, ((k_axes,), l_specs), lora
 
 

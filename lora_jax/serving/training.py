@@ -15,6 +15,10 @@ adapter can be trained in a slot of a wrapped model while the other slots keep s
    build the optimizer under ``jax.set_mesh(mesh)``: optax's and `nnx.Optimizer`'s step
    counts are then made on the mesh, where the first step leaves them, and the jitted
    step compiles once rather than again at the second step;
+   A DoRA slot (`init_lora_slot(..., use_dora=True)`) trains its magnitudes with the
+   factors; call `refresh_dora_norms(model, [slot])` after each `opt.update` so that the
+   next forward divides by the norm of the updated weights, as PEFT's does
+   (`lora_jax.serving.training_dora`);
 3. `lora_jax.serving.export.save_peft_adapter` writes the slot as a PEFT adapter
    directory that PEFT, vLLM and `load_peft_adapter` load.
 
@@ -44,6 +48,7 @@ Flax refuses to change a Variable (the mapping) inside `jax.grad`; `nnx.grad` /
 
 # The slot initialisation lives in `training_slots`, the optax transforms in
 # `training_optax`; every name stays importable from here.
+from lora_jax.serving.training_dora import refresh_dora_norms as refresh_dora_norms
 from lora_jax.serving.training_optax import _kv_replica_ties as _kv_replica_ties
 from lora_jax.serving.training_optax import _path_key as _path_key
 from lora_jax.serving.training_optax import _tie_rows as _tie_rows

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from lora_jax.layers.dora import dora_axes, has_dora
 from lora_jax.serving.training_slots import is_linear
 from lora_jax.serving.wrap import lora_layers
 
@@ -132,7 +133,8 @@ def tie_kv_replicas(model) -> optax.GradientTransformation:
     With more tensor shards than kv heads, a QKV layer's B stacks hold each kv head's
     rows once per replica (`num_kv_head_replicas`), and each replica gets its own gradient;
     the adapter (PEFT's, the tp=1 model's) has one B per kv head, whose gradient is the sum
-    of its replicas'. This puts that sum in every replica. Put it first in the chain,
+    of its replicas'. This puts that sum in every replica (and does the same for a DoRA
+    layer's magnitudes of a kv head's units). Put it first in the chain,
     before the optimizer: replicas that start equal (as `init_lora_slot` and `set_lora`
     write them) then stay equal under elementwise optimizers (SGD, Adam, weight decay),
     and training follows the unsharded model's. (Transforms that read across entries, such
@@ -161,11 +163,11 @@ def tie_kv_replicas(model) -> optax.GradientTransformation:
             found = ties.get(key)
             if found is None:
                 return u
-            name, rows, shape, rules, axes = found
+            name, what, rows, shape, rules, axes = found
             if u.shape != shape:
                 raise ValueError(
                     f"tie_kv_replicas: the update at {'.'.join(map(str, key))} has shape "
-                    f"{u.shape}, but {name}'s B there is {shape}: build it with the model "
+                    f"{u.shape}, but {name}'s {what} there is {shape}: build it with the model "
                     "the optimizer trains"
                 )
             seen.add(key)
@@ -175,8 +177,9 @@ def tie_kv_replicas(model) -> optax.GradientTransformation:
         missing = sorted(".".join(map(str, k)) for k in ties.keys() - seen)
         if missing:
             raise ValueError(
-                f"tie_kv_replicas: the updates hold no B stack at {missing}: it takes the "
-                "gradients of the model it was built with, over wrt=nnx.LoRAParam"
+                f"tie_kv_replicas: the updates hold no B (or DoRA magnitude) stack at "
+                f"{missing}: it takes the gradients of the model it was built with, over "
+                "wrt=nnx.LoRAParam"
             )
         return out, state
 
@@ -184,8 +187,9 @@ def tie_kv_replicas(model) -> optax.GradientTransformation:
 
 
 def _kv_replica_ties(model) -> dict[tuple, tuple]:
-    """Per B stack holding kv replicas, by its state path: (layer name, the logical row of
-    each physical row, the stack's shape, the layer's rules, B's logical axes)."""
+    """Per B stack (and DoRA magnitude stack) holding kv replicas, by its state path:
+    (layer name, what the stack is, the logical row of each physical row, the stack's
+    shape, the layer's rules, the stack's logical axes)."""
     paths = {
         id(node): tuple(path)
         for path, node in nnx.iter_graph(model)
@@ -195,13 +199,26 @@ def _kv_replica_ties(model) -> dict[tuple, tuple]:
     for name, layer in lora_layers(model).items():
         if not is_linear(layer) or getattr(layer.base_layer, "num_kv_head_replicas", 1) < 2:
             continue
+        base = layer.base_layer
         axes = layer.lora_axes()[1]
         for s, var in enumerate(layer.lora_b):
             n = layer.logical_slice_sizes[s]
             # the layer's own logical → physical layout, applied to row numbers
             rows = np.asarray(layer._physical_b(s, np.arange(n)[:, None]))[:, 0]  # [out_s]
             if len(rows) > n:
-                ties[paths[id(var)]] = (name, rows, var.shape, layer.base_layer.rules, axes)
+                ties[paths[id(var)]] = (name, "B", rows, var.shape, base.rules, axes)
+        if has_dora(layer):  # the DoRA magnitudes: one per logical output unit
+            cuts = np.cumsum([0, *base.output_sizes])
+            rows = np.asarray(base.pack([np.arange(a, b) for a, b in zip(cuts, cuts[1:])], 0))
+            var = layer.dora_magnitude
+            ties[paths[id(var)]] = (
+                name,
+                "DoRA magnitude",
+                rows,
+                var.shape,
+                base.rules,
+                dora_axes(base),
+            )
     return ties
 
 
@@ -213,8 +230,8 @@ def _path_key(entry):
 
 
 def _tie_rows(u: jax.Array, rows: np.ndarray, rules, axes) -> jax.Array:
-    """Every physical row of B's update `[L, out_s, R]` set to the sum over the rows that
-    hold the same logical row."""
+    """Every physical row of B's update `[L, out_s, R]` (a DoRA magnitude's `[L, out]`)
+    set to the sum over the rows that hold the same logical row."""
     # replicas of a head sit on different tensor shards: sum on one replicated copy
     full = rules.constrain(u, *(None,) * u.ndim)
     n = int(rows.max()) + 1

@@ -19,6 +19,7 @@ from lora_jax.layers.moe import FusedMoEWithLoRA
 from lora_jax.serving.manager import managers_of
 from lora_jax.serving.merge import merged_slot
 from lora_jax.serving.peft_config import ALL_LINEAR, matches_targets
+from lora_jax.serving.training_dora import check_dora_targets, start_dora
 from lora_jax.serving.training_tokens import token_plans, write_tokens
 from lora_jax.serving.wrap import (
     _normalize_targets,
@@ -54,6 +55,7 @@ def init_lora_slot(
     seed: int = 0,
     target_modules: Sequence[str] | str | None = None,
     trainable_token_indices: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
+    use_dora: bool = False,
 ) -> list[str]:
     """Writes a fresh PEFT-initialised adapter of ``rank`` into ``slot``; returns the
     checkpoint names of the modules it covers.
@@ -76,6 +78,12 @@ def init_lora_slot(
     copies of the base rows; they are `nnx.LoRAParam`s and train with the slot's LoRA
     (`lora_jax.serving.training_tokens`). A tied lm_head reads the embedding's rows. The
     other vocab layers' trainable tokens of the slot are emptied.
+
+    ``use_dora=True`` makes the adapter a DoRA adapter, as PEFT's `use_dora`: each targeted
+    module's magnitude starts at `||W||` per output unit (so the slot is still the base
+    model) and trains with the factors; every targeted module must be a linear layer with
+    DoRA (`LoRAConfig(enable_dora=True)`). Call `refresh_dora_norms` after each optimizer
+    update (`lora_jax.serving.training_dora`).
 
     A layer whose one checkpoint module spans several LoRA slices (a packed module of 3+
     output slices saved as one) is refused when targeted and skipped otherwise: its
@@ -122,8 +130,10 @@ def init_lora_slot(
     except ValueError as e:
         raise ValueError(f"init_lora_slot: {str(e).removeprefix('wrap_model: ')}") from e
     _check_targets(model, targets)
+    if not isinstance(use_dora, bool | np.bool_):
+        raise ValueError(f"init_lora_slot: use_dora must be a bool, got {use_dora!r}")
     rng = np.random.default_rng(seed)
-    plans, covered = {}, []
+    plans, covered, dora = {}, [], {}
     for name, layer in trainable_layers(model).items():
         if isinstance(layer, WHOLE_LAYERS):
             if targets is not None and matches_targets(targets, name):
@@ -156,6 +166,7 @@ def init_lora_slot(
             for out, keep in zip(layer.logical_slice_sizes, chosen)
         ]
         plans[name] = layer.prepare_lora(slot, a_list, b_list)
+        dora[name] = chosen
         covered += [m for m, keep in zip(members, chosen) if keep]
     if not covered:  # e.g. None on a model whose linear layers are all one module over
         # several slices (skipped)
@@ -163,9 +174,13 @@ def init_lora_slot(
             f"init_lora_slot: target_modules {targets!r} cover no module that trains here"
         )
     tokens = token_plans(model, int(slot), trainable_token_indices)
+    if use_dora:
+        check_dora_targets({name: everything[name] for name in plans})
     for name, layer in everything.items():  # every layer checked before the first write
         if name in plans:
             layer.write_lora(slot, plans[name])
+            if use_dora:
+                start_dora(layer, int(slot), dora[name])
         else:
             layer.reset_lora(slot)
     write_tokens(model, int(slot), tokens)
