@@ -1796,10 +1796,12 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--tb=line',
     # change slot mid-tile through the Pallas kernels against XLA's ops), the generation
     # and manager tests beside them, session 64's router LoRA (tests/test_gate_linear.py:
     # f32 logits from bf16 through the native kernels), trainable tokens
-    # (tests/test_trainable_tokens.py) and DoRA (tests/test_dora.py); then s62a (H200 only)
-    JAX_DEFAULT_MATMUL_PRECISION=highest step alora63 240 python3 -P -m pytest \
+    # (tests/test_trainable_tokens.py) and DoRA (tests/test_dora.py, session 66's
+    # training: tests/test_dora_train.py); then s62a (H200 only)
+    JAX_DEFAULT_MATMUL_PRECISION=highest step alora63 330 python3 -P -m pytest \
       tests/test_alora.py tests/test_generate.py tests/test_manager.py tests/test_gate_linear.py \
-      tests/test_trainable_tokens.py tests/test_dora.py -q -p no:cacheprovider --tb=short
+      tests/test_trainable_tokens.py tests/test_dora.py tests/test_dora_train.py -q \
+      -p no:cacheprovider --tb=short
     bash "$0" s62a ;;
   s62a)  # session 62, an H200 only (an H100 ran both parts before): DESIGN 5's decode step
     # on the current code (the H200's last figure is session 46's), then s56b's rows that
