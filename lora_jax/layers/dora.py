@@ -6,8 +6,8 @@ as a constant: PEFT detaches it). Each layer keeps, per slot and output unit, th
 magnitude (`dora_magnitude`, an `nnx.LoRAParam`: trained with the slot's LoRA) and the
 norm (`dora_norm`, a plain Variable: no gradient reaches it). The norm depends only on the
 weights, so it is computed when an adapter is written to a slot (a forward of the
-identity through the layer) and, while a slot trains, again before each step
-(`lora_jax.serving.training.refresh_dora_norms`, as PEFT takes it at each forward). The
+identity through the layer) and, while a slot trains, again after each update
+(`lora_jax.serving.training.refresh_dora_norms`: PEFT takes it at each forward). The
 forward multiplies the slot's tokens' outputs by `g = magnitude / norm` after the LoRA
 joined (after the row-parallel reduction too: the scale is per output column). A norm of
 zero means plain LoRA (`g = 1`), so a zeroed slot is plain LoRA.
@@ -107,21 +107,6 @@ def _forward_without_dora(layer, x: jax.Array, slots: jax.Array) -> jax.Array:
     finally:
         if norms is not None:
             layer.dora_norm.set_value(norms)
-
-
-def refresh_slot_norm(layer, slot) -> None:
-    """Sets slot `slot`'s DoRA norms to `||W + B @ A||` of its current weights, where the
-    slot has DoRA (units of plain LoRA keep a norm of zero). Traceable: `slot` may be a
-    traced int; call it before (not inside) the gradient."""
-    base = layer.base_layer
-    eye = jnp.eye(base.in_features, dtype=base.dtype or base.param_dtype)  # [in, in]
-    slot = jnp.asarray(slot, jnp.int32)
-    y = _forward_without_dora(layer, eye, jnp.full((base.in_features,), slot))  # [in, out]
-    fresh = jnp.sqrt(jnp.sum(jnp.square(y.astype(jnp.float32)), axis=0))  # [out]
-    norms = layer.dora_norm[...]
-    old = jax.lax.dynamic_index_in_dim(norms, slot, axis=0, keepdims=False)
-    new = jnp.where(old > 0, fresh, 0.0)
-    layer.dora_norm.set_value(jax.lax.dynamic_update_index_in_dim(norms, new, slot, axis=0))
 
 
 def base_output_without_bias(layer, x: jax.Array) -> jax.Array:

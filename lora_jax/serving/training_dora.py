@@ -14,10 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from lora_jax.layers.dora import dora_values, has_dora, refresh_slot_norm, weight_norms
+from lora_jax.layers.dora import dora_axes, dora_values, has_dora, weight_norms
+from lora_jax.serving.merge_plans import _linear_plan
 from lora_jax.serving.wrap import lora_layers
+from lora_jax.sharding import shard_map
 
 
 def check_dora_targets(layers: Mapping[str, object]) -> None:
@@ -51,7 +55,9 @@ def refresh_dora_norms(model, slots: Sequence[int] | int) -> None:
 
     PEFT takes the norm at every forward; here it is kept per slot, so call this after
     each optimizer update of a DoRA slot (inside the jitted step; ``slots`` may be traced).
-    Each DoRA layer runs a forward of its `in_features` identity rows per slot.
+    It costs what PEFT's does: per layer and slot, `W + B @ A` per shard in the kernel's
+    own layout (as `merge_adapter` makes it) and its column norms, summed over the
+    tensor axis where the kernel's input dim is split.
 
     Example:
         >>> opt.update(model, grads); refresh_dora_norms(model, [1])  # doctest: +SKIP
@@ -62,3 +68,37 @@ def refresh_dora_norms(model, slots: Sequence[int] | int) -> None:
         if has_dora(layer):
             for slot in slots:
                 refresh_slot_norm(layer, slot)
+
+
+def refresh_slot_norm(layer, slot) -> None:
+    """Sets slot `slot`'s DoRA norms to `||W + B @ A||` of its current weights, where the
+    slot has DoRA (units of plain LoRA keep a norm of zero). `slot` may be traced."""
+    slot = jnp.asarray(slot, jnp.int32)
+    fresh = _norms_fn(layer)(layer.base_layer.kernel[...], *_factors(layer), slot)  # [out]
+    norms = layer.dora_norm[...]
+    old = jax.lax.dynamic_index_in_dim(norms, slot, axis=0, keepdims=False)
+    new = jnp.where(old > 0, fresh.astype(jnp.float32), 0.0)
+    layer.dora_norm.set_value(jax.lax.dynamic_update_index_in_dim(norms, new, slot, axis=0))
+
+
+def _factors(layer) -> tuple:
+    return tuple(v[...] for v in layer.lora_a), tuple(v[...] for v in layer.lora_b)
+
+
+def _norms_fn(layer):
+    """`(kernel, a, b, slot) -> [out]`: the column norms of the slot's merged kernel, per
+    shard, from the merge's plan (its DoRA gain left out)."""
+    base = layer.base_layer
+    rules = base.rules
+    _, merged, (w_specs, l_specs), _ = _linear_plan(layer)
+    tp_axis = rules.mesh_axis("tensor")
+    split_in = base.parallel == "row" and tp_axis is not None and base.tp > 1
+
+    def local(k, a, b, idx):
+        (w,) = merged(k, a, b, idx)  # [in_l, out_l]: W + (B @ A)ᵀ, the kernel's layout
+        sq = jnp.sum(jnp.square(w.astype(jnp.float32)), axis=0)
+        return jnp.sqrt(jax.lax.psum(sq, tp_axis) if split_in else sq)
+
+    if rules.mesh is None:
+        return local
+    return shard_map(rules, local, (*w_specs, *l_specs[:2], ()), (dora_axes(base)[1],))
