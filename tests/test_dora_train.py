@@ -14,6 +14,7 @@ from layer_cases import KIND_BY_NAME, logical_output, make_mesh, random_weights
 
 import lora_jax as lj
 from lora_jax.serving.export import adapter_from_slot
+from lora_jax.serving.merge import merge_adapter, unmerge_adapter
 from lora_jax.serving.training import (
     init_lora_slot,
     refresh_dora_norms,
@@ -114,6 +115,14 @@ def test_a_dora_slot_trains_as_peft_s_dora(kind, mesh):
     )
     for v, was in zip((*layer.lora_a, *layer.lora_b), before):
         np.testing.assert_array_equal(np.asarray(v[...][2]), was)
+    # merge_adapter takes the norm from the merged kernel (PEFT's merge), whatever the
+    # stacks hold: here a stale norm
+    norms = layer.dora_norm[...]
+    layer.dora_norm.set_value(norms * 1.5)
+    merge_adapter(model, 1)
+    y = logical_output(layer, jax.jit(lambda x: layer(x))(x))  # no mapping: the kernel
+    np.testing.assert_allclose(y, g * (np.asarray(x) @ (W + delta)) + bias, rtol=1e-4, atol=1e-4)
+    unmerge_adapter(model)
 
 
 def _logical(layer, y):

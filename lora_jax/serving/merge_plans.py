@@ -3,7 +3,7 @@
 A plan is `(weights, local_fn, (weight specs, lora specs), lora arrays)`: the base weight
 variables to change, a function giving one shard's merged weights in the weight's own
 physical layout, the logical axes both are sharded over, and the stacked LoRA arrays.
-A DoRA slot's linear kernels also take its per-output-unit scale.
+A DoRA slot's linear kernels also take its per-output-unit gain.
 `_plan(layer)` picks the plan for a layer's kind (linears, fused MoE experts, vocab
 embeddings, lm_heads), or None where `_unmergeable(layer)` says why it cannot be merged.
 """
@@ -38,16 +38,22 @@ def _add(w: jax.Array, delta: jax.Array) -> jax.Array:
     return (w.astype(jnp.float32) + delta).astype(w.dtype)
 
 
-def _linear_plan(layer: BaseLayerWithLoRA):
+def _linear_plan(layer: BaseLayerWithLoRA, norms: bool = False):
     """`kernel [in, out_physical] += (B @ A).T` per slice, per shard; a DoRA slot's kernel
-    then times its scale `g` per output unit (PEFT's DoRA merge: `g ⊙ (W + B @ A)`, the
-    bias as it was)."""
+    then times its gain `g = magnitude / ||W + B @ A||` per output unit, the norm taken
+    here from the merged kernel (PEFT's DoRA merge: `g ⊙ (W + B @ A)`, the bias as it
+    was). ``norms=True``: the local function gives that norm `[out_l]` instead (f32, the
+    DoRA stacks not passed)."""
     base = layer.base_layer
     rules = base.rules
     a_axes, b_axes = layer.lora_axes()
     tp_axis = rules.mesh_axis("tensor")
     sharded = layer.fully_sharded and tp_axis is not None and base.tp > 1
     row = base.parallel == "row"
+
+    def column_norms(w):  # [in_l, out_l] → [out_l], over the whole input dim
+        sq = jnp.sum(jnp.square(w), axis=0)
+        return jnp.sqrt(jax.lax.psum(sq, tp_axis) if row and tp_axis and base.tp > 1 else sq)
 
     def local(k, a, b, *dora_idx):
         *dora, idx = dora_idx
@@ -62,16 +68,20 @@ def _linear_plan(layer: BaseLayerWithLoRA):
         delta = jnp.concatenate(deltas, axis=1)
         if isinstance(base, FlaxGeneralLinear):  # the flat map → the source kernel's axes
             delta = base.kernel_delta(delta)
+        if norms:
+            return column_norms(k.astype(jnp.float32) + delta)
         if not dora:
             return (_add(k, delta),)  # the local kernel layout
-        g = dora_gain(_pick(dora[0], idx), _pick(dora[1], idx))  # [out_l]: 1 for plain LoRA
-        return (((k.astype(jnp.float32) + delta) * g).astype(k.dtype),)
+        w = k.astype(jnp.float32) + delta
+        on = _pick(dora[1], idx) > 0  # [out_l]: the slot's DoRA units (the rest: gain 1)
+        g = dora_gain(_pick(dora[0], idx), jnp.where(on, column_norms(w), 0.0))
+        return ((w * g).astype(k.dtype),)
 
     n = len(layer.lora_a)
     k_axes = _KERNEL_AXES[base.parallel]
     lora = (tuple(v[...] for v in layer.lora_a), tuple(v[...] for v in layer.lora_b))
     l_specs = ((a_axes,) * n, (b_axes,) * n)
-    if has_dora(layer):
+    if has_dora(layer) and not norms:
         lora += (layer.dora_magnitude[...], layer.dora_norm[...])
         l_specs += (dora_axes(base),) * 2
     return (base.kernel,), local, ((k_axes,), l_specs), lora

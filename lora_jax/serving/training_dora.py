@@ -87,18 +87,9 @@ def _factors(layer) -> tuple:
 
 def _norms_fn(layer):
     """`(kernel, a, b, slot) -> [out]`: the column norms of the slot's merged kernel, per
-    shard, from the merge's plan (its DoRA gain left out)."""
-    base = layer.base_layer
-    rules = base.rules
-    _, merged, (w_specs, l_specs), _ = _linear_plan(layer)
-    tp_axis = rules.mesh_axis("tensor")
-    split_in = base.parallel == "row" and tp_axis is not None and base.tp > 1
-
-    def local(k, a, b, idx):
-        (w,) = merged(k, a, b, idx)  # [in_l, out_l]: W + (B @ A)ᵀ, the kernel's layout
-        sq = jnp.sum(jnp.square(w.astype(jnp.float32)), axis=0)
-        return jnp.sqrt(jax.lax.psum(sq, tp_axis) if split_in else sq)
-
+    shard, from the merge's plan."""
+    rules = layer.base_layer.rules
+    _, local, (w_specs, l_specs), _ = _linear_plan(layer, norms=True)
     if rules.mesh is None:
         return local
-    return shard_map(rules, local, (*w_specs, *l_specs[:2], ()), (dora_axes(base)[1],))
+    return shard_map(rules, local, (*w_specs, *l_specs, ()), (dora_axes(layer.base_layer)[1],))
