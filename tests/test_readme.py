@@ -79,7 +79,7 @@ def test_readme_plain_flax_example_runs():
 def test_readme_trains_a_slot_and_saves_it(tmp_path):
     from lora_jax.serving.peft import load_peft_adapter
 
-    src = _block("train_slots(").replace("/tmp/lora_jax_tuned", str(tmp_path / "tuned"))
+    src = _block("def train_step(").replace("/tmp/lora_jax_tuned", str(tmp_path / "tuned"))
     ns: dict = {}
     exec(compile(src, "README.md:training", "exec"), ns)
     losses = ns["losses"]
@@ -89,3 +89,28 @@ def test_readme_trains_a_slot_and_saves_it(tmp_path):
     assert sorted(adapter.modules) == [
         f"model.layers.{i}.self_attn.qkv_proj" for i in range(2)
     ]  # q and v of each layer's packed qkv
+
+
+def test_readme_trains_a_dora_slot_and_saves_it(tmp_path):
+    """The DoRA block, after the training block it continues: the loss falls, and the
+    saved adapter is a DoRA adapter with every targeted module's magnitudes."""
+    import json
+
+    from lora_jax.serving.peft import load_peft_adapter
+
+    ns: dict = {}
+    for needle, path in (
+        ("def train_step(", "lora_jax_tuned"),
+        ("def dora_step(", "lora_jax_dora"),
+    ):
+        src = _block(needle).replace(f"/tmp/{path}", str(tmp_path / path))
+        exec(compile(src, f"README.md:{needle}", "exec"), ns)
+    losses = ns["dora_losses"]
+    assert losses[-1] < losses[0] - 1e-3, losses
+    saved = tmp_path / "lora_jax_dora"
+    assert json.loads((saved / "adapter_config.json").read_text())["use_dora"] is True
+    cfg = ns["lj"].LoRAConfig(max_loras=2, max_lora_rank=8, enable_dora=True)
+    adapter = load_peft_adapter(saved, ns["dora"], cfg)
+    for i in range(2):
+        q, k, v = adapter.modules[f"model.layers.{i}.self_attn.qkv_proj"].magnitude
+        assert q is not None and k is None and v is not None
