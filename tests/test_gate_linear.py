@@ -155,5 +155,7 @@ def test_the_moe_router_is_wrapped_as_vllm_wraps_it():
     # sequence 0 on slot 1 (the router LoRA), sequence 1 on the empty slot 0 (the base)
     out = np.asarray(logits(model, jnp.repeat(jnp.array([1, 0], jnp.int32), 6)))
     base_out = np.asarray(logits(model, jnp.full((12,), -1, jnp.int32)))
-    np.testing.assert_array_equal(out[1], base_out[1])
+    # sequence 1 is the base's; not bit for bit on a GPU, where sequence 0's new routing
+    # regroups the experts' tokens and their matmuls round differently (H100: 3e-8)
+    np.testing.assert_allclose(out[1], base_out[1], rtol=1e-5, atol=1e-6)
     assert np.abs(out[0] - base_out[0]).max() > 1e-3
