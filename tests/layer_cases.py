@@ -155,8 +155,8 @@ def build(
 def forward(layer, x, idx):
     @nnx.jit
     def f(layer, x, idx):
-        lj.set_lora_mapping(layer, idx)
-        return layer(x)
+        with lj.lora_mapping(layer, idx):
+            return layer(x)
 
     return f(layer, x, idx)
 

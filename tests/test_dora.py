@@ -58,8 +58,8 @@ def _oracle(layer, ks, bs, x, adapters, idx=IDX):
 
 @nnx.jit
 def _forward(layer, x, idx):
-    lj.set_lora_mapping(layer, idx)
-    return layer(x)
+    with lj.lora_mapping(layer, idx):
+        return layer(x)
 
 
 @pytest.mark.parametrize("mesh", [None, (2, 4)], ids=["one_device", "dp2tp4"])

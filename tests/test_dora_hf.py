@@ -46,9 +46,9 @@ def _adapter(base_dir, out, seed, **spec):
 
 @nnx.jit
 def _forward(model, ids, slots):
-    lj.set_lora_mapping(model, slots)
-    pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-    return model(ids, pos)[0]
+    with lj.lora_mapping(model, slots):
+        pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+        return model(ids, pos)[0]
 
 
 @pytest.mark.parametrize("mesh", [None, (2, 2)], ids=["one_device", "dp2tp2"])

@@ -36,8 +36,8 @@ class TinyLM(nnx.Module):
 
 @nnx.jit
 def _step(model, ids, slots):
-    lj.set_lora_mapping(model, slots.reshape(-1))
-    return model(ids)
+    with lj.lora_mapping(model, slots.reshape(-1)):
+        return model(ids)
 
 
 @nnx.jit
@@ -172,8 +172,8 @@ def test_against_hf_peft_on_a_torch_embedding(tmp_path):
 
     @nnx.jit
     def lookup(model, ids, slots):
-        lj.set_lora_mapping(model, slots.reshape(-1))
-        return model.embed(ids)
+        with lj.lora_mapping(model, slots.reshape(-1)):
+            return model.embed(ids)
 
     got = np.asarray(lookup(model, jnp.asarray(ids, jnp.int32), jnp.full(ids.shape, slot)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -196,8 +196,8 @@ def test_batch_sharded_ids_with_out_sharding_on_an_explicit_mesh():
 
     @nnx.jit(static_argnums=3)
     def lookup(layer, ids, slots, out):
-        lj.set_lora_mapping(layer, slots)
-        return layer(ids, out_sharding=out)
+        with lj.lora_mapping(layer, slots):
+            return layer(ids, out_sharding=out)
 
     want = np.asarray(lookup(plain, jnp.asarray(ids_np), slots, None))
     with jax.set_mesh(mesh):

@@ -100,8 +100,8 @@ def _oracle(model, adapters, x, seq_slots):
 
 @nnx.jit
 def _step(model, x, idx):
-    lj.set_lora_mapping(model, idx)
-    return model(x)
+    with lj.lora_mapping(model, idx):
+        return model(x)
 
 
 def test_attention_and_einsum_models_wrap_serve_merge_and_unwrap():

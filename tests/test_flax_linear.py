@@ -92,8 +92,8 @@ def _oracle(model, adapters, x, slots):
 
 @nnx.jit
 def _step(model, x, idx):
-    lj.set_lora_mapping(model, idx)
-    return model(x)
+    with lj.lora_mapping(model, idx):
+        return model(x)
 
 
 def test_plain_flax_model_wraps_serves_and_unwraps():

@@ -78,8 +78,8 @@ def test_lora_lands_in_the_f32_logits_unrounded(monkeypatch, backend):
 
     @nnx.jit
     def f(layer, x, idx):
-        lj.set_lora_mapping(layer, idx)
-        return layer(x)
+        with lj.lora_mapping(layer, idx):
+            return layer(x)
 
     y = f(layer, x, jnp.asarray(idx))
     assert y.dtype == jnp.float32
@@ -149,8 +149,8 @@ def test_the_moe_router_is_wrapped_as_vllm_wraps_it():
 
     @nnx.jit
     def logits(model, slots):
-        lj.set_lora_mapping(model, slots)
-        return model(ids, pos)[0]
+        with lj.lora_mapping(model, slots):
+            return model(ids, pos)[0]
 
     # sequence 0 on slot 1 (the router LoRA), sequence 1 on the empty slot 0 (the base)
     out = np.asarray(logits(model, jnp.repeat(jnp.array([1, 0], jnp.int32), 6)))

@@ -232,8 +232,8 @@ def test_dp_shards_keep_the_steps_flags(monkeypatch, tokens, want):
 
     @nnx.jit
     def f(layer, x, m):
-        lj.set_lora_mapping(layer, m)
-        return layer(x)
+        with lj.lora_mapping(layer, m):
+            return layer(x)
 
     y = f(layer, x, mapping)
     per_slot = 64 if tokens // 4 >= 64 else 0  # the step's 3 mapped slots' tokens each
@@ -266,15 +266,15 @@ def test_shared_input_barrier_changes_nothing_but_the_graph(monkeypatch, mesh):
     idx = jnp.asarray(IDX)
 
     graph, state = nnx.split(layer)
-
-    def run(x, state):
-        m = nnx.merge(graph, state)
-        lj.set_lora_mapping(m, idx)
-        return m(x)
-
     got = {}
     for shared in (True, False):
         monkeypatch.setattr(lora_base, "SHARE_LAYER_INPUT", shared)
+
+        def run(x, state):  # a new function each time: make_jaxpr caches its trace by it
+            m = nnx.merge(graph, state)
+            lj.set_lora_mapping(m, idx)
+            return m(x)
+
         text = str(jax.make_jaxpr(run)(x, state))
         assert ("optimization_barrier" in text) == shared
         got[shared] = np.asarray(forward(layer, x, idx))

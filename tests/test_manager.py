@@ -219,14 +219,14 @@ def _lora_arrays(model):
 
 @nnx.jit
 def _outputs(model, x, idx):
-    lj.set_lora_mapping(model, idx)
-    return model(x)
+    with lj.lora_mapping(model, idx):
+        return model(x)
 
 
 @nnx.jit
 def _run_layers(model, xs, idx):
-    lj.set_lora_mapping(model, idx)
-    return {name: layer(xs[name]) for name, layer in lora_layers(model).items()}
+    with lj.lora_mapping(model, idx):
+        return {name: layer(xs[name]) for name, layer in lora_layers(model).items()}
 
 
 def _layer_outputs(model, idx):

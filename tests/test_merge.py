@@ -63,8 +63,8 @@ def _load(model, config, cfg, adapters):
 
 @nnx.jit
 def _logits(model, ids, pos, slots):
-    lj.set_lora_mapping(model, slots, jnp.full((ids.shape[0],), slots[0]))
-    return model(ids, pos)[0]
+    with lj.lora_mapping(model, slots, jnp.full((ids.shape[0],), slots[0])):
+        return model(ids, pos)[0]
 
 
 @nnx.jit

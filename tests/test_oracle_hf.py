@@ -122,10 +122,10 @@ def _serve(base_dir, max_loras=4, max_cpu_loras=None):
 
 @nnx.jit
 def _forward(model, ids, token_slots):
-    lj.set_lora_mapping(model, token_slots)
-    B, S_ = ids.shape
-    pos = jnp.broadcast_to(jnp.arange(S_, dtype=jnp.int32), (B, S_))
-    return model(ids, pos)[0]
+    with lj.lora_mapping(model, token_slots):
+        B, S_ = ids.shape
+        pos = jnp.broadcast_to(jnp.arange(S_, dtype=jnp.int32), (B, S_))
+        return model(ids, pos)[0]
 
 
 @nnx.jit

@@ -191,8 +191,8 @@ def test_a_tied_model_s_logits_take_the_rows_with_or_without_lm_head_lora():
 
         @nnx.jit
         def logits(model, slots):
-            lj.set_lora_mapping(model, slots)
-            return model(ids, pos)[0]
+            with lj.lora_mapping(model, slots):
+                return model(ids, pos)[0]
 
         out[targets is None] = np.asarray(logits(model, jnp.repeat(jnp.array([1, -1]), 5)))
         base = np.asarray(logits(model, jnp.full((10,), -1)))
@@ -238,8 +238,8 @@ def test_init_lora_slot_starts_trainable_tokens_at_the_base_rows_and_trains_them
 
     @nnx.jit
     def logits(m, slots):
-        lj.set_lora_mapping(m, slots)
-        return m(ids, pos)[0]
+        with lj.lora_mapping(m, slots):
+            return m(ids, pos)[0]
 
     np.testing.assert_allclose(  # the fresh slot is the base model
         logits(model, jnp.full((10,), 1)), logits(model, jnp.full((10,), -1)), rtol=1e-6, atol=1e-6
@@ -318,8 +318,8 @@ def test_merge_adapter_puts_the_token_rows_in_the_tables(tied, mesh):
 
     @nnx.jit
     def logits(m, slots):
-        lj.set_lora_mapping(m, slots)
-        return m(ids, pos)[0]
+        with lj.lora_mapping(m, slots):
+            return m(ids, pos)[0]
 
     served = np.asarray(logits(model, jnp.full((10,), 1)))
     base = np.asarray(logits(model, jnp.full((10,), -1)))

@@ -68,9 +68,9 @@ def _served(tmp_path, tied, spec):
 
 @nnx.jit
 def _forward(model, ids, slots):
-    lj.set_lora_mapping(model, slots)
-    pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-    return model(ids, pos)[0]
+    with lj.lora_mapping(model, slots):
+        pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+        return model(ids, pos)[0]
 
 
 def _ours(model, mgr, ids, adapter_ids):
