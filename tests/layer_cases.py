@@ -153,6 +153,9 @@ def build(
 
 
 def forward(layer, x, idx):
+    # A `lora_mapping` block, not `set_lora_mapping`: a mapping left in the layer is
+    # returned by nnx.jit, so XLA would compile all of it (work lists included) too,
+    # ~3 x this step's compile on CPU.
     @nnx.jit
     def f(layer, x, idx):
         with lj.lora_mapping(layer, idx):
