@@ -74,7 +74,8 @@ def set_lora_mapping(
 ) -> LoRAMapping | None:
     """Sets the step's mapping on every LoRA layer of `model` (call inside your jit), until
     changed. Inside `nnx.jit` prefer `lora_mapping`'s block: a mapping left here is written
-    back by `nnx.jit` and enters the next call's compile key.
+    back by `nnx.jit` (so the step computes and returns all of it, every kernel's work
+    list included) and enters the next call's compile key.
     ``is_prefill=False`` marks a decode step (`LoRAMapping.is_prefill`); ``prompt_tiles``,
     ``whole_tiles`` and ``tokens_per_slot`` say what the caller knows of its prompts'
     layout and of its tokens per adapter, ``single_slot=True`` that every mapped token
