@@ -62,7 +62,8 @@ class LoRAConfig:
     enable_dora: bool = False
     """Serve (and train) DoRA adapters (PEFT `use_dora`): every linear LoRA layer keeps per
     slot the magnitude and the norm `||W + B @ A||` of each output unit (f32
-    `[max_loras, out]` each) and scales its output by their ratio."""
+    `[max_loras, out]` each) and scales its output by their ratio; a token embedding
+    keeps them per embedding unit (`[max_loras, D]`, the norm over the vocab)."""
     max_lora_trainable_tokens: int = 0
     """Per adapter, how many token ids may carry their own embedding / lm_head rows
     (PEFT's `trainable_token_indices`); 0 refuses such adapters and allocates nothing."""

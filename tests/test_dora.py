@@ -1,6 +1,7 @@
 """DoRA (`lora_jax.layers.dora`) in every linear LoRA kind against a float64 numpy oracle:
 `y = g ⊙ (x @ (W + (B @ A)ᵀ)) + bias`, `g = magnitude / ||W + (B @ A)ᵀ||` per output unit;
-HF peft is the oracle in test_dora_hf.py."""
+and in the token embeddings (the norm over the vocab). HF peft is the oracle in
+test_dora_hf.py."""
 
 import jax
 import jax.numpy as jnp
@@ -10,10 +11,13 @@ from flax import nnx
 from layer_cases import KINDS, Kind, logical_output, make_mesh, random_weights
 
 import lora_jax as lj
+from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
+from lora_jax.layers.flax_embed import FlaxEmbedWithLoRA
 from lora_jax.serving.export import adapter_from_slot
 from lora_jax.serving.manager import LoRAModelManager
 from lora_jax.serving.merge import merge_adapter, unmerge_adapter
 from lora_jax.serving.peft import LoRAAdapter, ModuleLoRA
+from lora_jax.vocab import VocabParallelEmbedding
 
 _FAST = {"replicated", "merged_qkv", "row", "merged_qkv_sharded", "row_sharded", "qkv"}
 KIND_PARAMS = [
@@ -191,3 +195,79 @@ def test_the_manager_writes_dora_and_a_refused_adapter_changes_nothing():
     ref.set_dora(0, m)
     want = np.asarray(_forward(ref, x, jnp.asarray(np.where(IDX >= 0, 0, -1).astype(np.int32))))
     np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+
+
+def _embedding(flax_embed: bool, mesh, V=50, D=16):
+    """A token embedding with DoRA (`VocabParallelEmbedding`, vocab split on tp; or a plain
+    `nnx.Embed`) over a table of scale 1, and that table `[V, D]`."""
+    table = np.random.default_rng(7).normal(size=(V, D)).astype(np.float32)
+    cfg = lj.LoRAConfig(max_loras=3, max_lora_rank=8, enable_dora=True)
+    if flax_embed:
+        base = nnx.Embed(V, D, rngs=nnx.Rngs(0))
+        base.embedding.set_value(jnp.asarray(table))
+        return FlaxEmbedWithLoRA(base, cfg), table
+    rules = lj.ShardingRules(make_mesh(*mesh)) if mesh else lj.ShardingRules()
+    base = VocabParallelEmbedding(V, D, rules=rules, rngs=nnx.Rngs(0))
+    base.load_table(table)
+    return VocabParallelEmbeddingWithLoRA(base, cfg, lj.LoRAContext(None)), table
+
+
+def _embedding_oracle(table, ids, idx, adapters):
+    """PEFT's DoRA embedding in float64: `g ⊙ (W + (B @ A)ᵀ)[id]`, `g = m / ||W + (B @ A)ᵀ||`
+    over the vocab per embedding unit (`g = 1` for a plain slot: m None)."""
+    W = table.astype(np.float64)
+    y = W[ids].copy()
+    for t, (i, slot) in enumerate(zip(ids, idx)):
+        if slot in adapters:
+            a, b, m = adapters[slot]
+            merged = W + (b.astype(np.float64) @ a).T  # [V, D]
+            g = 1.0 if m is None else m / np.linalg.norm(merged, axis=0)
+            y[t] = g * merged[i]
+    return y
+
+
+@pytest.mark.parametrize(
+    "flax_embed, mesh",
+    [(False, None), (False, (2, 4)), (True, None)],
+    ids=["vocab_parallel", "vocab_parallel_dp2tp4", "flax_embed"],
+)
+def test_token_embeddings_scale_merge_and_export_their_dora_slots(flax_embed, mesh):
+    """PEFT's DoRA on a token embedding (a gain per embedding unit, the norm over the
+    vocab; padded rows and vocab shards left out of it): slot 1 DoRA, slot 2 plain LoRA,
+    each token as the oracle says; adapter_from_slot reads back the magnitudes; merged,
+    the table gives them with no mapping, and unmerged it is as it was; bad magnitudes
+    change nothing; set_lora makes the slot plain again."""
+    layer, table = _embedding(flax_embed, mesh)
+    V, D = table.shape
+    rng = np.random.default_rng(1)
+    dora = (rng.normal(0, 0.5, (4, V)), rng.normal(0, 0.5, (D, 4)), rng.uniform(0.5, 2, D))
+    dora = tuple(v.astype(np.float32) for v in dora)
+    plain = tuple(rng.normal(0, 0.5, s).astype(np.float32) for s in ((2, V), (D, 2)))
+    layer.set_lora(1, *dora[:2])
+    layer.set_dora(1, [dora[2]])
+    layer.set_lora(2, *plain)
+    ids = rng.integers(0, V, len(IDX)).astype(np.int32)
+    want = _embedding_oracle(table, ids, IDX, {1: dora, 2: (*plain, None)})
+    got = _forward(layer, jnp.asarray(ids), jnp.asarray(IDX))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    model = nnx.Dict(emb=layer)
+    (mag,) = adapter_from_slot(model, 1).modules["emb"].magnitude
+    np.testing.assert_allclose(mag, dora[2], rtol=1e-6)
+    assert adapter_from_slot(model, 2).modules["emb"].magnitude is None
+    norms = np.asarray(layer.dora_norm[...])
+    for bad, msg in (([dora[2][:-1]], r"must be \[16\] finite"), ([dora[2]] * 2, "2 DoRA")):
+        with pytest.raises(ValueError, match=msg):
+            layer.set_dora(1, bad)
+    np.testing.assert_array_equal(np.asarray(layer.dora_norm[...]), norms)
+    if not flax_embed:  # (a plain nnx.Embed's table may be a tied lm_head: not merged)
+        before = np.asarray(layer.base_layer.embedding[...])
+        merge_adapter(model, 1)
+        y = jax.jit(lambda i: layer(i))(jnp.asarray(ids))  # no mapping: the table only
+        want1 = _embedding_oracle(table, ids, np.ones_like(IDX), {1: dora})
+        np.testing.assert_allclose(np.asarray(y), want1, rtol=2e-5, atol=2e-5)
+        unmerge_adapter(model)
+        np.testing.assert_array_equal(np.asarray(layer.base_layer.embedding[...]), before)
+    layer.set_lora(1, *dora[:2])
+    got = _forward(layer, jnp.asarray(ids), jnp.asarray(IDX))
+    want = _embedding_oracle(table, ids, IDX, {1: (*dora[:2], None), 2: (*plain, None)})
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)

@@ -36,12 +36,32 @@ def _adapter(base_dir, out, seed, **spec):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # random factors; magnitudes away from the norms they start at
         for name, p in pm.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
+            if any(k in name for k in ("lora_A", "lora_B", "lora_embedding_")):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
             elif "lora_magnitude_vector" in name:
                 p.mul_(torch.rand(p.shape, generator=g) + 0.5)
     pm.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def _peft_merged_logits(base_dir, src, ids):
+    """PEFT's merge_and_unload of the adapter in `src`: its logits for `ids`."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    merged = peft.PeftModel.from_pretrained(hf, src).merge_and_unload().eval()
+    with torch.no_grad():
+        return merged(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()
+
+
+def _served(base_dir, name, src, mesh):
+    """The base model wrapped with DoRA on, `src` loaded and active as `name`: `(model,
+    manager, adapter, slot)`."""
+    rules = None if mesh is None else lj.ShardingRules(make_mesh(*mesh))
+    model = load_hf_model(base_dir, rules=rules)
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, enable_dora=True)
+    wrap_model(model, cfg)
+    mgr = LRUCacheLoRAModelManager(model, cfg)
+    (adapter,) = mgr.load_adapters({name: src}, activate=True, progress=False)
+    return model, mgr, adapter, mgr.lora_index_to_id.index(adapter.id)
 
 
 @nnx.jit
@@ -111,18 +131,9 @@ def test_a_dora_slot_merges_and_saves_as_peft_does(tmp_path, mesh):
                    use_rslora=True, rank_pattern={"v_proj": 2})  # fmt: skip
     ids = np.random.default_rng(0).integers(0, V, (2, 6)).astype(np.int32)
     want = peft_rows(base_dir, {"d": src}, ids, ["d", "d"])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    merged = peft.PeftModel.from_pretrained(hf, src).merge_and_unload().eval()
-    with torch.no_grad():
-        hf_merged = merged(input_ids=torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    hf_merged = _peft_merged_logits(base_dir, src, ids)
     np.testing.assert_allclose(hf_merged, want, **TOL)  # PEFT's merge: its own forward
-    rules = None if mesh is None else lj.ShardingRules(make_mesh(*mesh))
-    model = load_hf_model(base_dir, rules=rules)
-    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, enable_dora=True)
-    wrap_model(model, cfg)
-    mgr = LRUCacheLoRAModelManager(model, cfg)
-    (adapter,) = mgr.load_adapters({"d": src}, activate=True, progress=False)
-    slot = mgr.lora_index_to_id.index(adapter.id)
+    model, _, _, slot = _served(base_dir, "d", src, mesh)
     merge_adapter(model, slot)
     pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), ids.shape)
     got = np.asarray(nnx.jit(lambda m, i, p: m(i, p)[0])(model, jnp.asarray(ids), pos))
@@ -143,7 +154,8 @@ def test_a_dora_adapter_trains_here_as_peft_trains_it(tmp_path, mesh):
     """init_lora_slot(use_dora=True) starts the slot as the base model with PEFT's
     magnitudes (PEFT's own fresh DoRA adapter's, `||W||`); two SGD steps here (the norms
     refreshed after each update) and in PEFT, from the same saved start on the same loss,
-    give the same factors and magnitudes; on tp = 4 too (each kv head held twice)."""
+    give the same factors and magnitudes; on tp = 4 too (each kv head held twice, the
+    token embedding's vocab split in four)."""
     import jax
     import optax
 
@@ -159,18 +171,19 @@ def test_a_dora_adapter_trains_here_as_peft_trains_it(tmp_path, mesh):
     model = load_hf_model(base_dir, rules=rules)
     wrap_model(model, lj.LoRAConfig(max_loras=2, max_lora_rank=8, enable_dora=True))
     slot = 1
-    init_lora_slot(model, slot, 4, target_modules=TARGETS, use_dora=True)
+    targets = [*TARGETS, "embed_tokens"]  # the embedding's norms: over the vocab
+    init_lora_slot(model, slot, 4, target_modules=targets, use_dora=True)
     ids = np.random.default_rng(0).integers(0, V, (2, 6)).astype(np.int32)
     slots = jnp.full(ids.size, slot, jnp.int32)
     base = peft_rows(base_dir, {}, ids, ["__base__"] * len(ids))
     np.testing.assert_allclose(np.asarray(_forward(model, jnp.asarray(ids), slots)), base, **TOL)
     start = save_peft_adapter(model, slot, tmp_path / "start")
     hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    fresh = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=TARGETS, use_dora=True))
+    fresh = peft.get_peft_model(hf, peft.LoraConfig(r=4, target_modules=targets, use_dora=True))
     theirs = {k: v.detach().numpy() for k, v in peft.get_peft_model_state_dict(fresh).items()}
     mine = safetensors.numpy.load_file(f"{start}/{WEIGHTS_NAME}")
     mags = sorted(k for k in theirs if "lora_magnitude_vector" in k)
-    assert sorted(k for k in mine if "lora_magnitude_vector" in k) == mags and len(mags) == 14
+    assert sorted(k for k in mine if "lora_magnitude_vector" in k) == mags and len(mags) == 15
     for k in mags:
         np.testing.assert_allclose(mine[k], theirs[k], rtol=1e-5, err_msg=k)  # PEFT's start
     lr = 0.5
@@ -198,12 +211,51 @@ def test_a_dora_adapter_trains_here_as_peft_trains_it(tmp_path, mesh):
         safetensors.numpy.load_file(f"{d}/{WEIGHTS_NAME}")
         for d in (ours, tmp_path / "theirs", start)
     )
+    # PEFT also saves the embedding's base table when the embedding is targeted
+    want = {k: v for k, v in want.items() if not k.endswith(".base_layer.weight")}
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
     mags = [k for k in want if "lora_magnitude_vector" in k]
-    assert len(mags) == 14 and all(np.abs(want[k] - first[k]).max() > 1e-4 for k in mags)
+    assert len(mags) == 15 and all(np.abs(want[k] - first[k]).max() > 1e-4 for k in mags)
     # served, the trained slot gives PEFT's logits
     want_rows = peft_rows(base_dir, {"t": str(tmp_path / "theirs")}, ids, ["t", "t"])
     got_rows = np.asarray(_forward(model, jnp.asarray(ids), slots))
     np.testing.assert_allclose(got_rows, want_rows, **TOL)
+
+
+@pytest.mark.parametrize("mesh", [None, (1, 2)], ids=["one_device", "tp2"])
+def test_dora_on_the_token_embedding_serves_merges_and_saves_as_peft(tmp_path, mesh):
+    """A DoRA adapter on the token embedding (PEFT's DoraEmbeddingLayer: a gain per
+    embedding unit, the norm over the vocab) and two projections, beside the base in one
+    batch: each row as PEFT gives it, on a vocab-split tp = 2 mesh too; merged, PEFT's
+    merge_and_unload logits; saved, the file's own magnitudes and PEFT's logits."""
+    base_dir = tiny_llama_dir(tmp_path)
+    src = _adapter(base_dir, str(tmp_path / "e"), 4, r=4, lora_alpha=8, use_dora=True,
+                   target_modules=["embed_tokens", "q_proj", "down_proj"])  # fmt: skip
+    ids = np.random.default_rng(1).integers(0, V, (3, 6)).astype(np.int32)
+    names = ["e", "__base__", "e"]
+    want = peft_rows(base_dir, {"e": src}, ids, names)
+    hf_merged = _peft_merged_logits(base_dir, src, ids[[0]])
+    np.testing.assert_allclose(hf_merged, want[[0]], **TOL)  # PEFT's merge: its own forward
+    model, mgr, adapter, slot = _served(base_dir, "e", src, mesh)
+    slots = mgr.token_mapping([adapter.id, None, adapter.id], tokens_per_request=6)
+    got = np.asarray(_forward(model, jnp.asarray(ids), jnp.asarray(slots)))
+    np.testing.assert_allclose(got, want, **TOL)
+    emb = lora_layers(model)["model.embed_tokens"]
+    plain = np.asarray(emb.dora_norm[...])[slot] > 0
+    assert plain.all()  # every embedding unit of the slot is DoRA
+    merge_adapter(model, slot)
+    pos = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), ids.shape)
+    merged_here = np.asarray(nnx.jit(lambda m, i, p: m(i, p)[0])(model, jnp.asarray(ids), pos))
+    np.testing.assert_allclose(merged_here[[0, 2]], want[[0, 2]], **TOL)
+    unmerge_adapter(model)
+    saved = save_peft_adapter(model, slot, tmp_path / "saved")
+    assert peft.LoraConfig.from_pretrained(saved).use_dora
+    np.testing.assert_allclose(peft_rows(base_dir, {"e": saved}, ids, names), want, **TOL)
+    ours, theirs = (safetensors.numpy.load_file(f"{d}/{WEIGHTS_NAME}") for d in (saved, src))
+    mags = sorted(k for k in theirs if "lora_magnitude_vector" in k)
+    assert sorted(k for k in ours if "lora_magnitude_vector" in k) == mags and len(mags) == 5
+    assert any("embed_tokens" in k for k in mags)
+    for k in mags:
+        np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6)

@@ -364,3 +364,39 @@ def test_a_plain_flax_embed_refuses_trainable_tokens():
     assert emb.token_ids is None and emb.token_updates(None) == []
     with pytest.raises(ValueError, match="not on a plain flax.nnx.Embed"):
         emb.prepare_tokens(0, [3], np.ones((1, D)))
+
+
+def test_dora_and_trainable_tokens_on_one_embedding_are_refused():
+    """A DoRA adapter on the token embedding that also has trainable tokens there is
+    refused by name, in the loader and in init_lora_slot (which then changes nothing)."""
+    model = DecoderForCausalLM(DecoderConfig.tiny(tie_word_embeddings=False), rngs=nnx.Rngs(0))
+    cfg = lj.LoRAConfig(max_loras=2, max_lora_rank=8, max_lora_trainable_tokens=2, enable_dora=True)
+    wrap_model(model, cfg, target_modules=["embed_tokens", "q_proj"])
+    rng = np.random.default_rng(2)
+    emb = "base_model.model.model.embed_tokens"
+    tensors = {
+        f"{emb}.lora_embedding_A": rng.normal(size=(4, 256)).astype(np.float32),
+        f"{emb}.lora_embedding_B": rng.normal(size=(64, 4)).astype(np.float32),
+        f"{emb}.lora_magnitude_vector": rng.uniform(0.5, 2, 64).astype(np.float32),
+        f"{emb}.token_adapter.trainable_tokens_delta": np.ones((2, 64), np.float32),
+    }
+    spec = PEFTConfig(
+        r=4, lora_alpha=8, target_modules=("embed_tokens",), use_dora=True,
+        trainable_token_indices=(("", (5, 6)),),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"embed_tokens' has a DoRA adapter .* trainable tok"):
+        adapter_from_tensors(tensors, spec, model, cfg)
+    state = jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))
+    with pytest.raises(ValueError, match=r"use_dora=True and trainable_token_indices both on"):
+        init_lora_slot(
+            model, 1, 4, target_modules=["embed_tokens"], use_dora=True,
+            trainable_token_indices=[5, 6],
+        )  # fmt: skip
+    for got, want in zip(
+        jax.tree.leaves(jax.tree.map(np.asarray, nnx.state(model, nnx.LoRAParam))),
+        jax.tree.leaves(state),
+    ):
+        np.testing.assert_array_equal(got, want)
+    # either alone is taken
+    init_lora_slot(model, 1, 4, target_modules=["embed_tokens"], use_dora=True)
+    assert lora_layers(model)["model.embed_tokens"].dora_norm[...][1].min() > 0

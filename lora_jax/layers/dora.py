@@ -1,5 +1,8 @@
 """DoRA (PEFT `use_dora`) for the linear LoRA layers: a per-slot scale of each output unit.
 
+(The vocab embeddings keep the same two stacks per embedding unit, their norms taken over
+the vocab: `VocabParallelEmbeddingWithLoRA.dora_norms`.)
+
 PEFT's DoRA output is `g ⊙ (x @ W + s · x @ Aᵀ @ Bᵀ) + bias` with
 `g = magnitude / ||W + s · B @ A||` per output unit (the norm over the input dim, taken
 as a constant: PEFT detaches it). Each layer keeps, per slot and output unit, the
@@ -14,7 +17,7 @@ zero means plain LoRA (`g = 1`), so a zeroed slot is plain LoRA.
 
 Both stacks are `f32[max_loras, out]`, laid out like the base output (packed slices, kv
 head replicas, split on the tensor axis for column layers). Layers over a plain Flax
-layer (whose forward adds its bias inside) and MoE experts have none.
+layer (whose forward adds its bias inside), lm_heads and MoE experts have none.
 """
 
 from __future__ import annotations
@@ -82,7 +85,11 @@ def apply_dora(y: jax.Array, m_l: jax.Array, n_l: jax.Array, slots: jax.Array) -
 def weight_norms(layer, slot: int) -> np.ndarray:
     """`||W + B @ A||` per physical output unit of `slot` (f32 host `[out]`, summed in
     f64), from the layer's own forward of the identity (every row on `slot`, DoRA off)
-    less the bias, so packing, replicas and sharding are the forward's."""
+    less the bias, so packing, replicas and sharding are the forward's. A layer with its
+    own `weight_norms` (the embedding: norms over the vocab) gives them."""
+    own = getattr(layer, "weight_norms", None)
+    if own is not None:
+        return own(slot)
     base = layer.base_layer
     eye = jnp.eye(base.in_features, dtype=base.dtype or base.param_dtype)  # [in, in]
     slots = jnp.full((base.in_features,), slot, jnp.int32)
@@ -154,7 +161,7 @@ def check_magnitudes(layer, magnitudes: Sequence[np.ndarray | None]) -> None:
     if not has_dora(layer):
         raise ValueError(
             f"{layer.name}: the adapter is a DoRA adapter (PEFT use_dora); serve it with "
-            "LoRAConfig(enable_dora=True) on lora_jax's linear layers"
+            "LoRAConfig(enable_dora=True) on lora_jax's linear and embedding layers"
         )
     if len(magnitudes) != layer.n_slices:
         raise ValueError(
@@ -184,7 +191,7 @@ def check_layer_dora(layer, magnitudes) -> None:
     if getattr(layer, "check_dora", None) is None:
         raise ValueError(
             f"DoRA (PEFT use_dora) on a {type(layer).__name__} is not supported; lora_jax "
-            "serves DoRA on its linear layers"
+            "serves DoRA on its linear and embedding layers"
         )
     layer.check_dora(magnitudes)
 

@@ -10,6 +10,10 @@ table, B as `lora_b [max_loras, D, max_rank]` (replicated). Each vocab shard gat
 rows and A columns of the ids it owns (others give 0), expands its A code with B into
 its partial output, and the one all-reduce of the base embedding sums the shards: the
 LoRA adds no collective. Tokens whose slot is -1 get exactly the base embedding.
+A DoRA slot (PEFT `use_dora`, PEFT's `DoraEmbeddingLayer`) scales each token's summed
+row by `g = magnitude / ||W + B @ A||` per embedding unit, the norm over the vocab taken
+when the slot is written (`dora_norms`) and kept, as the linear layers keep theirs
+(`lora_jax.layers.dora`).
 A slot's trainable tokens (`lora_jax.layers.token_rows`) then replace the summed rows of
 their ids, and, through `attend` (a tied lm_head), the logits columns of those ids.
 
@@ -38,6 +42,7 @@ from lora_jax.layers.base import (
     host_f32,
     put_like,
 )
+from lora_jax.layers.dora import DoRAMagnitude, DoRANorm, apply_dora, check_magnitudes, has_dora
 from lora_jax.layers.token_rows import (
     TokenRowsMixin,
     replace_columns,
@@ -134,17 +139,25 @@ class VocabSlotsMixin:
         _write(self.lora_a, index, prepared.a[0])
         _write(self.lora_b, index, prepared.b[0])
         self._set_rank(index, prepared.ranks[0])
+        if has_dora(self):
+            self._zero_dora(index)  # plain LoRA until `set_dora`
 
     def slot_updates(self, prepared: PreparedLoRA | None) -> list[tuple[nnx.Variable, int, Any]]:
-        """`(variable, slot axis, new slot content or None = zeros)` for batched writers."""
+        """`(variable, slot axis, new slot content or None = zeros)` for batched writers; a
+        slot written is plain LoRA until its DoRA updates (`dora_updates`) follow."""
+        dora = [(v, 0, None) for v in _dora_stacks(self)]
         if prepared is None:
-            return [(self.lora_a, 0, None), (self.lora_b, 0, None), (self.slot_ranks, 1, None)]
+            return [
+                (self.lora_a, 0, None),
+                (self.lora_b, 0, None),
+                (self.slot_ranks, 1, None),
+            ] + dora
         ranks = np.asarray(prepared.ranks, np.int32)
         return [
             (self.lora_a, 0, prepared.a[0]),
             (self.lora_b, 0, prepared.b[0]),
             (self.slot_ranks, 1, ranks),
-        ]
+        ] + dora
 
     def set_lora(self, index: int, lora_a, lora_b) -> None:
         """Writes an adapter (scaling folded into B) into slot `index`; ranks below max
@@ -160,7 +173,7 @@ class VocabSlotsMixin:
         exactly the base output."""
         index = check_slot(self.name, "reset_lora", index, self.lora_config.max_loras)
         check_host_write(self.name, "reset_lora", self.slot_ranks)
-        for var in (self.lora_a, self.lora_b):
+        for var in (self.lora_a, self.lora_b, *_dora_stacks(self)):
             _write(var, index, np.zeros(var.shape[1:], np.float32))
         self._set_rank(index, 0)
         if tokens and getattr(self, "token_ids", None) is not None:
@@ -171,6 +184,13 @@ class VocabSlotsMixin:
         new = np.array(old)
         new[:, index] = rank
         self.slot_ranks.set_value(put_like(new, old))
+
+
+def _dora_stacks(layer) -> tuple[nnx.Variable, ...]:
+    """The layer's DoRA magnitude and norm stacks, or none (DoRA off)."""
+    if getattr(layer, "dora_norm", None) is None:
+        return ()
+    return (layer.dora_magnitude, layer.dora_norm)
 
 
 # -- the layer ----------------------------------------------------------------------------
@@ -224,9 +244,20 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module
         self._init_token_rows(
             lora_config, base_layer.num_embeddings, D, base_layer.param_dtype, rules
         )
+        if lora_config.enable_dora:  # `f32[max_loras, D]` each, as the linear layers' stacks
+
+            def zeros():  # one buffer each (slot writes donate them)
+                return rules.place(jnp.zeros((L, D), jnp.float32), *self.DORA_AXES)
+
+            self.dora_magnitude = DoRAMagnitude(zeros())
+            self.dora_norm = DoRANorm(zeros())
+        else:
+            self.dora_magnitude = self.dora_norm = None
 
     A_AXES = ("lora_slot", "lora_rank", "vocab")
     B_AXES = ("lora_slot", "embed", "lora_rank")
+    DORA_AXES = ("lora_slot", "embed")
+    n_slices = 1  # one LoRA pair (DoRA's magnitudes are checked per slice)
 
     # -- vLLM API -------------------------------------------------------------------------
     @classmethod
@@ -264,6 +295,89 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module
         """`[R, V_pad]`, `[D, R]` → `lora_embedding_A [r, V]`, `lora_embedding_B [D, r]`."""
         return a[:rank, : self.base_layer.num_embeddings], b[:, :rank]
 
+    # -- DoRA -----------------------------------------------------------------------------
+    @property
+    def logical_slice_sizes(self) -> tuple[int]:
+        return (self.base_layer.embedding_dim,)
+
+    def check_dora(self, magnitudes) -> None:
+        """Validates a DoRA adapter's magnitudes (`[D]`, one member) for this layer."""
+        check_magnitudes(self, magnitudes)
+
+    def dora_norms(self, slot) -> jax.Array:
+        """`||W + B @ A||` per embedding unit `f32[D]` of slot `slot` (an int or traced):
+        the norm over the vocab of each column of the table plus the slot's `(B @ A)ᵀ`,
+        as PEFT's `DoraEmbeddingLayer` takes it. No `[V, D]` is formed: it is
+        `||W_d||² + 2 Σ_r B[d, r] (A W)[r, d] + (B A Aᵀ Bᵀ)_dd`, each term summed over the
+        vocab shards."""
+        base = self.base_layer
+        rules = base.rules
+        axis = rules.collective_axis("vocab")
+        local_v = base.num_embeddings_padded // base.shards
+        hi = jax.lax.Precision.HIGHEST
+
+        def local(table, a_l, b_l, slot):
+            start = 0 if axis is None else jax.lax.axis_index(axis) * local_v
+            real = start + jnp.arange(table.shape[0]) < base.num_embeddings  # [V_l]
+            sq = jnp.sum(jnp.where(real[:, None], jnp.square(table.astype(jnp.float32)), 0), 0)
+            a = jax.lax.dynamic_index_in_dim(a_l, slot, 0, keepdims=False)  # [R, V_l]
+            dt = jnp.promote_types(a.dtype, table.dtype)  # padded ids: A's columns are 0
+            aw = jnp.dot(a.astype(dt), table.astype(dt), precision=hi,
+                         preferred_element_type=jnp.float32)  # [R, D_l]  # fmt: skip
+            a = a.astype(jnp.float32)
+            aa = jnp.dot(a, a.T, precision=hi)  # [R, R]
+            if axis is not None:
+                sq, aw, aa = jax.lax.psum((sq, aw, aa), axis)
+            b = jax.lax.dynamic_index_in_dim(b_l, slot, 0, keepdims=False)
+            b = b.astype(jnp.float32)  # [D_l, R]
+            n2 = sq + 2 * jnp.sum(b * aw.T, 1) + jnp.sum(jnp.dot(b, aa, precision=hi) * b, 1)
+            return jnp.sqrt(jnp.maximum(n2, 0.0))
+
+        args = (base.embedding[...], self.lora_a[...], self.lora_b[...])
+        slot = jnp.asarray(slot, jnp.int32)
+        if rules.mesh is None:
+            return local(*args, slot)
+        specs = (("vocab", "embed"), self.A_AXES, self.B_AXES, ())
+        return shard_map(rules, local, specs, ("embed",))(*args, slot)
+
+    def weight_norms(self, slot: int) -> np.ndarray:
+        """`dora_norms(slot)` on the host (f32 `[D]`)."""
+        return np.asarray(_dora_norms(self, jnp.int32(slot)), np.float32)
+
+    def dora_updates(self, index: int, magnitudes) -> list:
+        """`[(dora_magnitude, 0, m), (dora_norm, 0, ||W + B @ A||)]` for slot `index`, whose
+        LoRA is written: PEFT's gain `magnitude / ||W + B @ A||`."""
+        check_magnitudes(self, magnitudes)
+        (m,) = magnitudes
+        if m is None:  # plain LoRA: both zero
+            zero = np.zeros(self.embedding_dim, np.float32)
+            return [(self.dora_magnitude, 0, zero), (self.dora_norm, 0, zero)]
+        norms = self.weight_norms(index)
+        return [(self.dora_magnitude, 0, np.asarray(m, np.float32)), (self.dora_norm, 0, norms)]
+
+    def set_dora(self, index: int, magnitudes) -> None:
+        """Makes slot `index`'s adapter (written with `set_lora`) a DoRA adapter:
+        ``magnitudes`` is `[magnitude [D]]`, PEFT's `lora_magnitude_vector`.
+
+        Example:
+            >>> emb.set_lora(0, a, b); emb.set_dora(0, [magnitude])  # doctest: +SKIP
+        """
+        index = check_slot(self.name, "set_dora", index, self.lora_config.max_loras)
+        check_host_write(self.name, "set_dora", self.slot_ranks)
+        for var, _, value in self.dora_updates(index, magnitudes):
+            _write(var, index, value)
+
+    def _zero_dora(self, index: int) -> None:
+        """Makes slot `index` plain LoRA (gain 1)."""
+        for var in _dora_stacks(self):
+            _write(var, index, np.zeros(var.shape[1:], np.float32))
+
+    def _dora_args(self) -> tuple[tuple, tuple]:
+        """The forward's DoRA stacks and their axes (none with DoRA off)."""
+        if not has_dora(self):
+            return (), ()
+        return (self.dora_magnitude[...], self.dora_norm[...]), (self.DORA_AXES,) * 2
+
     # -- forward --------------------------------------------------------------------------
     def attend(self, x: jax.Array, gather: bool = False) -> jax.Array:
         """The base table's logits (a tied lm_head; PEFT's embedding LoRA does not touch it),
@@ -295,6 +409,7 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module
         axis = rules.collective_axis("vocab")
         local_v = base.num_embeddings_padded // base.shards
         tok_args, tok_specs = token_row_args(self)
+        dora_args, dora_specs = self._dora_args()
         args = (
             flat,
             base.embedding[...],
@@ -302,10 +417,13 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module
             self.lora_b[...],
             self.slot_ranks[...],
             mapping,
+            *dora_args,
             *tok_args,
         )
+        n_dora = len(dora_args)
 
-        def local(ids_l, table_l, a_l, b, ranks, m: LoRAMapping, *tok):
+        def local(ids_l, table_l, a_l, b, ranks, m: LoRAMapping, *rest):
+            dora, tok = rest[:n_dora], rest[n_dora:]
             start = 0 if axis is None else jax.lax.axis_index(axis) * local_v
             rel = ids_l - start
             own = (rel >= 0) & (rel < local_v)
@@ -317,6 +435,8 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module
             code = jnp.where((own & (slot >= 0))[:, None], code.astype(jnp.float32), 0.0)
             y = ops.lora_expand(y, code[None], (b,), m, offsets=(0,), slot_ranks=ranks)
             y = y if axis is None else jax.lax.psum(y, axis)
+            if dora:  # each DoRA slot's gain per embedding unit
+                y = apply_dora(y, *dora, slot)
             if tok:  # an adapter's trainable tokens embed to its own rows
                 y = replace_rows(y, ids_l, slot, *tok)
             return y
@@ -331,10 +451,16 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module
                 self.B_AXES,
                 (None, None),
                 jax.tree.map(lambda _: (), mapping),
+                *dora_specs,
                 *tok_specs,
             )
             out = shard_map(rules, local, specs, (None, "embed"))(*args)
         return out.astype(base.dtype or base.param_dtype).reshape(*lead, -1)
+
+
+@nnx.jit
+def _dora_norms(layer, slot):
+    return layer.dora_norms(slot)
 
 
 def row_slots(name: str, mapping: LoRAMapping, num_rows: int) -> jax.Array:

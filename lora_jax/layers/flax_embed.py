@@ -5,7 +5,8 @@ A targeted `nnx.Embed` becomes a `FlaxEmbedWithLoRA` whose base is a `FlaxEmbed`
 `VocabParallelEmbedding` view (one shard, no padding) that shares the original layer's
 `embedding` variable and calls the original layer for the base lookup (its dtype
 promotion and `out_sharding`). The LoRA is PEFT's embedding LoRA, as in
-`VocabParallelEmbeddingWithLoRA`: `y = emb(id) + B @ A[:, id]` for the token's slot.
+`VocabParallelEmbeddingWithLoRA`: `y = emb(id) + B @ A[:, id]` for the token's slot (a
+DoRA slot's row then times its gain per embedding unit).
 `attend` (a tied lm_head) is the original layer's and gets no LoRA, as in PEFT.
 `unwrap_model` puts the very same `nnx.Embed` back.
 
@@ -22,6 +23,7 @@ from flax import nnx
 from lora_jax import ops
 from lora_jax.config import LoRAConfig
 from lora_jax.layers.base import LoRAContext
+from lora_jax.layers.dora import apply_dora
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.layers.flax_linear import forward_source_fields
 from lora_jax.sharding import ShardingRules, unshard
@@ -151,4 +153,7 @@ class FlaxEmbedWithLoRA(VocabParallelEmbeddingWithLoRA):
             offsets=(0,),
             slot_ranks=self.slot_ranks[...],
         )
+        dora, _ = self._dora_args()
+        if dora:  # a DoRA slot's gain per embedding unit (PEFT's DoraEmbeddingLayer)
+            y2 = apply_dora(y2, *dora, slot)
         return y2.reshape(y.shape)

@@ -94,7 +94,8 @@ def _checkpoint_modules(model, adapter: LoRAAdapter, expert_layout: str) -> list
         layer = layers[lname]
         members = packed_names(lname, layer_packed_modules(lname, layer))
         if isinstance(layer, VocabParallelEmbeddingWithLoRA):  # A [r, V], B [D, r]
-            out.append(_Pair(members[0], m.lora_a[0], m.lora_b[0], EMBEDDING_KEYS))
+            mag = None if m.magnitude is None else m.magnitude[0]
+            out.append(_Pair(members[0], m.lora_a[0], m.lora_b[0], EMBEDDING_KEYS, magnitude=mag))
         elif isinstance(layer, FusedMoEWithLoRA) and expert_layout == "per_expert":
             for sub, (a, b) in per_expert_pairs(layer, m, members_of_expert).items():
                 out.append(_Pair(f"{lname}.{sub}", a, b, LINEAR_KEYS))

@@ -3,7 +3,7 @@
 A plan is `(weights, local_fn, (weight specs, lora specs), lora arrays)`: the base weight
 variables to change, a function giving one shard's merged weights in the weight's own
 physical layout, the logical axes both are sharded over, and the stacked LoRA arrays.
-A DoRA slot's linear kernels also take its per-output-unit gain.
+A DoRA slot's linear kernels (and embedding tables) also take its per-output-unit gain.
 `_plan(layer)` picks the plan for a layer's kind (linears, fused MoE experts, vocab
 embeddings, lm_heads), or None where `_unmergeable(layer)` says why it cannot be merged.
 """
@@ -129,19 +129,35 @@ def _moe_plan(layer: FusedMoEWithLoRA):
 
 
 def _embedding_plan(layer: VocabParallelEmbeddingWithLoRA):
-    """`table [V_pad, D] += A.T @ B.T` (row v gains `B @ A[:, v]`), per shard; then the
-    slot's trainable-token rows replace their ids' rows."""
-    rules = layer.base_layer.rules
+    """`table [V_pad, D] += A.T @ B.T` (row v gains `B @ A[:, v]`), per shard; a DoRA
+    slot's table then times its gain per embedding unit, the norm over the vocab taken
+    here from the merged table (PEFT's DoRA merge: `g ⊙ (W + (B @ A)ᵀ)`); then the slot's
+    trainable-token rows replace their ids' rows."""
+    base = layer.base_layer
+    rules = base.rules
+    vocab_axis = rules.collective_axis("vocab")
     tok, tok_specs = token_row_args(layer)
+    dora, dora_specs = layer._dora_args()
+    n_dora = len(dora)
 
-    def local(table, a, b, *tok_idx):
-        *tok, idx = tok_idx
-        merged = _add(table, (_pick(b, idx) @ _pick(a, idx)).T)  # [V_l, D_l]
+    def column_norms(w):  # [V_l, D_l] → [D_l], over the real (unpadded) vocab
+        start = 0 if vocab_axis is None else jax.lax.axis_index(vocab_axis) * w.shape[0]
+        real = start + jnp.arange(w.shape[0]) < base.num_embeddings
+        sq = jnp.sum(jnp.where(real[:, None], jnp.square(w), 0.0), axis=0)
+        return jnp.sqrt(sq if vocab_axis is None else jax.lax.psum(sq, vocab_axis))
+
+    def local(table, a, b, *rest):
+        dora, (*tok, idx) = rest[:n_dora], rest[n_dora:]
+        w = table.astype(jnp.float32) + (_pick(b, idx) @ _pick(a, idx)).T  # [V_l, D_l]
+        if dora:
+            on = _pick(dora[1], idx) > 0  # [D_l]: the slot's DoRA units (the rest: gain 1)
+            w = w * dora_gain(_pick(dora[0], idx), jnp.where(on, column_norms(w), 0.0))
+        merged = w.astype(table.dtype)
         return (_replace_rows(merged, *tok, idx, rules) if tok else merged,)
 
-    specs = ((_TABLE_AXES,), (layer.A_AXES, layer.B_AXES, *tok_specs))
-    lora = (layer.lora_a[...], layer.lora_b[...], *tok)
-    return (layer.base_layer.embedding,), local, specs, lora
+    specs = ((_TABLE_AXES,), (layer.A_AXES, layer.B_AXES, *dora_specs, *tok_specs))
+    lora = (layer.lora_a[...], layer.lora_b[...], *dora, *tok)
+    return (base.embedding,), local, specs, lora
 
 
 def _lm_head_plan(layer: ParallelLMHeadWithLoRA):

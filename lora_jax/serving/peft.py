@@ -371,6 +371,12 @@ def adapter_from_tensors(
     for ln, found in per_expert.items():
         modules[ln] = per_expert_lora(layers[ln], ln, found, cfg, lora_config, source)
     tokens = trainable_tokens(token_found, cfg, layers, source, name_map)
+    both = sorted(ln for ln in tokens if ln in modules and modules[ln].magnitude is not None)
+    if both:
+        raise ValueError(
+            f"{source}: module {both[0]!r} has a DoRA adapter (use_dora) and trainable tokens "
+            "(trainable_token_indices); lora_jax serves each on an embedding, not both on one"
+        )
     if cfg.alora_invocation_tokens is not None:
         check_alora_modules(cfg, modules, layers, set(expert_keys), source)
     R = lora_config.max_lora_rank

@@ -2,7 +2,8 @@
 
 `init_lora_slot(..., use_dora=True)` starts every targeted linear module as PEFT starts a
 DoRA adapter: B is zero, so the magnitude is `||W||` per output unit and the gain
-`magnitude / ||W + B @ A||` is 1. The magnitudes are `nnx.LoRAParam`s
+`magnitude / ||W + B @ A||` is 1. A targeted token embedding starts the same way (A is
+zero there; its norms are over the vocab, per embedding unit). The magnitudes are `nnx.LoRAParam`s
 (`lora_jax.layers.dora.DoRAMagnitude`): an optimizer over `wrt=nnx.LoRAParam` trains them
 with the factors. The norm is a constant of the forward (PEFT detaches it) that follows
 the factors: `refresh_dora_norms` takes it again from the slot's current weights. Call it
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lora_jax.layers.dora import dora_axes, dora_values, has_dora, weight_norms
+from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.serving.merge_plans import _linear_plan
 from lora_jax.serving.wrap import lora_layers
 from lora_jax.sharding import shard_map
@@ -31,15 +33,18 @@ def check_dora_targets(layers: Mapping[str, object]) -> None:
     if without:
         raise ValueError(
             f"init_lora_slot: use_dora=True targets {without}, which keep no DoRA "
-            "magnitudes; DoRA trains on lora_jax's linear layers of a model wrapped with "
-            "LoRAConfig(enable_dora=True) (not the embedding, the lm_head, MoE experts or "
-            "a plain Flax layer)"
+            "magnitudes; DoRA trains on lora_jax's linear and embedding layers of a model "
+            "wrapped with LoRAConfig(enable_dora=True) (not the lm_head, MoE experts or a "
+            "plain Flax linear layer)"
         )
 
 
 def start_dora(layer, slot: int, chosen: Sequence[bool]) -> None:
     """Makes the chosen slices of slot `slot` (whose factors are written) DoRA with PEFT's
     starting magnitude `||W + B @ A||` (gain 1); the others stay plain LoRA."""
+    if isinstance(layer, VocabParallelEmbeddingWithLoRA):  # one member, all of it DoRA
+        layer.set_dora(slot, [layer.weight_norms(slot) if chosen[0] else None])
+        return
     ones = [
         np.ones(n, np.float32) if keep else None
         for n, keep in zip(layer.logical_slice_sizes, chosen)
@@ -57,7 +62,8 @@ def refresh_dora_norms(model, slots: Sequence[int] | int) -> None:
     each optimizer update of a DoRA slot (inside the jitted step; ``slots`` may be traced).
     It costs what PEFT's does: per layer and slot, `W + B @ A` per shard in the kernel's
     own layout (as `merge_adapter` makes it) and its column norms, summed over the
-    tensor axis where the kernel's input dim is split.
+    tensor axis where the kernel's input dim is split (a token embedding's norms come
+    from `A W` and `A Aᵀ` instead, without `[V, D]`).
 
     Example:
         >>> opt.update(model, grads); refresh_dora_norms(model, [1])  # doctest: +SKIP
@@ -74,7 +80,10 @@ def refresh_slot_norm(layer, slot) -> None:
     """Sets slot `slot`'s DoRA norms to `||W + B @ A||` of its current weights, where the
     slot has DoRA (units of plain LoRA keep a norm of zero). `slot` may be traced."""
     slot = jnp.asarray(slot, jnp.int32)
-    fresh = _norms_fn(layer)(layer.base_layer.kernel[...], *_factors(layer), slot)  # [out]
+    if isinstance(layer, VocabParallelEmbeddingWithLoRA):  # [D]: over the vocab
+        fresh = layer.dora_norms(slot)
+    else:
+        fresh = _norms_fn(layer)(layer.base_layer.kernel[...], *_factors(layer), slot)  # [out]
     norms = layer.dora_norm[...]
     old = jax.lax.dynamic_index_in_dim(norms, slot, axis=0, keepdims=False)
     new = jnp.where(old > 0, fresh.astype(jnp.float32), 0.0)

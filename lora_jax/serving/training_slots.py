@@ -138,6 +138,7 @@ def init_lora_slot(
         if isinstance(layer, WHOLE_LAYERS):
             if targets is not None and matches_targets(targets, name):
                 plans[name] = layer.prepare_lora(slot, *_whole_init(layer, rank, rng))
+                dora[name] = [True]
                 covered.append(name)
             continue
         members = packed_names(name, layer_packed_modules(name, layer))
@@ -176,6 +177,12 @@ def init_lora_slot(
     tokens = token_plans(model, int(slot), trainable_token_indices)
     if use_dora:
         check_dora_targets({name: everything[name] for name in plans})
+        both = sorted(set(tokens) & set(plans))
+        if both:
+            raise ValueError(
+                f"init_lora_slot: use_dora=True and trainable_token_indices both on {both}; "
+                "lora_jax trains each on an embedding, not both on one"
+            )
     for name, layer in everything.items():  # every layer checked before the first write
         if name in plans:
             layer.write_lora(slot, plans[name])
