@@ -63,7 +63,8 @@ class LoRAConfig:
     """Serve (and train) DoRA adapters (PEFT `use_dora`): every linear LoRA layer keeps per
     slot the magnitude and the norm `||W + B @ A||` of each output unit (f32
     `[max_loras, out]` each) and scales its output by their ratio; a token embedding
-    keeps them per embedding unit (`[max_loras, D]`, the norm over the vocab)."""
+    keeps them per embedding unit (`[max_loras, D]`, the norm over the vocab), the
+    lm_head per vocab row (`[max_loras, V_pad]`)."""
     max_lora_trainable_tokens: int = 0
     """Per adapter, how many token ids may carry their own embedding / lm_head rows
     (PEFT's `trainable_token_indices`); 0 refuses such adapters and allocates nothing."""

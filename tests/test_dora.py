@@ -1,7 +1,7 @@
 """DoRA (`lora_jax.layers.dora`) in every linear LoRA kind against a float64 numpy oracle:
 `y = g ⊙ (x @ (W + (B @ A)ᵀ)) + bias`, `g = magnitude / ||W + (B @ A)ᵀ||` per output unit;
-and in the token embeddings (the norm over the vocab). HF peft is the oracle in
-test_dora_hf.py."""
+and in the token embeddings (the norm over the vocab) and the lm_head (over the hidden
+dim). HF peft is the oracle in test_dora_hf.py."""
 
 import jax
 import jax.numpy as jnp
@@ -13,11 +13,12 @@ from layer_cases import KINDS, Kind, logical_output, make_mesh, random_weights
 import lora_jax as lj
 from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.layers.flax_embed import FlaxEmbedWithLoRA
+from lora_jax.layers.logits import ParallelLMHeadWithLoRA
 from lora_jax.serving.export import adapter_from_slot
 from lora_jax.serving.manager import LoRAModelManager
 from lora_jax.serving.merge import merge_adapter, unmerge_adapter
 from lora_jax.serving.peft import LoRAAdapter, ModuleLoRA
-from lora_jax.vocab import VocabParallelEmbedding
+from lora_jax.vocab import ParallelLMHead, VocabParallelEmbedding
 
 _FAST = {"replicated", "merged_qkv", "row", "merged_qkv_sharded", "row_sharded", "qkv"}
 KIND_PARAMS = [
@@ -212,6 +213,18 @@ def _embedding(flax_embed: bool, mesh, V=50, D=16):
     return VocabParallelEmbeddingWithLoRA(base, cfg, lj.LoRAContext(None)), table
 
 
+def _dora_and_plain(layer, rng, k: int, n: int):
+    """Slot 1: a rank-4 DoRA adapter `(A [4, k], B [n, 4], magnitude [n])`; slot 2: a
+    rank-2 plain one `(A, B)`. Returns both."""
+    dora = (rng.normal(0, 0.5, (4, k)), rng.normal(0, 0.5, (n, 4)), rng.uniform(0.5, 2, n))
+    dora = tuple(v.astype(np.float32) for v in dora)
+    plain = tuple(rng.normal(0, 0.5, s).astype(np.float32) for s in ((2, k), (n, 2)))
+    layer.set_lora(1, *dora[:2])
+    layer.set_dora(1, [dora[2]])
+    layer.set_lora(2, *plain)
+    return dora, plain
+
+
 def _embedding_oracle(table, ids, idx, adapters):
     """PEFT's DoRA embedding in float64: `g ⊙ (W + (B @ A)ᵀ)[id]`, `g = m / ||W + (B @ A)ᵀ||`
     over the vocab per embedding unit (`g = 1` for a plain slot: m None)."""
@@ -240,12 +253,7 @@ def test_token_embeddings_scale_merge_and_export_their_dora_slots(flax_embed, me
     layer, table = _embedding(flax_embed, mesh)
     V, D = table.shape
     rng = np.random.default_rng(1)
-    dora = (rng.normal(0, 0.5, (4, V)), rng.normal(0, 0.5, (D, 4)), rng.uniform(0.5, 2, D))
-    dora = tuple(v.astype(np.float32) for v in dora)
-    plain = tuple(rng.normal(0, 0.5, s).astype(np.float32) for s in ((2, V), (D, 2)))
-    layer.set_lora(1, *dora[:2])
-    layer.set_dora(1, [dora[2]])
-    layer.set_lora(2, *plain)
+    dora, plain = _dora_and_plain(layer, rng, V, D)
     ids = rng.integers(0, V, len(IDX)).astype(np.int32)
     want = _embedding_oracle(table, ids, IDX, {1: dora, 2: (*plain, None)})
     got = _forward(layer, jnp.asarray(ids), jnp.asarray(IDX))
@@ -271,3 +279,47 @@ def test_token_embeddings_scale_merge_and_export_their_dora_slots(flax_embed, me
     got = _forward(layer, jnp.asarray(ids), jnp.asarray(IDX))
     want = _embedding_oracle(table, ids, IDX, {1: (*dora[:2], None), 2: (*plain, None)})
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("mesh", [None, (2, 4)], ids=["one_device", "dp2tp4"])
+def test_an_lm_head_scales_merges_and_exports_its_dora_slots(mesh):
+    """PEFT's DoRA on the lm_head (a Linear: a gain per vocab row, the norm over the
+    hidden dim; padded rows left out): slot 1 DoRA, slot 2 plain LoRA, each row's logits
+    as the oracle says (vocab split on tp); adapter_from_slot reads the magnitudes back
+    in token order; merged, the table gives them with no mapping, and unmerged it is as
+    it was."""
+    V, D = 50, 16
+    rules = lj.ShardingRules(make_mesh(*mesh)) if mesh else lj.ShardingRules()
+    head = ParallelLMHead(V, D, rules=rules, rngs=nnx.Rngs(0))
+    W = np.random.default_rng(7).normal(size=(V, D)).astype(np.float32)
+    head.load_table(W)
+    cfg = lj.LoRAConfig(max_loras=3, max_lora_rank=8, enable_dora=True)
+    layer = ParallelLMHeadWithLoRA(head, cfg)
+    rng = np.random.default_rng(1)
+    dora, plain = _dora_and_plain(layer, rng, D, V)
+    x = rng.normal(size=(len(IDX), D))
+
+    def oracle(idx, adapters):
+        y = x @ W.T.astype(np.float64)
+        for t, slot in enumerate(idx):
+            if slot in adapters:
+                a, b, m = adapters[slot]
+                merged = W + b.astype(np.float64) @ a  # [V, D]
+                g = 1.0 if m is None else m / np.linalg.norm(merged, axis=1)
+                y[t] = g * (x[t] @ merged.T)
+        return y
+
+    got = _forward(layer, jnp.asarray(x, jnp.float32), jnp.asarray(IDX))
+    want = oracle(IDX, {1: dora, 2: (*plain, None)})
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+    model = nnx.Dict(lm_head=layer)
+    (mag,) = adapter_from_slot(model, 1).modules["lm_head"].magnitude
+    np.testing.assert_allclose(mag, dora[2], rtol=1e-6)
+    before = np.asarray(head.embedding[...])
+    merge_adapter(model, 1)
+    y = jax.jit(lambda h: layer(h))(jnp.asarray(x, jnp.float32))  # no mapping: the table only
+    np.testing.assert_allclose(
+        np.asarray(y), oracle(np.ones_like(IDX), {1: dora}), rtol=2e-5, atol=2e-5
+    )
+    unmerge_adapter(model)
+    np.testing.assert_array_equal(np.asarray(head.embedding[...]), before)

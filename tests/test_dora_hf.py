@@ -155,7 +155,7 @@ def test_a_dora_adapter_trains_here_as_peft_trains_it(tmp_path, mesh):
     magnitudes (PEFT's own fresh DoRA adapter's, `||W||`); two SGD steps here (the norms
     refreshed after each update) and in PEFT, from the same saved start on the same loss,
     give the same factors and magnitudes; on tp = 4 too (each kv head held twice, the
-    token embedding's vocab split in four)."""
+    token embedding's and the lm_head's vocab split in four)."""
     import jax
     import optax
 
@@ -171,7 +171,7 @@ def test_a_dora_adapter_trains_here_as_peft_trains_it(tmp_path, mesh):
     model = load_hf_model(base_dir, rules=rules)
     wrap_model(model, lj.LoRAConfig(max_loras=2, max_lora_rank=8, enable_dora=True))
     slot = 1
-    targets = [*TARGETS, "embed_tokens"]  # the embedding's norms: over the vocab
+    targets = [*TARGETS, "embed_tokens", "lm_head"]  # their norms: over the vocab, over D
     init_lora_slot(model, slot, 4, target_modules=targets, use_dora=True)
     ids = np.random.default_rng(0).integers(0, V, (2, 6)).astype(np.int32)
     slots = jnp.full(ids.size, slot, jnp.int32)
@@ -183,7 +183,7 @@ def test_a_dora_adapter_trains_here_as_peft_trains_it(tmp_path, mesh):
     theirs = {k: v.detach().numpy() for k, v in peft.get_peft_model_state_dict(fresh).items()}
     mine = safetensors.numpy.load_file(f"{start}/{WEIGHTS_NAME}")
     mags = sorted(k for k in theirs if "lora_magnitude_vector" in k)
-    assert sorted(k for k in mine if "lora_magnitude_vector" in k) == mags and len(mags) == 15
+    assert sorted(k for k in mine if "lora_magnitude_vector" in k) == mags and len(mags) == 16
     for k in mags:
         np.testing.assert_allclose(mine[k], theirs[k], rtol=1e-5, err_msg=k)  # PEFT's start
     lr = 0.5
@@ -217,7 +217,7 @@ def test_a_dora_adapter_trains_here_as_peft_trains_it(tmp_path, mesh):
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
     mags = [k for k in want if "lora_magnitude_vector" in k]
-    assert len(mags) == 15 and all(np.abs(want[k] - first[k]).max() > 1e-4 for k in mags)
+    assert len(mags) == 16 and all(np.abs(want[k] - first[k]).max() > 1e-4 for k in mags)
     # served, the trained slot gives PEFT's logits
     want_rows = peft_rows(base_dir, {"t": str(tmp_path / "theirs")}, ids, ["t", "t"])
     got_rows = np.asarray(_forward(model, jnp.asarray(ids), slots))
@@ -225,14 +225,15 @@ def test_a_dora_adapter_trains_here_as_peft_trains_it(tmp_path, mesh):
 
 
 @pytest.mark.parametrize("mesh", [None, (1, 2)], ids=["one_device", "tp2"])
-def test_dora_on_the_token_embedding_serves_merges_and_saves_as_peft(tmp_path, mesh):
+def test_dora_on_the_embedding_and_lm_head_serves_merges_and_saves_as_peft(tmp_path, mesh):
     """A DoRA adapter on the token embedding (PEFT's DoraEmbeddingLayer: a gain per
-    embedding unit, the norm over the vocab) and two projections, beside the base in one
-    batch: each row as PEFT gives it, on a vocab-split tp = 2 mesh too; merged, PEFT's
-    merge_and_unload logits; saved, the file's own magnitudes and PEFT's logits."""
+    embedding unit, the norm over the vocab), the lm_head (a gain per vocab row, the norm
+    over the hidden dim) and two projections, beside the base in one batch: each row as
+    PEFT gives it, on a vocab-split tp = 2 mesh too; merged, PEFT's merge_and_unload
+    logits; saved, the file's own magnitudes and PEFT's logits."""
     base_dir = tiny_llama_dir(tmp_path)
     src = _adapter(base_dir, str(tmp_path / "e"), 4, r=4, lora_alpha=8, use_dora=True,
-                   target_modules=["embed_tokens", "q_proj", "down_proj"])  # fmt: skip
+                   target_modules=["embed_tokens", "q_proj", "down_proj", "lm_head"])  # fmt: skip
     ids = np.random.default_rng(1).integers(0, V, (3, 6)).astype(np.int32)
     names = ["e", "__base__", "e"]
     want = peft_rows(base_dir, {"e": src}, ids, names)
@@ -255,7 +256,7 @@ def test_dora_on_the_token_embedding_serves_merges_and_saves_as_peft(tmp_path, m
     np.testing.assert_allclose(peft_rows(base_dir, {"e": saved}, ids, names), want, **TOL)
     ours, theirs = (safetensors.numpy.load_file(f"{d}/{WEIGHTS_NAME}") for d in (saved, src))
     mags = sorted(k for k in theirs if "lora_magnitude_vector" in k)
-    assert sorted(k for k in ours if "lora_magnitude_vector" in k) == mags and len(mags) == 5
-    assert any("embed_tokens" in k for k in mags)
+    assert sorted(k for k in ours if "lora_magnitude_vector" in k) == mags and len(mags) == 6
+    assert any("embed_tokens" in k for k in mags) and any("lm_head" in k for k in mags)
     for k in mags:
         np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6)

@@ -1,7 +1,8 @@
 """DoRA (PEFT `use_dora`) for the linear LoRA layers: a per-slot scale of each output unit.
 
-(The vocab embeddings keep the same two stacks per embedding unit, their norms taken over
-the vocab: `VocabParallelEmbeddingWithLoRA.dora_norms`.)
+(The vocab layers keep the same two stacks: the token embedding per embedding unit, its
+norms over the vocab; the lm_head per vocab row, its norms over the hidden dim;
+`lora_jax.layers.vocab_slots`.)
 
 PEFT's DoRA output is `g ⊙ (x @ W + s · x @ Aᵀ @ Bᵀ) + bias` with
 `g = magnitude / ||W + s · B @ A||` per output unit (the norm over the input dim, taken
@@ -17,7 +18,7 @@ zero means plain LoRA (`g = 1`), so a zeroed slot is plain LoRA.
 
 Both stacks are `f32[max_loras, out]`, laid out like the base output (packed slices, kv
 head replicas, split on the tensor axis for column layers). Layers over a plain Flax
-layer (whose forward adds its bias inside), lm_heads and MoE experts have none.
+layer (whose forward adds its bias inside) and MoE experts have none.
 """
 
 from __future__ import annotations

@@ -17,12 +17,11 @@ when the slot is written (`dora_norms`) and kept, as the linear layers keep thei
 A slot's trainable tokens (`lora_jax.layers.token_rows`) then replace the summed rows of
 their ids, and, through `attend` (a tied lm_head), the logits columns of those ids.
 
-The module also holds the slot-write helpers shared with `lora_jax.layers.logits`.
+`token_logits` and `row_slots` are shared with `lora_jax.layers.logits`; the slot writes
+(DoRA's too) are `lora_jax.layers.vocab_slots`'.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,18 +30,8 @@ from flax import nnx
 
 from lora_jax import ops
 from lora_jax.config import LoRAConfig
-from lora_jax.layers.base import (
-    LoRAContext,
-    LoRASlotRanks,
-    PreparedLoRA,
-    _place_like,
-    _write_slot,
-    check_finite,
-    check_host_write,
-    host_f32,
-    put_like,
-)
-from lora_jax.layers.dora import DoRAMagnitude, DoRANorm, apply_dora, check_magnitudes, has_dora
+from lora_jax.layers.base import LoRAContext, LoRASlotRanks
+from lora_jax.layers.dora import apply_dora
 from lora_jax.layers.token_rows import (
     TokenRowsMixin,
     replace_columns,
@@ -50,153 +39,21 @@ from lora_jax.layers.token_rows import (
     replacement_logits,
     token_row_args,
 )
+from lora_jax.layers.vocab_slots import (
+    VocabDoRAMixin,
+    VocabSlotsMixin,
+    as_matrix,
+    check_rank,
+    dora_unit_norms,
+)
 from lora_jax.mapping import LoRAMapping
 from lora_jax.sharding import shard_map
 from lora_jax.vocab import ParallelLMHead, VocabParallelEmbedding
 
-# -- slot logic shared by the vocab LoRA layers ------------------------------------------
-
-
-def check_slot(name: str, what: str, index, max_loras: int) -> int:
-    """`index` as an int in `[0, max_loras)`, else a ValueError naming the layer."""
-    if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
-        raise ValueError(f"{name}.{what}: index must be an int, got {index!r}")
-    if not 0 <= int(index) < max_loras:
-        raise ValueError(f"{name}.{what}: index {int(index)} outside [0, {max_loras})")
-    return int(index)
-
-
-def as_matrix(name: str, tensor: str, value, shape: tuple[int | None, int | None]) -> np.ndarray:
-    """`value` as a float32 2-D array whose dims match `shape` (None = any)."""
-    if value is None:
-        raise ValueError(f"{name}.set_lora: {tensor} is missing")
-    arr = host_f32(name, tensor, value)
-    want = "[" + ", ".join("rank" if s is None else str(s) for s in shape) + "]"
-    if arr.ndim != 2 or any(s is not None and s != n for s, n in zip(shape, arr.shape)):
-        raise ValueError(f"{name}.set_lora: {tensor} must be {want}, got shape {arr.shape}")
-    return arr
-
-
-def check_rank(name: str, rank: int, max_rank: int, *others: tuple[str, int]) -> None:
-    """Rank in `[1, max_rank]` and equal to every `(tensor, rank)` in `others`."""
-    if not 1 <= rank <= max_rank:
-        raise ValueError(f"{name}.set_lora: rank {rank} is outside [1, max_lora_rank={max_rank}]")
-    for tensor, r in others:
-        if r != rank:
-            raise ValueError(f"{name}.set_lora: {tensor} has rank {r}, lora_a has rank {rank}")
-
-
-def _write(var: nnx.Variable, index: int, value: np.ndarray) -> None:
-    stack = var[...]
-    var.set_value(_write_slot(stack, jnp.int32(index), _place_like(np.asarray(value), stack)))
-
-
-class VocabSlotsMixin:
-    """Slot writes over one `lora_a`/`lora_b` pair and `slot_ranks [1, max_loras]`, with
-    the protocol of `BaseLayerWithLoRA` (`prepare_lora` / `write_lora` / `slot_updates`)
-    so the adapter manager writes these layers in its one jitted update.
-
-    Subclasses implement `_layout(lora_a, lora_b) -> (a_stored, b_stored, rank)`.
-    """
-
-    name: str
-    lora_config: LoRAConfig
-    lora_a: nnx.LoRAParam
-    lora_b: nnx.LoRAParam
-    slot_ranks: LoRASlotRanks
-
-    def _layout(self, lora_a, lora_b) -> tuple[np.ndarray, np.ndarray, int]:
-        raise NotImplementedError
-
-    def _unlayout(self, a: np.ndarray, b: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        raise NotImplementedError
-
-    def read_lora(self, index: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """Slot `index` as `set_lora` takes it (PEFT's layout, scaling in B), host f32;
-        None for an empty slot. The inverse of `set_lora`.
-
-        Example:
-            >>> a, b = layer.read_lora(0)  # doctest: +SKIP
-        """
-        index = check_slot(self.name, "read_lora", index, self.lora_config.max_loras)
-        rank = int(np.asarray(self.slot_ranks[...])[0, index])
-        if rank == 0:
-            return None
-        a = np.asarray(self.lora_a[...][index], np.float32)
-        b = np.asarray(self.lora_b[...][index], np.float32)
-        return self._unlayout(a, b, rank)
-
-    def prepare_lora(self, index: int, lora_a, lora_b) -> PreparedLoRA:
-        """Validates an adapter for slot `index` and lays it out as stored; writes nothing."""
-        check_slot(self.name, "set_lora", index, self.lora_config.max_loras)
-        a, b, r = self._layout(lora_a, lora_b)
-        return check_finite(self.name, PreparedLoRA(a=(a,), b=(b,), ranks=(r,)), self.lora_dtype)
-
-    def write_lora(self, index: int, prepared: PreparedLoRA) -> None:
-        """Stores a `prepare_lora` result into slot `index`."""
-        index = check_slot(self.name, "write_lora", index, self.lora_config.max_loras)
-        check_host_write(self.name, "set_lora", self.slot_ranks)
-        _write(self.lora_a, index, prepared.a[0])
-        _write(self.lora_b, index, prepared.b[0])
-        self._set_rank(index, prepared.ranks[0])
-        if has_dora(self):
-            self._zero_dora(index)  # plain LoRA until `set_dora`
-
-    def slot_updates(self, prepared: PreparedLoRA | None) -> list[tuple[nnx.Variable, int, Any]]:
-        """`(variable, slot axis, new slot content or None = zeros)` for batched writers; a
-        slot written is plain LoRA until its DoRA updates (`dora_updates`) follow."""
-        dora = [(v, 0, None) for v in _dora_stacks(self)]
-        if prepared is None:
-            return [
-                (self.lora_a, 0, None),
-                (self.lora_b, 0, None),
-                (self.slot_ranks, 1, None),
-            ] + dora
-        ranks = np.asarray(prepared.ranks, np.int32)
-        return [
-            (self.lora_a, 0, prepared.a[0]),
-            (self.lora_b, 0, prepared.b[0]),
-            (self.slot_ranks, 1, ranks),
-        ] + dora
-
-    def set_lora(self, index: int, lora_a, lora_b) -> None:
-        """Writes an adapter (scaling folded into B) into slot `index`; ranks below max
-        are zero-padded. All checks run before any write.
-
-        Example:
-            >>> layer.set_lora(0, lora_a, lora_b)  # doctest: +SKIP
-        """
-        self.write_lora(index, self.prepare_lora(index, lora_a, lora_b))
-
-    def reset_lora(self, index: int, *, tokens: bool = True) -> None:
-        """Zeroes slot `index`, its trainable tokens too (``tokens``): it then gives
-        exactly the base output."""
-        index = check_slot(self.name, "reset_lora", index, self.lora_config.max_loras)
-        check_host_write(self.name, "reset_lora", self.slot_ranks)
-        for var in (self.lora_a, self.lora_b, *_dora_stacks(self)):
-            _write(var, index, np.zeros(var.shape[1:], np.float32))
-        self._set_rank(index, 0)
-        if tokens and getattr(self, "token_ids", None) is not None:
-            self.reset_tokens(index)
-
-    def _set_rank(self, index: int, rank: int) -> None:
-        old = self.slot_ranks[...]
-        new = np.array(old)
-        new[:, index] = rank
-        self.slot_ranks.set_value(put_like(new, old))
-
-
-def _dora_stacks(layer) -> tuple[nnx.Variable, ...]:
-    """The layer's DoRA magnitude and norm stacks, or none (DoRA off)."""
-    if getattr(layer, "dora_norm", None) is None:
-        return ()
-    return (layer.dora_magnitude, layer.dora_norm)
-
-
 # -- the layer ----------------------------------------------------------------------------
 
 
-class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module):
+class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, VocabDoRAMixin, TokenRowsMixin, nnx.Module):
     """LoRA around a `VocabParallelEmbedding` (not an lm_head), per-token slots.
 
     Example:
@@ -244,20 +101,11 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module
         self._init_token_rows(
             lora_config, base_layer.num_embeddings, D, base_layer.param_dtype, rules
         )
-        if lora_config.enable_dora:  # `f32[max_loras, D]` each, as the linear layers' stacks
-
-            def zeros():  # one buffer each (slot writes donate them)
-                return rules.place(jnp.zeros((L, D), jnp.float32), *self.DORA_AXES)
-
-            self.dora_magnitude = DoRAMagnitude(zeros())
-            self.dora_norm = DoRANorm(zeros())
-        else:
-            self.dora_magnitude = self.dora_norm = None
+        self._init_dora(D, rules)  # DoRA: `f32[max_loras, D]` magnitudes and norms
 
     A_AXES = ("lora_slot", "lora_rank", "vocab")
     B_AXES = ("lora_slot", "embed", "lora_rank")
     DORA_AXES = ("lora_slot", "embed")
-    n_slices = 1  # one LoRA pair (DoRA's magnitudes are checked per slice)
 
     # -- vLLM API -------------------------------------------------------------------------
     @classmethod
@@ -300,10 +148,6 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module
     def logical_slice_sizes(self) -> tuple[int]:
         return (self.base_layer.embedding_dim,)
 
-    def check_dora(self, magnitudes) -> None:
-        """Validates a DoRA adapter's magnitudes (`[D]`, one member) for this layer."""
-        check_magnitudes(self, magnitudes)
-
     def dora_norms(self, slot) -> jax.Array:
         """`||W + B @ A||` per embedding unit `f32[D]` of slot `slot` (an int or traced):
         the norm over the vocab of each column of the table plus the slot's `(B @ A)ᵀ`,
@@ -314,24 +158,13 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module
         rules = base.rules
         axis = rules.collective_axis("vocab")
         local_v = base.num_embeddings_padded // base.shards
-        hi = jax.lax.Precision.HIGHEST
 
-        def local(table, a_l, b_l, slot):
+        def local(table, a_l, b_l, slot):  # [V_l, D_l], [L, R, V_l], [L, D_l, R]
             start = 0 if axis is None else jax.lax.axis_index(axis) * local_v
             real = start + jnp.arange(table.shape[0]) < base.num_embeddings  # [V_l]
-            sq = jnp.sum(jnp.where(real[:, None], jnp.square(table.astype(jnp.float32)), 0), 0)
             a = jax.lax.dynamic_index_in_dim(a_l, slot, 0, keepdims=False)  # [R, V_l]
-            dt = jnp.promote_types(a.dtype, table.dtype)  # padded ids: A's columns are 0
-            aw = jnp.dot(a.astype(dt), table.astype(dt), precision=hi,
-                         preferred_element_type=jnp.float32)  # [R, D_l]  # fmt: skip
-            a = a.astype(jnp.float32)
-            aa = jnp.dot(a, a.T, precision=hi)  # [R, R]
-            if axis is not None:
-                sq, aw, aa = jax.lax.psum((sq, aw, aa), axis)
-            b = jax.lax.dynamic_index_in_dim(b_l, slot, 0, keepdims=False)
-            b = b.astype(jnp.float32)  # [D_l, R]
-            n2 = sq + 2 * jnp.sum(b * aw.T, 1) + jnp.sum(jnp.dot(b, aa, precision=hi) * b, 1)
-            return jnp.sqrt(jnp.maximum(n2, 0.0))
+            b = jax.lax.dynamic_index_in_dim(b_l, slot, 0, keepdims=False)  # [D_l, R]
+            return dora_unit_norms(table, a, b, 0, axis, real[:, None])  # [D_l]
 
         args = (base.embedding[...], self.lora_a[...], self.lora_b[...])
         slot = jnp.asarray(slot, jnp.int32)
@@ -339,44 +172,6 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module
             return local(*args, slot)
         specs = (("vocab", "embed"), self.A_AXES, self.B_AXES, ())
         return shard_map(rules, local, specs, ("embed",))(*args, slot)
-
-    def weight_norms(self, slot: int) -> np.ndarray:
-        """`dora_norms(slot)` on the host (f32 `[D]`)."""
-        return np.asarray(_dora_norms(self, jnp.int32(slot)), np.float32)
-
-    def dora_updates(self, index: int, magnitudes) -> list:
-        """`[(dora_magnitude, 0, m), (dora_norm, 0, ||W + B @ A||)]` for slot `index`, whose
-        LoRA is written: PEFT's gain `magnitude / ||W + B @ A||`."""
-        check_magnitudes(self, magnitudes)
-        (m,) = magnitudes
-        if m is None:  # plain LoRA: both zero
-            zero = np.zeros(self.embedding_dim, np.float32)
-            return [(self.dora_magnitude, 0, zero), (self.dora_norm, 0, zero)]
-        norms = self.weight_norms(index)
-        return [(self.dora_magnitude, 0, np.asarray(m, np.float32)), (self.dora_norm, 0, norms)]
-
-    def set_dora(self, index: int, magnitudes) -> None:
-        """Makes slot `index`'s adapter (written with `set_lora`) a DoRA adapter:
-        ``magnitudes`` is `[magnitude [D]]`, PEFT's `lora_magnitude_vector`.
-
-        Example:
-            >>> emb.set_lora(0, a, b); emb.set_dora(0, [magnitude])  # doctest: +SKIP
-        """
-        index = check_slot(self.name, "set_dora", index, self.lora_config.max_loras)
-        check_host_write(self.name, "set_dora", self.slot_ranks)
-        for var, _, value in self.dora_updates(index, magnitudes):
-            _write(var, index, value)
-
-    def _zero_dora(self, index: int) -> None:
-        """Makes slot `index` plain LoRA (gain 1)."""
-        for var in _dora_stacks(self):
-            _write(var, index, np.zeros(var.shape[1:], np.float32))
-
-    def _dora_args(self) -> tuple[tuple, tuple]:
-        """The forward's DoRA stacks and their axes (none with DoRA off)."""
-        if not has_dora(self):
-            return (), ()
-        return (self.dora_magnitude[...], self.dora_norm[...]), (self.DORA_AXES,) * 2
 
     # -- forward --------------------------------------------------------------------------
     def attend(self, x: jax.Array, gather: bool = False) -> jax.Array:
@@ -456,11 +251,6 @@ class VocabParallelEmbeddingWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module
             )
             out = shard_map(rules, local, specs, (None, "embed"))(*args)
         return out.astype(base.dtype or base.param_dtype).reshape(*lead, -1)
-
-
-@nnx.jit
-def _dora_norms(layer, slot):
-    return layer.dora_norms(slot)
 
 
 def row_slots(name: str, mapping: LoRAMapping, num_rows: int) -> jax.Array:

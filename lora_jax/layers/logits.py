@@ -29,6 +29,7 @@ and `logits_lora` (`LogitsProcessorWithLoRA`, `VocabRowOrder`).
 from __future__ import annotations
 
 import jax
+import numpy as np
 from flax import nnx
 
 from lora_jax.config import LoRAConfig
@@ -39,10 +40,11 @@ from lora_jax.layers.logits_processor import LogitsProcessor as LogitsProcessor
 from lora_jax.layers.logits_processor import _f32_finite as _f32_finite
 from lora_jax.layers.logits_processor import _head_of as _head_of
 from lora_jax.layers.logits_processor import sharded_to_full_mapping as sharded_to_full_mapping
+from lora_jax.layers.vocab_slots import VocabDoRAMixin
 from lora_jax.vocab import ParallelLMHead, VocabParallelEmbedding
 
 
-class ParallelLMHeadWithLoRA(nnx.Module):
+class ParallelLMHeadWithLoRA(VocabDoRAMixin, nnx.Module):
     """A model's `lm_head` with LoRA: `head(hidden) → logits [..., V]` through a
     `LogitsProcessorWithLoRA` (no soft cap / scale: the model applies its own).
 
@@ -132,6 +134,46 @@ class ParallelLMHeadWithLoRA(nnx.Module):
 
     def read_tokens(self, index: int):
         return None if self.tied else self.logits_processor.read_tokens(index)
+
+    # DoRA (PEFT use_dora on the lm_head, a Linear): a gain per vocab row, its norm over
+    # the hidden dim; the stacks are the processor's, in the head's row order
+    @property
+    def dora_magnitude(self):
+        return self.logits_processor.dora_magnitude
+
+    @property
+    def dora_norm(self):
+        return self.logits_processor.dora_norm
+
+    @property
+    def slot_ranks(self):
+        return self.logits_processor.slot_ranks
+
+    @property
+    def logical_slice_sizes(self) -> tuple[int]:
+        return (self.logits_processor.vocab_size,)
+
+    def _rows(self) -> np.ndarray:
+        """The head row of each token id `[V]`."""
+        proc = self.logits_processor
+        return np.arange(proc.vocab_size) if proc.b_rows is None else np.asarray(proc.b_rows[...])
+
+    def dora_norms(self, slot) -> jax.Array:
+        """`||W_v + (B @ A)_v||` per head row `f32[V_pad]`, 0 on rows of no token id."""
+        used = np.zeros(self.logits_processor.vocab_padded, np.float32)
+        used[self._rows()] = 1.0
+        return self.logits_processor.dora_norms(self.base_layer, slot) * used
+
+    def _zero_dora(self, index: int) -> None:
+        self.logits_processor._zero_dora(index)
+
+    def _stored_magnitude(self, m: np.ndarray) -> np.ndarray:
+        out = np.zeros(self.logits_processor.vocab_padded, np.float32)
+        out[self._rows()] = m
+        return out
+
+    def _logical_magnitude(self, m: np.ndarray) -> np.ndarray:
+        return np.asarray(m)[self._rows()]
 
     def logits(self, hidden_states: jax.Array) -> jax.Array:
         return self.logits_processor(self.base_layer, hidden_states)

@@ -14,15 +14,11 @@ from flax import nnx
 from lora_jax import ops
 from lora_jax.config import MAX_LORA_VOCAB_SIZE, LoRAConfig
 from lora_jax.layers.base import LoRAContext, LoRASlotRanks, check_mapping_slots
-from lora_jax.layers.embedding import (
-    VocabSlotsMixin,
-    as_matrix,
-    check_rank,
-    row_slots,
-    token_logits,
-)
+from lora_jax.layers.dora import apply_dora
+from lora_jax.layers.embedding import row_slots, token_logits
 from lora_jax.layers.logits_processor import LogitsProcessor, _head_of, sharded_to_full_mapping
 from lora_jax.layers.token_rows import TokenRowsMixin, has_token_rows, replace_columns
+from lora_jax.layers.vocab_slots import VocabSlotsMixin, as_matrix, check_rank, dora_unit_norms
 from lora_jax.mapping import LoRAMapping, make_lora_mapping
 from lora_jax.sharding import shard_map
 from lora_jax.vocab import ParallelLMHead as ParallelLMHead  # for the docstring examples
@@ -51,6 +47,7 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module):
 
     A_AXES = ("lora_slot", "lora_rank", "embed")
     B_AXES = ("lora_slot", "vocab", "lora_rank")
+    DORA_AXES = ("lora_slot", "vocab")  # per lm_head row, in the head's row order
 
     def __init__(
         self,
@@ -98,6 +95,7 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module):
         self.slot_ranks = LoRASlotRanks(self.rules.place(ranks, None, None))
         rows = self._row_order(head, base_layer.vocab_size)
         self.b_rows = None if rows is None else VocabRowOrder(self.rules.place(rows, None))
+        self._init_dora(self.vocab_padded, self.rules)  # DoRA: `f32[max_loras, V_pad]` each
         # an untied lm_head's trainable tokens (a tied one reads the embedding's)
         self._init_token_rows(
             lora_config, base_layer.org_vocab_size, self.hidden_size, head.param_dtype, self.rules
@@ -205,7 +203,9 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module):
         axis = rules.collective_axis("vocab")
         embed_axis = rules.collective_axis("embed")  # x, the table and A split on D
 
-        def local(x, table_l, a, b_l, ranks, idx):
+        dora, dora_specs = self._dora_args()
+
+        def local(x, table_l, a, b_l, ranks, idx, *dora):
             y = x @ table_l.astype(dtype).T  # [N, V_pad / shards]
             m = make_lora_mapping(idx, L)
             if embed_axis is None:
@@ -214,6 +214,8 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module):
                 y = jax.lax.psum(y, embed_axis)
                 h = jax.lax.psum(ops.lora_shrink(x, (a,), m, 1.0, slot_ranks=ranks), embed_axis)
                 y = ops.lora_expand(y, h, (b_l,), m, offsets=(0,), slot_ranks=ranks)
+            if dora:  # a DoRA slot's gain per lm_head row (PEFT's DoRA on a Linear)
+                y = apply_dora(y, *dora, idx)
             return y if axis is None else jax.lax.all_gather(y, axis, axis=1, tiled=True)
 
         args = (
@@ -223,6 +225,7 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module):
             self.lora_b[...],
             self.slot_ranks[...],
             idx,
+            *dora,
         )
         if rules.mesh is None:
             logits = local(*args)
@@ -234,6 +237,7 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module):
                 self.B_AXES,
                 (None, None),
                 (None,),
+                *dora_specs,
             )
             logits = shard_map(rules, local, specs, (None, None))(*args)
         full = sharded_to_full_mapping(head)
@@ -250,6 +254,28 @@ class LogitsProcessorWithLoRA(VocabSlotsMixin, TokenRowsMixin, nnx.Module):
         if embedding_bias is not None:
             logits = logits + embedding_bias.astype(logits.dtype)
         return logits
+
+    def dora_norms(self, lm_head, slot) -> jax.Array:
+        """`||W_v + (B @ A)_v||` per lm_head row `f32[V_pad]` (the head's row order; 0 for
+        padded rows) of slot `slot` (an int or traced): PEFT's DoRA on the lm_head (a
+        Linear), the norm over the hidden dim. As `||W_v||² + 2 Σ_r B[v, r] (W Aᵀ)[v, r] +
+        (B A Aᵀ Bᵀ)_vv`, each term summed over the shards of D; no `[V, D]` is formed."""
+        head = _head_of(lm_head)
+        self._check_head(head)
+        rules = self.rules
+        embed_axis = rules.collective_axis("embed")
+
+        def local(table, a_l, b_l, slot):  # [V_l, D_l], [L, R, D_l], [L, V_l, R]
+            a = jax.lax.dynamic_index_in_dim(a_l, slot, 0, keepdims=False)  # [R, D_l]
+            b = jax.lax.dynamic_index_in_dim(b_l, slot, 0, keepdims=False)  # [V_l, R]
+            return dora_unit_norms(table, a, b, 1, embed_axis)  # [V_l]
+
+        args = (head.embedding[...], self.lora_a[...], self.lora_b[...])
+        slot = jnp.asarray(slot, jnp.int32)
+        if rules.mesh is None:
+            return local(*args, slot)
+        specs = (("vocab", "embed"), self.A_AXES, self.B_AXES, ())
+        return shard_map(rules, local, specs, ("vocab",))(*args, slot)
 
     def __call__(self, lm_head, hidden_states: jax.Array, embedding_bias=None) -> jax.Array:
         if self.logits_as_input:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lora_jax.layers.dora import has_dora, is_dora_slot, slot_magnitudes, unpacked_magnitudes
+from lora_jax.layers.dora import has_dora, is_dora_slot, unpacked_magnitudes
 from lora_jax.linear import unpack_shards
 from lora_jax.serving.adapters import LoRAAdapter, ModuleLoRA, TrainableTokens
 from lora_jax.serving.manager_request import _check_id
@@ -112,8 +112,8 @@ def adapter_from_slot(
             found = layer.read_lora(int(slot))  # (A, B) as set_lora takes them, or None
             mags = None
             if found is not None and dora is not None:
-                _check_dora_layer(layer, int(slot), lname, dora)  # the lm_head, MoE experts
-                mags = (slot_magnitudes(layer, int(slot)),)  # the embedding: `[D]`
+                _check_dora_layer(layer, int(slot), lname, dora)  # MoE experts
+                mags = (layer.read_magnitudes(int(slot)),)  # the embedding's, the lm_head's
             if found is not None:
                 a, b = found
                 whole = not isinstance(a, list)  # the embedding / lm_head: one pair

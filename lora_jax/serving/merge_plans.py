@@ -161,23 +161,35 @@ def _embedding_plan(layer: VocabParallelEmbeddingWithLoRA):
 
 
 def _lm_head_plan(layer: ParallelLMHeadWithLoRA):
-    """`table [V_pad, D] += B @ A` (B already in the table's row order), per shard; then an
-    untied head's trainable-token rows replace their ids' rows (a tied head's are the
+    """`table [V_pad, D] += B @ A` (B already in the table's row order), per shard; a DoRA
+    slot's rows then times their gains (the norm over the hidden dim); then an untied
+    head's trainable-token rows replace their ids' rows (a tied head's are the
     embedding's, merged there)."""
     proc = layer.logits_processor
     rules = proc.rules
+    embed_axis = rules.collective_axis("embed")
     tok, tok_specs = token_row_args(proc) if layer.token_ids is not None else ((), ())
     if tok and sharded_to_full_mapping(layer.base_layer) is not None:
         tok, tok_specs = (), ()  # rows not in token order: `_check_token_rows` refuses
+    dora, dora_specs = proc._dora_args()
+    n_dora = len(dora)
 
-    def local(table, a, b, *tok_idx):
-        *tok, idx = tok_idx
-        merged = _add(table, _pick(b, idx) @ _pick(a, idx))  # [V_l, D_l]
+    def row_norms(w):  # [V_l, D_l] → [V_l], over the whole hidden dim
+        sq = jnp.sum(jnp.square(w), axis=1)
+        return jnp.sqrt(sq if embed_axis is None else jax.lax.psum(sq, embed_axis))
+
+    def local(table, a, b, *rest):
+        dora, (*tok, idx) = rest[:n_dora], rest[n_dora:]
+        w = table.astype(jnp.float32) + _pick(b, idx) @ _pick(a, idx)  # [V_l, D_l]
+        if dora:  # PEFT's DoRA merge of a Linear: `g ⊙ (W + B @ A)` per row (vocab id)
+            on = _pick(dora[1], idx) > 0  # [V_l]: the slot's DoRA rows (the rest: gain 1)
+            w = w * dora_gain(_pick(dora[0], idx), jnp.where(on, row_norms(w), 0.0))[:, None]
+        merged = w.astype(table.dtype)
         return (_replace_rows(merged, *tok, idx, rules) if tok else merged,)
 
-    specs = ((_TABLE_AXES,), (proc.A_AXES, proc.B_AXES, *tok_specs))
+    specs = ((_TABLE_AXES,), (proc.A_AXES, proc.B_AXES, *dora_specs, *tok_specs))
     table = _head_of(layer.base_layer).embedding
-    return (table,), local, specs, (proc.lora_a[...], proc.lora_b[...], *tok)
+    return (table,), local, specs, (proc.lora_a[...], proc.lora_b[...], *dora, *tok)
 
 
 def _replace_rows(table, ids, rows, idx, rules):

@@ -3,7 +3,8 @@
 `init_lora_slot(..., use_dora=True)` starts every targeted linear module as PEFT starts a
 DoRA adapter: B is zero, so the magnitude is `||W||` per output unit and the gain
 `magnitude / ||W + B @ A||` is 1. A targeted token embedding starts the same way (A is
-zero there; its norms are over the vocab, per embedding unit). The magnitudes are `nnx.LoRAParam`s
+zero there; its norms are over the vocab, per embedding unit), and a targeted lm_head
+(a gain per vocab row). The magnitudes are `nnx.LoRAParam`s
 (`lora_jax.layers.dora.DoRAMagnitude`): an optimizer over `wrt=nnx.LoRAParam` trains them
 with the factors. The norm is a constant of the forward (PEFT detaches it) that follows
 the factors: `refresh_dora_norms` takes it again from the slot's current weights. Call it
@@ -20,7 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from lora_jax.layers.dora import dora_axes, dora_values, has_dora, weight_norms
-from lora_jax.layers.embedding import VocabParallelEmbeddingWithLoRA
 from lora_jax.serving.merge_plans import _linear_plan
 from lora_jax.serving.wrap import lora_layers
 from lora_jax.sharding import shard_map
@@ -33,17 +33,18 @@ def check_dora_targets(layers: Mapping[str, object]) -> None:
     if without:
         raise ValueError(
             f"init_lora_slot: use_dora=True targets {without}, which keep no DoRA "
-            "magnitudes; DoRA trains on lora_jax's linear and embedding layers of a model "
-            "wrapped with LoRAConfig(enable_dora=True) (not the lm_head, MoE experts or a "
-            "plain Flax linear layer)"
+            "magnitudes; DoRA trains on lora_jax's linear, embedding and lm_head layers of a "
+            "model wrapped with LoRAConfig(enable_dora=True) (not MoE experts or a plain "
+            "Flax linear layer)"
         )
 
 
 def start_dora(layer, slot: int, chosen: Sequence[bool]) -> None:
     """Makes the chosen slices of slot `slot` (whose factors are written) DoRA with PEFT's
     starting magnitude `||W + B @ A||` (gain 1); the others stay plain LoRA."""
-    if isinstance(layer, VocabParallelEmbeddingWithLoRA):  # one member, all of it DoRA
-        layer.set_dora(slot, [layer.weight_norms(slot) if chosen[0] else None])
+    if hasattr(layer, "start_dora"):  # a vocab layer (embedding, lm_head): one member
+        if chosen[0]:
+            layer.start_dora(slot)
         return
     ones = [
         np.ones(n, np.float32) if keep else None
@@ -80,7 +81,7 @@ def refresh_slot_norm(layer, slot) -> None:
     """Sets slot `slot`'s DoRA norms to `||W + B @ A||` of its current weights, where the
     slot has DoRA (units of plain LoRA keep a norm of zero). `slot` may be traced."""
     slot = jnp.asarray(slot, jnp.int32)
-    if isinstance(layer, VocabParallelEmbeddingWithLoRA):  # [D]: over the vocab
+    if hasattr(layer, "dora_norms"):  # a vocab layer: its own norms, as its stacks keep them
         fresh = layer.dora_norms(slot)
     else:
         fresh = _norms_fn(layer)(layer.base_layer.kernel[...], *_factors(layer), slot)  # [out]
