@@ -260,3 +260,18 @@ def test_dora_on_the_embedding_and_lm_head_serves_merges_and_saves_as_peft(tmp_p
     assert any("embed_tokens" in k for k in mags) and any("lm_head" in k for k in mags)
     for k in mags:
         np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6)
+
+
+def test_dora_on_a_tied_model_s_embedding_and_lm_head_matches_peft(tmp_path):
+    """Tied embeddings: DoRA on the lm_head (its norms from the shared table) and on the
+    embedding, beside the base in one batch, as PEFT gives each row."""
+    base_dir = tiny_llama_dir(tmp_path, tied=True)
+    src = _adapter(base_dir, str(tmp_path / "t"), 5, r=4, lora_alpha=8, use_dora=True,
+                   target_modules=["lm_head", "embed_tokens", "q_proj"])  # fmt: skip
+    ids = np.random.default_rng(1).integers(0, V, (2, 6)).astype(np.int32)
+    want = peft_rows(base_dir, {"t": src}, ids, ["t", "__base__"])
+    model, mgr, adapter, _ = _served(base_dir, "t", src, None)
+    assert type(model.lm_head).__name__ == "TiedLMHeadWithLoRA"
+    slots = mgr.token_mapping([adapter.id, None], tokens_per_request=6)
+    got = np.asarray(_forward(model, jnp.asarray(ids), jnp.asarray(slots)))
+    np.testing.assert_allclose(got, want, **TOL)
